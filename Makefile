@@ -1,0 +1,45 @@
+# dpprobe: `make demo` and `make test` set up a fresh machine (a .venv in this folder) and run.
+# The venv is (re)installed only when pyproject.toml changed; code is installed editable.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install demo test lint bench data clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+# Fashion-MNIST from Debian (optional: the demo falls back to scikit-learn digits without it).
+data:
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
+	  echo "Fashion-MNIST present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1)) \
+	  && echo "installed Fashion-MNIST" || echo "could not install dataset-fashion-mnist; using digits"; \
+	else \
+	  echo "Fashion-MNIST not installed (sudo apt-get install dataset-fashion-mnist); the demo uses digits"; \
+	fi
+
+demo: install data
+	$(BIN)/dpprobe demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python benchmarks/probe_step.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

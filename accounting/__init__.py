@@ -1,0 +1,30 @@
+"""Privacy accounting for dpprobe on Google's `dp-accounting`.
+
+Every reported epsilon is computed from the `DpEvent` of what ran, for add/remove-one
+neighbours, with the PLD accountant by default (RDP for comparison).
+"""
+
+from accounting.calibration import calibrate_noise_multiplier
+from accounting.gaussian import gaussian_noise_multiplier, gdp_delta, gdp_epsilon, gdp_mu
+from accounting.plan import (
+    ACCOUNTANTS,
+    NEIGHBORING_RELATION,
+    DpPlan,
+    compute_epsilon,
+    event_to_dict,
+    make_accountant,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "NEIGHBORING_RELATION",
+    "DpPlan",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "event_to_dict",
+    "gaussian_noise_multiplier",
+    "gdp_delta",
+    "gdp_epsilon",
+    "gdp_mu",
+    "make_accountant",
+]

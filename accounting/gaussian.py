@@ -1,0 +1,112 @@
+"""Exact (epsilon, delta) curves of the Gaussian mechanism, through Gaussian DP.
+
+A Gaussian mechanism with sensitivity 1 and noise std sigma is mu-GDP with mu = 1/sigma
+(Dong, Roth & Su 2019). Composing T of them (full batch, no subsampling) is exactly
+mu = sqrt(sum_i T_i / sigma_i^2)-GDP (Panda et al. 2023, Prop. 2.1), and a mu-GDP
+mechanism is (epsilon, delta(epsilon))-DP for every epsilon with
+
+    delta(epsilon) = Phi(-epsilon/mu + mu/2) - exp(epsilon) * Phi(-epsilon/mu - mu/2)
+
+(Balle & Wang 2018, Thm. 8; Panda et al. Cor. 2.2). These are closed forms, not bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import optimize, special
+
+__all__ = ["gdp_delta", "gdp_epsilon", "gdp_mu", "gaussian_noise_multiplier"]
+
+
+def _log_ndtr(x: float) -> float:
+    return float(special.log_ndtr(x))
+
+
+def _log_delta(epsilon: float, mu: float) -> float:
+    """log delta(epsilon) of mu-GDP, computed stably (no cancellation for small delta)."""
+    if mu == 0.0:
+        return -math.inf
+    if math.isinf(mu):
+        return 0.0
+    log_a = _log_ndtr(-epsilon / mu + mu / 2.0)
+    log_b = epsilon + _log_ndtr(-epsilon / mu - mu / 2.0)
+    if log_b >= log_a:  # Mathematically delta > 0; only rounding can get here.
+        return -math.inf
+    return log_a + math.log1p(-math.exp(log_b - log_a))
+
+
+def gdp_delta(epsilon: float, mu: float) -> float:
+    """delta such that a mu-GDP mechanism is (epsilon, delta)-DP (exact, tight)."""
+    if epsilon < 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    if mu < 0:
+        raise ValueError(f"mu must be >= 0, got {mu}")
+    return math.exp(_log_delta(epsilon, mu))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest epsilon such that a mu-GDP mechanism is (epsilon, delta)-DP."""
+    _check_delta(delta)
+    if mu == 0.0:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+    log_target = math.log(delta)
+    if _log_delta(0.0, mu) <= log_target:
+        return 0.0
+    hi = 1.0
+    while _log_delta(hi, mu) > log_target:
+        hi *= 2.0
+        if hi > 1e6:
+            return math.inf
+    return optimize.brentq(
+        lambda e: _log_delta(e, mu) - log_target, 0.0, hi, xtol=1e-13, rtol=1e-13
+    )
+
+
+def gdp_mu(epsilon: float, delta: float) -> float:
+    """Largest mu such that mu-GDP implies (epsilon, delta)-DP."""
+    _check_epsilon(epsilon)
+    _check_delta(delta)
+    if math.isinf(epsilon):
+        return math.inf
+    log_target = math.log(delta)
+    # delta(epsilon; mu) increases with mu: bracket on a log scale, then solve in log(mu).
+    lo, hi = 1e-3, 1.0
+    while _log_delta(epsilon, hi) < log_target:
+        lo, hi = hi, hi * 2.0
+    while _log_delta(epsilon, lo) > log_target:
+        lo, hi = lo / 2.0, lo
+    log_mu = optimize.brentq(
+        lambda lm: _log_delta(epsilon, math.exp(lm)) - log_target,
+        math.log(lo),
+        math.log(hi),
+        xtol=1e-14,
+        rtol=1e-14,
+    )
+    return math.exp(log_mu)
+
+
+def gaussian_noise_multiplier(epsilon: float, delta: float, steps: int = 1) -> float:
+    """Noise multiplier of T full-batch Gaussian steps that is exactly (epsilon, delta)-DP.
+
+    The T-fold composition of Gaussians with noise multiplier sigma is (sqrt(T)/sigma)-GDP, so
+    sigma_T = sqrt(T) * sigma_1 where sigma_1 = 1 / gdp_mu(epsilon, delta).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if math.isinf(epsilon):
+        return 0.0
+    return math.sqrt(steps) / gdp_mu(epsilon, delta)
+
+
+def _check_epsilon(epsilon: float) -> None:
+    if not epsilon > 0 or np.isnan(epsilon):
+        raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
+
+
+def _check_delta(delta: float) -> None:
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")

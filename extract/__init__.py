@@ -1,0 +1,62 @@
+"""dpprobe's feature extractor: a frozen backbone, run once, into a chunked Zarr store.
+
+The store and data-source API import only NumPy and Zarr; the backbone API (torch, timm) is
+imported on first use, so that jobs which only read a store start fast.
+"""
+
+import importlib
+
+from extract.sources import ImageSplit, PrecomputedSplit, open_source, parse_data_spec
+from extract.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    IncompleteSplitError,
+    SplitWriter,
+    choose_rows_per_chunk,
+    iter_split_chunks,
+    load_split,
+    open_split,
+    split_attrs,
+    store_summary,
+)
+
+_LAZY = {
+    "Backbone": "extract.backbones",
+    "create_backbone": "extract.backbones",
+    "file_sha256": "extract.backbones",
+    "resolve_device": "extract.backbones",
+    "ExtractReport": "extract.extractor",
+    "embed_images": "extract.extractor",
+    "extract_split": "extract.extractor",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'extract' has no attribute {name!r}")
+
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Backbone",
+    "ExtractReport",
+    "ImageSplit",
+    "IncompleteSplitError",
+    "PrecomputedSplit",
+    "SplitWriter",
+    "choose_rows_per_chunk",
+    "create_backbone",
+    "embed_images",
+    "extract_split",
+    "file_sha256",
+    "iter_split_chunks",
+    "load_split",
+    "open_source",
+    "open_split",
+    "parse_data_spec",
+    "resolve_device",
+    "split_attrs",
+    "store_summary",
+]

@@ -1,0 +1,238 @@
+"""Frozen backbones that map images to embeddings: any timm model, or a ScatterNet.
+
+timm models give their pooled pre-logits (`num_classes=0`), with the preprocessing of their own
+pretrained config (`timm.data`), optionally resized to R and center-cropped to S as in
+Mehta et al. (2023) (384 -> 256). Weights come from the hub, a local file (`.safetensors` or
+`.pth`, through timm's `pretrained_cfg_overlay`), or a seeded random init (tests).
+
+`scatternet` is kymatio's Scattering2D with J=2, L=8 (Tramer & Boneh 2021): no weights at all,
+so the pipeline runs fully offline. Images keep their channels (grayscale stays 1 channel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["Backbone", "create_backbone", "file_sha256", "resolve_device"]
+
+
+@dataclasses.dataclass
+class Backbone:
+    """A frozen feature extractor: `transform` one PIL image, then `forward` a batch.
+
+    Attributes:
+      name: backbone name (timm model name with tag, or "scatternet").
+      module: the torch module (eval mode, on `device`).
+      transform: PIL image -> float tensor (C, H, W).
+      provenance: what produced the embeddings (goes into the store's attributes).
+      preprocessing: the resolved preprocessing config (goes into the store's attributes).
+      device: torch device.
+    """
+
+    name: str
+    module: torch.nn.Module
+    transform: Callable
+    provenance: dict
+    preprocessing: dict
+    device: torch.device
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) preprocessed images -> (B, d) float32 embeddings."""
+        out = self.module(batch.to(self.device, non_blocking=True))
+        return out.reshape(out.shape[0], -1).float()
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """`cuda` when available unless a device is named."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def create_backbone(
+    name: str,
+    *,
+    weights: str | os.PathLike | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    resize: int | None = None,
+    crop: int | None = None,
+    device: str | None = None,
+) -> Backbone:
+    """Create a frozen backbone by name.
+
+    Args:
+      name: a timm model name, optionally with a pretrained tag
+        (`vit_base_patch16_224.augreg_in21k`), or "scatternet".
+      weights: local weights file (.safetensors/.pth) for a timm model instead of the hub.
+      random_init: timm model with random weights (seeded by `seed`); for tests only.
+      resize, crop: resize the short side to `resize` and center-crop `crop` x `crop`.
+      device: "cpu", "cuda", ... (default: cuda if available).
+    """
+    dev = resolve_device(device)
+    if crop is not None and crop < 1 or resize is not None and resize < 1:
+        raise ValueError(f"resize and crop must be positive, got resize={resize} crop={crop}")
+    if resize is not None and crop is not None and crop > resize:
+        raise ValueError(f"crop ({crop}) cannot exceed resize ({resize})")
+    if name == "scatternet":
+        if weights is not None or random_init:
+            raise ValueError("scatternet has no weights: drop --weights/--random-init")
+        return _scatternet(dev, resize=resize, crop=crop)
+    if weights is not None and random_init:
+        raise ValueError("--weights and --random-init exclude each other")
+    return _timm_backbone(name, weights, random_init, seed, resize, crop, dev)
+
+
+def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Backbone:
+    import timm
+    import timm.data
+
+    base, tag = timm.models.split_model_name_tag(name)
+    if not timm.is_model(base):
+        raise ValueError(f"unknown timm model {base!r} (see timm.list_models())")
+    kwargs: dict = {"num_classes": 0}
+    provenance = {
+        "name": name,
+        "architecture": base,
+        "tag": tag or None,
+        "library": "timm",
+        "timm_version": timm.__version__,
+        "torch_version": torch.__version__,
+        "embedding": "pooled pre-logits (num_classes=0)",
+    }
+    if weights is not None:
+        path = Path(weights)
+        if not path.is_file():
+            raise FileNotFoundError(f"weights file {path} does not exist")
+        if path.suffix not in (".safetensors", ".pth", ".pt", ".bin"):
+            raise ValueError(f"weights must be .safetensors or .pth, got {path.name}")
+        kwargs["pretrained_cfg_overlay"] = {"file": str(path.resolve()), "source": "file"}
+        provenance |= {
+            "weights_source": "file",
+            "weights_file": str(path.resolve()),
+            "weights_sha256": file_sha256(path),
+        }
+    elif random_init:
+        provenance |= {"weights_source": "random-init", "seed": seed}
+    else:
+        provenance |= {"weights_source": "hub"}
+    if crop is not None:
+        kwargs["img_size"] = crop  # ViT-style models resample position embeddings on load
+    pretrained = not random_init
+    torch.manual_seed(seed)
+    try:
+        try:
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        except TypeError as err:
+            if "img_size" not in str(err):
+                raise
+            kwargs.pop("img_size")  # convolutional nets take any input size
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except (OSError, RuntimeError, ValueError) as err:
+        if weights is None and pretrained:
+            raise RuntimeError(
+                f"could not load pretrained weights for {name!r} from the hub ({err}). "
+                "Offline? Pass --weights PATH to a local .safetensors/.pth file, "
+                "or --random-init for a test run."
+            ) from err
+        raise RuntimeError(f"could not load weights for {name!r} from {weights}: {err}") from err
+    model = model.eval().to(device)
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+    data_config = timm.data.resolve_model_data_config(model)
+    if crop is not None:
+        data_config["input_size"] = (3, crop, crop)
+        data_config["crop_pct"] = crop / resize if resize is not None else 1.0
+        data_config["crop_mode"] = "center"
+    elif resize is not None:
+        side = data_config["input_size"][-1]
+        data_config["crop_pct"] = min(1.0, side / resize)
+    tf = timm.data.create_transform(**data_config, is_training=False)
+
+    def transform(image):
+        return tf(image.convert("RGB") if image.mode != "RGB" else image)
+
+    preprocessing = {
+        "kind": "timm",
+        "input_size": list(data_config["input_size"]),
+        "interpolation": data_config.get("interpolation"),
+        "mean": list(data_config["mean"]),
+        "std": list(data_config["std"]),
+        "crop_pct": data_config.get("crop_pct"),
+        "crop_mode": data_config.get("crop_mode", "center"),
+        "resize": resize,
+        "crop": crop,
+        "grayscale_to_rgb": True,
+        "transform": repr(tf),
+    }
+    return Backbone(name, model, transform, provenance, preprocessing, device)
+
+
+class _Scattering(torch.nn.Module):
+    def __init__(self, shape: tuple[int, int], J: int = 2, L: int = 8):
+        super().__init__()
+        from kymatio.torch import Scattering2D
+
+        self.scattering = Scattering2D(J=J, shape=shape, L=L)
+
+    def forward(self, x):
+        return self.scattering(x)
+
+
+def _scatternet(device, *, resize=None, crop=None, J: int = 2, L: int = 8) -> Backbone:
+    import kymatio
+    import torchvision.transforms.functional as TF
+
+    def transform(image):
+        if resize is not None:
+            image = TF.resize(image, resize, antialias=True)
+        if crop is not None:
+            image = TF.center_crop(image, crop)
+        array = np.asarray(image, dtype=np.float32) / 255.0
+        return torch.from_numpy(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
+
+    class _Lazy(torch.nn.Module):
+        """Builds the filters for the first batch's image size (ScatterNet needs it)."""
+
+        def __init__(self):
+            super().__init__()
+            self.inner = None
+
+        def forward(self, x):
+            shape = tuple(x.shape[-2:])
+            if self.inner is None or self.inner.scattering.shape != shape:
+                self.inner = _Scattering(shape, J, L).to(x.device)
+            return self.inner(x)
+
+    module = _Lazy().to(device)
+    provenance = {
+        "name": "scatternet",
+        "library": "kymatio",
+        "kymatio_version": kymatio.__version__,
+        "torch_version": torch.__version__,
+        "J": J,
+        "L": L,
+        "coefficients_per_channel": 1 + J * L + L * L * J * (J - 1) // 2,
+        "weights_source": "none (fixed wavelets)",
+        "embedding": "flattened scattering coefficients (channels x (1 + J L + L^2 J (J-1)/2) x "
+        "H/2^J x W/2^J), channel-major",
+    }
+    preprocessing = {"kind": "scatternet", "scale": "pixel / 255", "resize": resize, "crop": crop}
+    return Backbone("scatternet", module, transform, provenance, preprocessing, device)

@@ -1,0 +1,270 @@
+"""The `dpprobe` command line. Run `dpprobe COMMAND --help` for each command's options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+# A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
+# users who want the hub set HF_HUB_OFFLINE=0 explicitly.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+EPILOG = """\
+Privacy: every epsilon is for add/remove-one neighbours (dataset size public), computed from
+the DpEvent of what ran, with the PLD accountant unless --accountant rdp.
+"""
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [math.inf if v.strip().lower() in ("inf", "infinity") else float(v)
+                  for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from err
+
+
+def _add_extract(sub) -> None:
+    p = sub.add_parser(
+        "extract",
+        help="run a frozen backbone over a dataset into a Zarr feature store",
+        description="Embed a dataset with a frozen backbone and write STORE/{train,test}. "
+        "Rerunning an interrupted command resumes from the last complete chunk.",
+        epilog="Data specs: fashion-mnist, digits, npz:PATH (images, labels), "
+        "imagefolder:PATH (one folder per class), cifar10:PATH, cifar100:PATH. "
+        "Backbones: any timm model name (optionally .tag), scatternet, or none (npz:PATH "
+        "holding features and labels).",
+    )
+    p.add_argument("--backbone", required=True,
+                   help="timm model name (e.g. vit_base_patch16_224.augreg_in21k), "
+                   "'scatternet', or 'none' for precomputed embeddings")
+    p.add_argument("--data", required=True, help="data spec (see below)")
+    p.add_argument("--out", required=True, help="output Zarr store path")
+    p.add_argument("--split", choices=("train", "test", "all"), default=None,
+                   help="split to write: for npz/imagefolder the name given to the data "
+                   "(default train); for multi-split sources, restrict to one (default all)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory of Fashion-MNIST's gzipped IDX files "
+                   "(default /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--weights", default=None,
+                   help="local .safetensors/.pth weights file for the timm model (no hub)")
+    p.add_argument("--random-init", action="store_true",
+                   help="random weights (seeded by --seed); for tests only")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    p.add_argument("--resize", type=int, default=None,
+                   help="resize the short side to R before cropping (Mehta et al.: 384)")
+    p.add_argument("--crop", type=int, default=None,
+                   help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
+                   "position embeddings")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
+                   help="feature dtype in the store (default float16)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--rows-per-chunk", type=int, default=None,
+                   help="rows per Zarr chunk (default: ~8 MiB chunks)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing split written by a different job")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_probe_options(p) -> None:
+    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per config (default 3)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the noise keys (default: fresh OS entropy; seeding makes the "
+                   "noise reproducible by anyone who knows the seed)")
+    p.add_argument("--optimizer", choices=("adam", "sgd", "momentum", "sign", "lamb"),
+                   default="adam", help="update rule on the privatized gradient (default adam)")
+    p.add_argument("--steps", type=_ints, default=[1],
+                   help="full-batch steps T, comma-separated to sweep (default 1)")
+    p.add_argument("--lr", type=_floats, default=None,
+                   help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
+                   "sgd and momentum 1)")
+    p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax",
+                   help="softmax cross-entropy, or one-vs-all sigmoid (bias init -10)")
+    p.add_argument("--bias-init", type=float, default=None,
+                   help="initial bias (default 0 for softmax, -10 for sigmoid)")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
+    p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
+                   help="per-example feature normalization (costs no privacy)")
+    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+                   help="privacy accountant (default pld, tight)")
+    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--quiet", action="store_true", help="print only the table")
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="train DP linear probes on a feature store over a sweep of epsilons",
+        description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
+        "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
+        epilog=EPILOG,
+    )
+    p.add_argument("store", help="feature store written by `dpprobe extract`")
+    p.add_argument("--epsilons", type=_floats, default=[0.5, 1, 2, 4, 8, math.inf],
+                   help="target epsilons, comma-separated; inf = non-private reference "
+                   "(default 0.5,1,2,4,8,inf)")
+    _add_probe_options(p)
+
+
+def _add_account(sub) -> None:
+    p = sub.add_parser(
+        "account",
+        help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
+        description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
+        epilog=EPILOG,
+    )
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--epsilon", type=float, help="target epsilon: print sigma")
+    group.add_argument("--noise-multiplier", "--sigma", type=float, dest="noise_multiplier",
+                       help="noise multiplier: print epsilon")
+    p.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
+    p.add_argument("--steps", type=int, default=1, help="number of steps T (default 1)")
+    p.add_argument("--sampling-probability", "-q", type=float, default=1.0,
+                   help="Poisson sampling rate q (default 1: full batch)")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="extract the embedded default data and run the epsilon sweep",
+        description="Fashion-MNIST (Debian's dataset-fashion-mnist) or, when absent, "
+        "scikit-learn digits -> ScatterNet features -> full-batch DP-SGD with momentum "
+        "(T=20) over epsilon in {0.5, 1, 2, 4, 8, inf}, delta 1e-5, 3 seeds.",
+        epilog=EPILOG,
+    )
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--data", choices=("fashion-mnist", "digits"), default=None,
+                   help="force a dataset (default: fashion-mnist if installed, else digits)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quiet", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpprobe",
+        description="Differentially private transfer learning on images: extract frozen-"
+        "backbone features once into a Zarr cache, then train DP linear probes on it.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version="dpprobe 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_extract(sub)
+    _add_probe(sub)
+    _add_account(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _probe_kwargs(args) -> dict:
+    return {
+        "delta": args.delta,
+        "seeds": args.seeds,
+        "optimizer": args.optimizer,
+        "steps": args.steps,
+        "learning_rates": args.lr,
+        "loss": args.loss,
+        "clip_norm": args.clip_norm,
+        "accountant": args.accountant,
+        "seed": args.seed,
+        "normalization": args.normalize,
+        "groups": args.groups,
+        "bias_init": args.bias_init,
+        "out": args.out,
+        "quiet": args.quiet,
+    }
+
+
+def _run(args) -> int:
+    from pipelines import jobs
+
+    if args.command == "extract":
+        reports = jobs.run_extract(
+            backbone=args.backbone,
+            data=args.data,
+            out=args.out,
+            split=args.split,
+            data_dir=args.data_dir,
+            weights=args.weights,
+            random_init=args.random_init,
+            seed=args.seed,
+            resize=args.resize,
+            crop=args.crop,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            device=args.device,
+            rows_per_chunk=args.rows_per_chunk,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+        return 0 if all(r.complete for r in reports) else 1
+    if args.command == "probe":
+        results = jobs.run_probe(args.store, epsilons=args.epsilons, **_probe_kwargs(args))
+        print(jobs.probe_table(results))
+        if args.out and not args.quiet:
+            print(f"wrote {args.out} ({results['wall_seconds']:.2f} s)", file=sys.stderr)
+        return 0
+    if args.command == "account":
+        result = jobs.account(
+            delta=args.delta,
+            epsilon=args.epsilon,
+            noise_multiplier=args.noise_multiplier,
+            steps=args.steps,
+            sampling_probability=args.sampling_probability,
+            accountant=args.accountant,
+        )
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            q = args.sampling_probability
+            sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
+            print(f"noise multiplier {result['noise_multiplier']:.6g}, {args.steps} step(s), "
+                  f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {args.delta:g} "
+                  f"({args.accountant.upper()}, add/remove-one neighbours)")
+        return 0
+    if args.command == "demo":
+        results = jobs.run_demo(args.out, data=args.data, seeds=args.seeds,
+                                progress=not args.quiet)
+        print(jobs.probe_table(results))
+        print(f"wrote {args.out}/results.json", file=sys.stderr)
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:
+        # Bad input: a clear one-line error, no traceback (set DPPROBE_DEBUG=1 for one).
+        if os.environ.get("DPPROBE_DEBUG"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dpprobe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

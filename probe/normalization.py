@@ -1,0 +1,39 @@
+"""Per-example feature normalization: a function of one example alone, so it costs no privacy."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["NORMALIZATIONS", "normalize_features"]
+
+NORMALIZATIONS: tuple[str, ...] = ("none", "l2", "group")
+
+
+def normalize_features(
+    features, method: str = "none", *, groups: int = 1, eps: float = 1e-5
+) -> jnp.ndarray:
+    """Normalize each example (each view) on its own.
+
+    Args:
+      features: (..., d) float array.
+      method: "none"; "l2" (unit L2 norm); "group": split the d features into `groups`
+        contiguous groups and standardize each to zero mean, unit variance, as the GroupNorm
+        that Tramer & Boneh (2021) put on ScatterNet features (channel-major layout).
+      groups: number of groups for "group"; must divide d.
+      eps: added to the variance / norm for stability.
+    """
+    features = jnp.asarray(features, jnp.float32)
+    if method == "none":
+        return features
+    if method == "l2":
+        norms = jnp.linalg.norm(features, axis=-1, keepdims=True)
+        return features / jnp.maximum(norms, eps)
+    if method == "group":
+        dim = features.shape[-1]
+        if groups < 1 or dim % groups:
+            raise ValueError(f"groups must divide the feature dim {dim}, got {groups}")
+        grouped = features.reshape(*features.shape[:-1], groups, dim // groups)
+        mean = grouped.mean(axis=-1, keepdims=True)
+        var = grouped.var(axis=-1, keepdims=True)
+        return ((grouped - mean) / jnp.sqrt(var + eps)).reshape(features.shape)
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {method!r}")

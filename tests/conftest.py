@@ -1,0 +1,42 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def random_problem(rng, n=64, d=12, c=5, views=None):
+    """Random features, labels and a random (non-zero) stacked linear model."""
+    shape = (n, d) if views is None else (n, views, d)
+    features = rng.normal(size=shape).astype(np.float32) * 2.0
+    labels = rng.integers(0, c, size=n)
+    params = {
+        "w": rng.normal(size=(1, d, c)).astype(np.float32) * 0.5,
+        "b": rng.normal(size=(1, c)).astype(np.float32),
+    }
+    return features, labels, params
+
+
+@pytest.fixture(scope="session")
+def digits_store(tmp_path_factory):
+    """scikit-learn digits through ScatterNet into a store (about 2 s)."""
+    from pipelines import jobs
+
+    store = str(tmp_path_factory.mktemp("stores") / "digits.zarr")
+    jobs.run_extract(backbone="scatternet", data="digits", out=store, progress=False)
+    return store
+
+
+requires_fashion_mnist = pytest.mark.skipif(
+    not os.path.exists(FASHION_MNIST),
+    reason="Debian's dataset-fashion-mnist is not installed "
+    "(apt-get install dataset-fashion-mnist)",
+)

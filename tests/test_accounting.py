@@ -1,0 +1,118 @@
+"""Accounting against dp_accounting and closed forms."""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+from scipy import stats
+
+import accounting
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 0.5, 1.0, 3.0, 8.0])
+@pytest.mark.parametrize("steps", [1, 10, 1000])
+def test_full_batch_calibration_round_trips_through_pld(epsilon, steps):
+    delta = 1e-5
+    sigma = accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps)
+    # dp_accounting called directly on the same mechanism.
+    acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.GaussianDpEvent(sigma), steps)
+    assert acc.get_epsilon(delta) == pytest.approx(epsilon, abs=1e-3)
+    assert accounting.DpPlan(sigma, steps).epsilon(delta) == pytest.approx(epsilon, abs=1e-3)
+    # sqrt(T) times the single-Gaussian sigma of dp_accounting's analytic Gaussian.
+    single = dp_accounting.get_sigma_gaussian(epsilon, delta)
+    assert sigma == pytest.approx(math.sqrt(steps) * single, rel=1e-6)
+
+
+def test_gdp_delta_matches_the_analytic_gaussian_formula():
+    # Balle & Wang: delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2).
+    for mu in (0.1, 0.5, 1.0, 2.0):
+        for eps in (0.1, 1.0, 3.0):
+            expected = stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(
+                -eps / mu - mu / 2
+            )
+            assert accounting.gdp_delta(eps, mu) == pytest.approx(expected, rel=1e-9)
+            assert accounting.gdp_epsilon(mu, accounting.gdp_delta(eps, mu)) == pytest.approx(
+                eps, rel=1e-7
+            )
+
+
+@pytest.mark.parametrize("q,steps", [(0.01, 200), (0.1, 50), (0.5, 4)])
+def test_poisson_calibration_meets_the_target_tightly(q, steps):
+    delta, epsilon = 1e-5, 1.0
+    sigma = accounting.calibrate_noise_multiplier(
+        epsilon, delta, steps=steps, sampling_probability=q
+    )
+    spent = accounting.DpPlan(sigma, steps, q).epsilon(delta)
+    assert spent <= epsilon
+    assert spent == pytest.approx(epsilon, abs=1e-3)
+    # Direct dp_accounting composition of the same event agrees.
+    acc = pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    assert acc.get_epsilon(delta) == pytest.approx(spent, rel=1e-9)
+    # Subsampling amplifies: less noise than full batch.
+    assert sigma < accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps)
+
+
+def test_rdp_calibration_round_trips_and_is_looser_than_pld():
+    sigma = accounting.calibrate_noise_multiplier(2.0, 1e-5, steps=20, accountant="rdp")
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(sigma), 20)
+    assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-3)
+    assert acc.get_epsilon(1e-5) <= 2.0
+    assert sigma > accounting.calibrate_noise_multiplier(2.0, 1e-5, steps=20)
+
+
+def test_dp_event_describes_what_runs():
+    full = accounting.DpPlan(3.0, 5).dp_event()
+    assert full == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(3.0), 5)
+    poisson = accounting.DpPlan(1.0, 7, 0.1).dp_event()
+    assert poisson == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 7
+    )
+    single = accounting.DpPlan(2.0, 1).dp_event()
+    assert single == dp_accounting.GaussianDpEvent(2.0)
+    assert accounting.DpPlan(0.0, 3, clip_norm=math.inf).epsilon(1e-5) == math.inf
+
+
+def test_non_private_calibration_is_zero_noise():
+    assert accounting.calibrate_noise_multiplier(math.inf, 1e-5, steps=10) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"epsilon": -1.0, "delta": 1e-5}, "epsilon must be > 0"),
+        ({"epsilon": 0.0, "delta": 1e-5}, "epsilon must be > 0"),
+        ({"epsilon": float("nan"), "delta": 1e-5}, "epsilon must be > 0"),
+        ({"epsilon": 1.0, "delta": 0.0}, "delta must be in"),
+        ({"epsilon": 1.0, "delta": 1.5}, "delta must be in"),
+        ({"epsilon": 1.0, "delta": 1e-5, "steps": 0}, "steps must be"),
+        ({"epsilon": 1.0, "delta": 1e-5, "sampling_probability": 0.0}, "sampling_probability"),
+        ({"epsilon": 1.0, "delta": 1e-5, "accountant": "moments"}, "accountant must be"),
+    ],
+)
+def test_impossible_requests_get_clear_errors(kwargs, match):
+    epsilon, delta = kwargs.pop("epsilon"), kwargs.pop("delta")
+    with pytest.raises(ValueError, match=match):
+        accounting.calibrate_noise_multiplier(epsilon, delta, **kwargs)
+
+
+def test_plan_validation():
+    with pytest.raises(ValueError, match="finite clip_norm"):
+        accounting.DpPlan(1.0, 1, clip_norm=math.inf)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        accounting.DpPlan(-1.0, 1)
+    with pytest.raises(ValueError, match="steps"):
+        accounting.DpPlan(1.0, 2.5)
+
+
+def test_gdp_epsilon_of_composition_matches_pld():
+    """Panda et al. Cor. 2.2: T full-batch steps at sigma are sqrt(T)/sigma-GDP."""
+    for sigma, steps in ((5.0, 10), (20.0, 100), (1.0, 1)):
+        mu = math.sqrt(steps) / sigma
+        exact = accounting.gdp_epsilon(mu, 1e-5)
+        assert accounting.DpPlan(sigma, steps).epsilon(1e-5) == pytest.approx(exact, abs=1e-3)
+    assert np.isfinite(accounting.gdp_mu(1.0, 1e-5))

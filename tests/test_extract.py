@@ -1,0 +1,202 @@
+"""Extraction: backbones equal calling the model by hand; weights files load; sources."""
+
+import gzip
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import extract
+from tests.conftest import requires_fashion_mnist
+
+
+def _array_split(rng, n=20, size=28, channels=None, classes=3):
+    shape = (n, size, size) if channels is None else (n, size, size, channels)
+    images = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    labels = rng.integers(0, classes, size=n)
+    return extract.ImageSplit("synthetic", "train", labels, [str(c) for c in range(classes)],
+                              "fp", array=images)
+
+
+@pytest.mark.parametrize("name,crop", [("test_vit", 64), ("vit_tiny_patch16_224.augreg_in21k", 32),
+                                       ("test_resnet", None)])
+def test_random_init_timm_extraction_equals_model_by_hand(tmp_path, rng, name, crop):
+    import timm
+
+    split = _array_split(rng, n=10, size=40)
+    backbone = extract.create_backbone(name, random_init=True, seed=3, crop=crop, device="cpu")
+    store = str(tmp_path / "s.zarr")
+    extract.extract_split(split, backbone, store, batch_size=4, dtype="float32", progress=False)
+    stored, labels, attrs = extract.load_split(store, "train")
+    # By hand: the same architecture and seed, preprocessed with timm's own transform.
+    torch.manual_seed(3)
+    kwargs = {"img_size": crop} if crop else {}
+    model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs).eval()
+    cfg = timm.data.resolve_model_data_config(model)
+    if crop:
+        cfg |= {"input_size": (3, crop, crop), "crop_pct": 1.0, "crop_mode": "center"}
+    tf = timm.data.create_transform(**cfg)
+    batch = torch.stack([tf(img.convert("RGB")) for img in split.images(range(10))])
+    with torch.no_grad():
+        expected = model(batch).numpy()
+    np.testing.assert_allclose(stored, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(labels, split.labels)
+    assert attrs["backbone"]["name"] == name
+    assert attrs["backbone"]["weights_source"] == "random-init"
+    assert attrs["backbone"]["timm_version"] == timm.__version__
+    assert attrs["preprocessing"]["grayscale_to_rgb"] is True
+    assert attrs["dataset"]["fingerprint"] == "fp"
+    assert attrs["feature_dim"] == expected.shape[1]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_local_weights_file_is_loaded(tmp_path, rng, suffix):
+    import safetensors.torch
+    import timm
+
+    torch.manual_seed(123)
+    source = timm.create_model("test_vit", pretrained=False).eval()  # with its 1000-class head
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        safetensors.torch.save_file(source.state_dict(), str(path))
+    else:
+        torch.save(source.state_dict(), path)
+    backbone = extract.create_backbone("test_vit", weights=path, device="cpu", seed=999)
+    split = _array_split(rng, n=4, size=160, channels=3)
+    features = extract.embed_images(backbone, split, range(4))
+    batch = torch.stack([backbone.transform(img) for img in split.images(range(4))])
+    with torch.no_grad():
+        expected = source.forward_head(source.forward_features(batch), pre_logits=True).numpy()
+    np.testing.assert_allclose(features, expected, rtol=1e-5, atol=1e-6)
+    # A random init with the same seed differs: the file really was loaded.
+    random = extract.create_backbone("test_vit", random_init=True, seed=999, device="cpu")
+    assert not np.allclose(extract.embed_images(random, split, range(4)), expected, atol=1e-3)
+    assert backbone.provenance["weights_source"] == "file"
+    assert backbone.provenance["weights_sha256"] == extract.file_sha256(path)
+
+
+def test_missing_weights_and_offline_hub_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        extract.create_backbone("test_vit", weights=tmp_path / "nope.pth", device="cpu")
+    with pytest.raises(ValueError, match="unknown timm model"):
+        extract.create_backbone("not_a_model_xyz", random_init=True, device="cpu")
+    with pytest.raises(RuntimeError, match="--weights PATH"):
+        extract.create_backbone("test_vit", device="cpu")  # HF_HUB_OFFLINE=1 in tests
+
+
+def test_scatternet_equals_kymatio_by_hand(rng):
+    from kymatio.torch import Scattering2D
+
+    split = _array_split(rng, n=6, size=28)
+    backbone = extract.create_backbone("scatternet", device="cpu")
+    features = extract.embed_images(backbone, split, range(6))
+    assert features.shape == (6, 81 * 7 * 7)
+    x = torch.from_numpy(split.array.astype(np.float32) / 255.0)[:, None]
+    expected = Scattering2D(J=2, shape=(28, 28), L=8)(x).reshape(6, -1).numpy()
+    np.testing.assert_allclose(features, expected, rtol=1e-5, atol=1e-6)
+    rgb = _array_split(rng, n=2, size=16, channels=3)
+    assert extract.embed_images(backbone, rgb, range(2)).shape == (2, 3 * 81 * 4 * 4)
+
+
+class _Exploding:
+    """Wraps a backbone and fails on the n-th batch, like a killed job."""
+
+    def __init__(self, backbone, fail_at):
+        self.inner, self.calls, self.fail_at = backbone, 0, fail_at
+        self.transform, self.provenance = backbone.transform, backbone.provenance
+        self.preprocessing = backbone.preprocessing
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("killed")
+        return self.inner.forward(batch)
+
+
+def test_interrupted_extraction_is_not_complete_and_resumes_identically(tmp_path, rng):
+    split = _array_split(rng, n=50, size=16)
+    backbone = extract.create_backbone("scatternet", device="cpu")
+    store = str(tmp_path / "s.zarr")
+    with pytest.raises(RuntimeError, match="killed"):
+        extract.extract_split(split, _Exploding(backbone, fail_at=4), store, batch_size=8,
+                              rows_per_chunk=16, progress=False)
+    assert extract.split_attrs(store, "train")["complete"] is False
+    with pytest.raises(extract.IncompleteSplitError):
+        extract.load_split(store, "train")
+    report = extract.extract_split(split, backbone, store, batch_size=8, rows_per_chunk=16,
+                                   progress=False)
+    assert report.resumed and report.complete and report.chunks_written == 3
+    reference = str(tmp_path / "ref.zarr")
+    extract.extract_split(split, backbone, reference, batch_size=8, rows_per_chunk=16,
+                          progress=False)
+    a, la, _ = extract.load_split(store, "train")
+    b, lb, _ = extract.load_split(reference, "train")
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(la, lb)
+
+
+def test_digits_source_is_a_fixed_80_20_split():
+    splits = extract.open_source("digits")
+    assert len(splits["train"]) == 1438 and len(splits["test"]) == 359
+    again = extract.open_source("digits")
+    assert splits["train"].fingerprint == again["train"].fingerprint
+    assert splits["train"].fingerprint != splits["test"].fingerprint
+    assert splits["train"].array.dtype == np.uint8 and splits["train"].array.max() == 255
+
+
+@requires_fashion_mnist
+def test_fashion_mnist_checks_its_sha256(tmp_path):
+    splits = extract.open_source("fashion-mnist")
+    assert splits["train"].array.shape == (60000, 28, 28)
+    assert splits["test"].labels.shape == (10000,)
+    assert np.bincount(splits["test"].labels).tolist() == [1000] * 10
+    # A corrupted copy is refused.
+    for file in extract.sources.FASHION_MNIST_DIR.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    raw = bytearray(gzip.open(tmp_path / "t10k-labels-idx1-ubyte.gz").read())
+    raw[100] = (raw[100] + 1) % 10
+    with gzip.open(tmp_path / "t10k-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(bytes(raw))
+    with pytest.raises(ValueError, match="sha256"):
+        extract.open_source("fashion-mnist", data_dir=tmp_path)
+
+
+def test_missing_fashion_mnist_says_how_to_install(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        extract.open_source("fashion-mnist", data_dir=tmp_path)
+
+
+def test_npz_and_imagefolder_sources(tmp_path, rng):
+    from PIL import Image
+
+    images = rng.integers(0, 256, size=(5, 12, 12, 3), dtype=np.uint8)
+    np.savez(tmp_path / "d.npz", images=images, labels=np.array([0, 1, 2, 1, 0]))
+    split = extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test")["test"]
+    assert split.split == "test" and split.num_classes == 3
+    np.testing.assert_array_equal(np.asarray(split.images([2])[0]), images[2])
+    for cls in ("cat", "dog"):
+        (tmp_path / "folder" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(images[i]).save(tmp_path / "folder" / cls / f"{i}.png")
+    folder = extract.open_source(f"imagefolder:{tmp_path / 'folder'}")["train"]
+    assert folder.class_names == ["cat", "dog"] and folder.labels.tolist() == [0, 0, 1, 1]
+    np.testing.assert_array_equal(np.asarray(folder.images([3])[0]), images[1])
+    np.savez(tmp_path / "bad.npz", images=images, labels=np.array([0, 1]))
+    with pytest.raises(ValueError, match="labels must be"):
+        extract.open_source(f"npz:{tmp_path / 'bad.npz'}")
+    with pytest.raises(ValueError, match="unknown data source"):
+        extract.open_source("mnist")
+
+
+def test_precomputed_embeddings_build_a_store(tmp_path, rng):
+    features = rng.normal(size=(40, 6)).astype(np.float32)
+    labels = rng.integers(0, 3, size=40)
+    np.savez(tmp_path / "emb.npz", features=features, labels=labels)
+    split = extract.open_source(f"npz:{tmp_path / 'emb.npz'}", precomputed=True)["train"]
+    store = str(tmp_path / "s.zarr")
+    extract.extract_split(split, None, store, dtype="float32", progress=False)
+    loaded, loaded_labels, attrs = extract.load_split(store, "train")
+    np.testing.assert_array_equal(loaded, features)
+    np.testing.assert_array_equal(loaded_labels, labels)
+    assert attrs["backbone"]["name"] == "none"

@@ -1,0 +1,80 @@
+"""The noise on the clipped sum has std sigma * C (divided by N), statistically tested."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import accounting
+import probe
+
+
+def _ks_pvalue(samples, std):
+    return stats.kstest(samples, stats.norm(scale=std).cdf).pvalue
+
+
+def test_noisy_mean_std_is_sigma_times_clip_over_n():
+    sigma, clip, n = 2.5, 0.7, 100.0
+    sums = {"w": jnp.zeros((1, 50, 10)), "b": jnp.zeros((1, 10))}
+    keys = probe.make_keys(1, seed=1)
+    samples = np.concatenate([
+        np.concatenate([np.ravel(g["w"]), np.ravel(g["b"])])
+        for g in (probe.noisy_mean(sums, jnp.array([sigma * clip]), keys, step, n)
+                  for step in range(8))
+    ])
+    expected = sigma * clip / n
+    assert samples.size == 8 * 510
+    assert _ks_pvalue(samples, expected) > 1e-3
+    # The same test rejects a noise scale off by x0.67 or x1.5.
+    assert _ks_pvalue(samples, expected * 0.67) < 1e-6
+    assert _ks_pvalue(samples, expected * 1.5) < 1e-6
+    assert abs(samples.std() / expected - 1) < 0.05
+
+
+def test_trained_probe_carries_exactly_the_calibrated_noise(rng):
+    """One DP-SGD step with lr 1 from zero: params = -(clipped sum + noise) / N.
+
+    Subtracting the exact clipped sum leaves the noise the whole pipeline added, whose std
+    must be sigma * C / N with sigma calibrated for (epsilon, delta).
+    """
+    n, d, c = 200, 300, 10
+    features = rng.normal(size=(n, d)).astype(np.float32)
+    labels = rng.integers(0, c, size=n)
+    sigma = accounting.calibrate_noise_multiplier(1.0, 1e-5)
+    clip = 0.5
+    plan = accounting.DpPlan(sigma, 1, clip_norm=clip)
+    spec = probe.ProbeSpec(c, optimizer="sgd")
+    result = probe.train_probe(features, labels, [probe.RunSpec(plan, 1.0)],
+                               probe.make_keys(1, seed=3), spec)
+    sums, _ = probe.clipped_grad_sum(
+        probe.init_params(1, d, spec), jnp.asarray(features),
+        jax.nn.one_hot(labels, c), jnp.array([clip]), loss="softmax",
+    )
+    noise = -result.params["w"][0] * n - np.asarray(sums["w"][0])
+    expected = sigma * clip
+    assert _ks_pvalue(noise.ravel(), expected) > 1e-3
+    assert _ks_pvalue(noise.ravel(), expected * 0.67) < 1e-6
+    assert _ks_pvalue(noise.ravel(), expected * 1.5) < 1e-6
+
+
+def test_os_entropy_keys_differ_and_seeded_keys_repeat():
+    a, b = probe.make_keys(4), probe.make_keys(4)
+    assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    np.testing.assert_array_equal(jax.random.key_data(probe.make_keys(4, seed=7)),
+                                  jax.random.key_data(probe.make_keys(4, seed=7)))
+    # Distinct runs of one sweep get distinct keys.
+    data = jax.random.key_data(probe.make_keys(16, seed=7))
+    assert len({tuple(row) for row in np.asarray(data)}) == 16
+
+
+@pytest.mark.parametrize("sigma", [0.0])
+def test_non_private_runs_get_no_noise(sigma):
+    sums = {"w": jnp.ones((1, 3, 2)), "b": jnp.ones((1, 2))}
+    from probe.train import _noise_std
+
+    std = _noise_std(jnp.array([sigma]), jnp.array([math.inf]))
+    out = probe.noisy_mean(sums, std, probe.make_keys(1), 0, 2.0)
+    np.testing.assert_array_equal(out["w"], 0.5 * np.ones((1, 3, 2)))

@@ -1,0 +1,131 @@
+"""The trainer: optimizers equal optax's, sweeps equal single runs, plain GD without DP."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import accounting
+import probe
+from tests.conftest import random_problem
+
+
+@pytest.mark.parametrize(
+    "name,reference",
+    [
+        ("sgd", lambda lr: optax.sgd(lr)),
+        ("momentum", lambda lr: optax.sgd(lr, momentum=0.9)),
+        ("adam", lambda lr: optax.adam(lr)),
+        ("sign", lambda lr: optax.sign_sgd(lr)),
+        ("lamb", lambda lr: optax.lamb(lr)),
+    ],
+)
+def test_lr_factored_optimizers_equal_optax_aliases(rng, name, reference):
+    lr = 0.03
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3))), "b": jnp.asarray(rng.normal(size=3))}
+    ours, ref = probe.make_optimizer(name), reference(lr)
+    state_ours, state_ref = ours.init(params), ref.init(params)
+    p_ours, p_ref = params, params
+    for _ in range(3):
+        grads = {"w": jnp.asarray(rng.normal(size=(4, 3))), "b": jnp.asarray(rng.normal(size=3))}
+        upd, state_ours = ours.update(grads, state_ours, p_ours)
+        p_ours = jax.tree.map(lambda p, u: p - lr * u, p_ours, upd)
+        upd_ref, state_ref = ref.update(grads, state_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, upd_ref)
+    for key in ("w", "b"):
+        np.testing.assert_allclose(p_ours[key], p_ref[key], rtol=1e-6, atol=1e-7)
+
+
+def _runs(epsilons, steps, lr, clip=1.0):
+    runs = []
+    for eps in epsilons:
+        sigma = accounting.calibrate_noise_multiplier(eps, 1e-5, steps=steps)
+        plan = accounting.DpPlan(sigma, steps, clip_norm=clip if sigma > 0 else math.inf)
+        runs.append(probe.RunSpec(plan, lr))
+    return runs
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_sweep_equals_each_run_alone(rng, optimizer):
+    features, labels, _ = random_problem(rng, n=128, d=16, c=4)
+    spec = probe.ProbeSpec(4, optimizer=optimizer)
+    runs = _runs([0.5, 2.0, math.inf], steps=3, lr=0.05) + _runs([1.0], steps=1, lr=0.2)
+    keys = probe.make_keys(len(runs), seed=11)
+    swept = probe.train_probe(features, labels, runs, keys, spec)
+    for i, run in enumerate(runs):
+        alone = probe.train_probe(features, labels, [run], keys[i:i + 1], spec)
+        np.testing.assert_allclose(swept.params["w"][i], alone.params["w"][0], rtol=1e-4,
+                                   atol=1e-6)
+        np.testing.assert_allclose(swept.params["b"][i], alone.params["b"][0], rtol=1e-4,
+                                   atol=1e-6)
+        np.testing.assert_allclose(swept.clipped_fraction[i], alone.clipped_fraction[0])
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_non_private_run_is_plain_gradient_descent(rng, loss):
+    features, labels, _ = random_problem(rng, n=96, d=8, c=3)
+    spec = probe.ProbeSpec(3, optimizer="sgd", loss=loss)
+    steps, lr = 5, 0.5
+    result = probe.train_probe(features, labels, _runs([math.inf], steps, lr), probe.make_keys(1),
+                               spec)
+    params = jax.tree.map(lambda p: p[0], probe.init_params(1, 8, spec))
+    onehot = jax.nn.one_hot(labels, 3)
+
+    def mean_loss(p):
+        return jnp.mean(probe.example_losses(features @ p["w"] + p["b"], onehot, loss))
+
+    for _ in range(steps):
+        params = jax.tree.map(lambda p, g: p - lr * g, params, jax.grad(mean_loss)(params))
+    np.testing.assert_allclose(result.params["w"][0], params["w"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(result.params["b"][0], params["b"], rtol=1e-4, atol=1e-6)
+
+
+def test_sigmoid_default_bias_is_minus_ten():
+    assert probe.ProbeSpec(3, loss="sigmoid").initial_bias == -10.0
+    assert probe.ProbeSpec(3).initial_bias == 0.0
+    assert probe.ProbeSpec(3, bias_init=2.0, loss="sigmoid").initial_bias == 2.0
+
+
+def test_runs_with_fewer_steps_stop_updating(rng):
+    features, labels, _ = random_problem(rng, n=64, d=8, c=3)
+    spec = probe.ProbeSpec(3, optimizer="sgd")
+    runs = _runs([math.inf], 2, 0.1) + _runs([math.inf], 6, 0.1)
+    out = probe.train_probe(features, labels, runs, probe.make_keys(2), spec)
+    alone = probe.train_probe(features, labels, runs[:1], probe.make_keys(1), spec)
+    np.testing.assert_allclose(out.params["w"][0], alone.params["w"][0], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(out.params["w"][0], out.params["w"][1])
+
+
+def test_bad_inputs_are_rejected_with_clear_errors(rng):
+    features, labels, _ = random_problem(rng, n=16, d=4, c=3)
+    spec = probe.ProbeSpec(3)
+    runs = _runs([1.0], 1, 0.1)
+    bad = features.copy()
+    bad[3, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf in 1 rows"):
+        probe.train_probe(bad, labels, runs, probe.make_keys(1), spec)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        probe.train_probe(features, labels + 5, runs, probe.make_keys(1), spec)
+    with pytest.raises(ValueError, match="16 feature rows but 15 labels"):
+        probe.train_probe(features, labels[:-1], runs, probe.make_keys(1), spec)
+    with pytest.raises(ValueError, match="one key per run"):
+        probe.train_probe(features, labels, runs, probe.make_keys(2), spec)
+    with pytest.raises(ValueError, match="learning_rate"):
+        probe.RunSpec(runs[0].plan, -1.0)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        probe.ProbeSpec(3, optimizer="adagrad")
+
+
+def test_evaluate_counts_top1_top5_and_per_class():
+    params = {"w": jnp.eye(6)[None], "b": jnp.zeros((1, 6))}
+    features = np.eye(6)[[0, 1, 2, 3]]
+    features[2] = [0.1, 0.2, 0.9, 0.3, 0.4, 0.5]  # predicts 2; label 5 is second: top-5 hit
+    features[3] = [0.9, 0.1, 0.2, 0.3, 0.4, 0.0]  # predicts 0; label 3 is 3rd: top-5 hit
+    labels = np.array([0, 1, 5, 3])
+    out = probe.evaluate(params, features, labels)
+    assert out["top1"][0] == pytest.approx(0.5)
+    assert out["top5"][0] == pytest.approx(1.0)
+    np.testing.assert_allclose(out["per_class"][0], [1, 1, np.nan, 0, np.nan, 0])
