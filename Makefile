@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench data clean
+.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract data clean
 
 install: $(STAMP)
 
@@ -40,6 +40,15 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/probe_step.py
+
+bench-sweep: install
+	$(BIN)/python benchmarks/probe_sweep.py
+
+bench-tune: install data
+	$(BIN)/python benchmarks/linear_scaling.py
+
+bench-extract: install
+	$(BIN)/python benchmarks/extract.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

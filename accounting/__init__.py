@@ -6,12 +6,14 @@ neighbours, with the PLD accountant by default (RDP for comparison).
 
 from accounting.calibration import calibrate_noise_multiplier
 from accounting.gaussian import gaussian_noise_multiplier, gdp_delta, gdp_epsilon, gdp_mu
+from accounting.ledger import LedgerEntry, PrivacyLedger
 from accounting.plan import (
     ACCOUNTANTS,
     NEIGHBORING_RELATION,
     DpPlan,
     compute_epsilon,
     event_to_dict,
+    gaussian_mu,
     make_accountant,
 )
 
@@ -19,9 +21,12 @@ __all__ = [
     "ACCOUNTANTS",
     "NEIGHBORING_RELATION",
     "DpPlan",
+    "LedgerEntry",
+    "PrivacyLedger",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "event_to_dict",
+    "gaussian_mu",
     "gaussian_noise_multiplier",
     "gdp_delta",
     "gdp_epsilon",

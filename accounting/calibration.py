@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import math
 
-from scipy import optimize
-
 from accounting.gaussian import gaussian_noise_multiplier
 from accounting.plan import ACCOUNTANTS, Accountant, DpPlan
 
@@ -60,6 +58,7 @@ def calibrate_noise_multiplier(
 
 def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
     """Invert the accountant's epsilon(sigma) (decreasing in sigma) by Brent's method."""
+    from scipy import optimize
 
     @functools.cache
     def excess(log_sigma: float) -> float:

@@ -14,14 +14,34 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-from scipy import optimize, special
-
 __all__ = ["gdp_delta", "gdp_epsilon", "gdp_mu", "gaussian_noise_multiplier"]
 
 
 def _log_ndtr(x: float) -> float:
-    return float(special.log_ndtr(x))
+    """log Phi(x), accurate in both tails (pure Python: no SciPy import at start-up)."""
+    if x > 0.0:
+        return math.log1p(-0.5 * math.erfc(x / math.sqrt(2.0)))
+    if x > -30.0:
+        return math.log(0.5 * math.erfc(-x / math.sqrt(2.0)))
+    # Asymptotic series of the Mills ratio; relative error < 1e-20 for x <= -30.
+    inv2 = 1.0 / (x * x)
+    series = 1.0 - inv2 + 3.0 * inv2**2 - 15.0 * inv2**3 + 105.0 * inv2**4
+    return -0.5 * x * x - math.log(-x) - 0.5 * math.log(2.0 * math.pi) + math.log(series)
+
+
+def _bisect(f, lo: float, hi: float, iterations: int = 200, tol: float = 1e-15) -> float:
+    """Root of a monotone f on [lo, hi] (f(lo), f(hi) of opposite signs) by bisection."""
+    f_lo = f(lo)
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        f_mid = f(mid)
+        if (f_mid > 0) == (f_lo > 0):
+            lo, f_lo = mid, f_mid
+        else:
+            hi = mid
+        if hi - lo <= tol * max(1.0, abs(mid)):
+            break
+    return 0.5 * (lo + hi)
 
 
 def _log_delta(epsilon: float, mu: float) -> float:
@@ -61,9 +81,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         hi *= 2.0
         if hi > 1e6:
             return math.inf
-    return optimize.brentq(
-        lambda e: _log_delta(e, mu) - log_target, 0.0, hi, xtol=1e-13, rtol=1e-13
-    )
+    return _bisect(lambda e: _log_delta(e, mu) - log_target, 0.0, hi)
 
 
 def gdp_mu(epsilon: float, delta: float) -> float:
@@ -79,12 +97,8 @@ def gdp_mu(epsilon: float, delta: float) -> float:
         lo, hi = hi, hi * 2.0
     while _log_delta(epsilon, lo) > log_target:
         lo, hi = lo / 2.0, lo
-    log_mu = optimize.brentq(
-        lambda lm: _log_delta(epsilon, math.exp(lm)) - log_target,
-        math.log(lo),
-        math.log(hi),
-        xtol=1e-14,
-        rtol=1e-14,
+    log_mu = _bisect(
+        lambda lm: _log_delta(epsilon, math.exp(lm)) - log_target, math.log(lo), math.log(hi)
     )
     return math.exp(log_mu)
 
@@ -103,7 +117,7 @@ def gaussian_noise_multiplier(epsilon: float, delta: float, steps: int = 1) -> f
 
 
 def _check_epsilon(epsilon: float) -> None:
-    if not epsilon > 0 or np.isnan(epsilon):
+    if not epsilon > 0 or math.isnan(epsilon):
         raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
 
 

@@ -6,18 +6,28 @@ imported on first use, so that jobs which only read a store start fast.
 
 import importlib
 
-from extract.sources import ImageSplit, PrecomputedSplit, open_source, parse_data_spec
+from extract.sources import (
+    ImageSplit,
+    PrecomputedSplit,
+    from_torch_dataset,
+    open_source,
+    parse_data_spec,
+)
 from extract.store import (
     FORMAT,
     FORMAT_VERSION,
     IncompleteSplitError,
     SplitWriter,
+    VerifyReport,
     choose_rows_per_chunk,
+    chunk_checksum,
     iter_split_chunks,
     load_split,
     open_split,
+    shard_chunks,
     split_attrs,
     store_summary,
+    verify_store,
 )
 
 _LAZY = {
@@ -26,6 +36,8 @@ _LAZY = {
     "file_sha256": "extract.backbones",
     "resolve_device": "extract.backbones",
     "ExtractReport": "extract.extractor",
+    "AUGMENTATIONS": "extract.extractor",
+    "augment_image": "extract.extractor",
     "embed_images": "extract.extractor",
     "extract_split": "extract.extractor",
 }
@@ -38,6 +50,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "AUGMENTATIONS",
     "FORMAT",
     "FORMAT_VERSION",
     "Backbone",
@@ -46,17 +59,23 @@ __all__ = [
     "IncompleteSplitError",
     "PrecomputedSplit",
     "SplitWriter",
+    "VerifyReport",
+    "augment_image",
     "choose_rows_per_chunk",
+    "chunk_checksum",
     "create_backbone",
     "embed_images",
     "extract_split",
     "file_sha256",
+    "from_torch_dataset",
     "iter_split_chunks",
     "load_split",
     "open_source",
     "open_split",
     "parse_data_spec",
     "resolve_device",
+    "shard_chunks",
     "split_attrs",
     "store_summary",
+    "verify_store",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageSplit",
     "PrecomputedSplit",
+    "from_torch_dataset",
     "open_source",
     "parse_data_spec",
 ]
@@ -393,3 +394,51 @@ def _cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
             array=array,
         )
     return splits
+
+
+def from_torch_dataset(
+    dataset,
+    *,
+    split: str = "train",
+    class_names: Sequence[str] | None = None,
+    name: str | None = None,
+    fingerprint: str | None = None,
+) -> ImageSplit:
+    """Wrap any torch `Dataset` of (image, label) pairs as a split (Python API).
+
+    Images may be PIL images, uint8 arrays or CHW tensors. Labels come from
+    `dataset.targets` when present, else from one pass over the dataset. Without a given
+    `fingerprint`, the recorded one hashes the dataset's type, length and labels only (say so
+    by passing a content hash if you have one).
+    """
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        targets = [dataset[i][1] for i in range(len(dataset))]
+    labels = np.asarray([int(t) for t in targets], np.int32)
+
+    def load(i: int):
+        from PIL import Image
+
+        image = dataset[i][0]
+        if isinstance(image, Image.Image):
+            return image if image.mode in ("L", "RGB") else image.convert("RGB")
+        if hasattr(image, "detach"):  # a torch tensor, CHW
+            import torchvision.transforms.functional as TF
+
+            return TF.to_pil_image(image)
+        return Image.fromarray(np.asarray(image))
+
+    classes = list(class_names or getattr(dataset, "classes", None) or
+                   [str(c) for c in range(int(labels.max()) + 1 if labels.size else 0)])
+    if fingerprint is None:
+        fingerprint = "labels-only:" + _sha256(
+            np.frombuffer(f"{type(dataset).__qualname__}:{len(dataset)}".encode(), np.uint8),
+            labels)
+    return ImageSplit(
+        dataset=name or type(dataset).__name__,
+        split=split,
+        labels=labels,
+        class_names=classes,
+        fingerprint=fingerprint,
+        load=load,
+    )

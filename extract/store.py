@@ -8,17 +8,25 @@ Layout:
     STORE/SPLIT/features        (N, d) or (N, views, d), float16/float32, chunked by rows
     STORE/SPLIT/labels          (N,) int32, same row chunks
     STORE/SPLIT/chunks_done     (num_chunks,) uint8, one Zarr chunk per entry
+    STORE/SPLIT/chunk_sha256    (num_chunks, 32) uint8: sha256 of each chunk's stored rows
 
-A row chunk is written, then its `chunks_done` entry is set; `complete` is set only once every
-entry is set. A killed writer therefore leaves a split that is not complete, and rerunning the
-same job rewrites exactly the chunks that were not done (chunks are independent files, so
-separate processes can fill disjoint chunks of one split).
+A row chunk is written (features, labels, checksum), then its `chunks_done` entry is set;
+`complete` is set only once every entry is set. Zarr's local store writes every file
+atomically (temp file + rename), so a writer killed at any point (SIGKILL included) leaves a
+split that is not complete and whose done chunks are intact; rerunning the same job rewrites
+exactly the chunks that were not done. Chunks are independent files, so separate processes
+(`--shard k/n`, Ray tasks) can fill disjoint chunks of one split.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import fcntl
+import hashlib
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +38,16 @@ __all__ = [
     "FORMAT_VERSION",
     "IncompleteSplitError",
     "SplitWriter",
+    "VerifyReport",
     "choose_rows_per_chunk",
+    "chunk_checksum",
     "iter_split_chunks",
     "load_split",
     "open_split",
+    "shard_chunks",
     "split_attrs",
     "store_summary",
+    "verify_store",
 ]
 
 FORMAT = "dpprobe.features"
@@ -61,6 +73,44 @@ def choose_rows_per_chunk(
     row_bytes = max(1, int(np.prod(row_shape)) * itemsize)
     rows = max(64, (target_bytes // row_bytes) // 64 * 64)
     return int(max(1, min(rows, num_rows)))
+
+
+def chunk_checksum(features: np.ndarray, labels: np.ndarray) -> bytes:
+    """sha256 of a chunk's rows exactly as stored (dtype, shape, bytes; then labels)."""
+    digest = hashlib.sha256()
+    for array in (np.ascontiguousarray(features), np.ascontiguousarray(labels, np.int32)):
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.digest()
+
+
+def shard_chunks(num_chunks: int, shard: tuple[int, int] | None) -> list[int]:
+    """The contiguous run of chunk indices that shard k of n owns (all chunks if None)."""
+    if shard is None:
+        return list(range(num_chunks))
+    index, count = shard
+    if not (count >= 1 and 0 <= index < count):
+        raise ValueError(f"shard must be k/n with 0 <= k < n, got {index}/{count}")
+    return [int(c) for c in np.array_split(np.arange(num_chunks), count)[index]]
+
+
+def _is_local(store) -> bool:
+    return isinstance(store, str | os.PathLike) and "://" not in str(store)
+
+
+@contextlib.contextmanager
+def _creation_lock(store):
+    """Serialize split creation between processes sharing a local store (shards)."""
+    if not _is_local(store):
+        yield  # object stores: create the split before launching shards (as --ray does)
+        return
+    os.makedirs(store, exist_ok=True)
+    with open(os.path.join(store, ".dpprobe-create.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _open_root(store, mode: str) -> zarr.Group:
@@ -116,25 +166,27 @@ class SplitWriter:
             "dtype": dtype,
             "rows_per_chunk": self.rows_per_chunk,
         }
-        root = _open_root(store, "a")
-        self._check_root(root, job["backbone"])
-        existing = root.get(split)
-        if existing is not None and not overwrite:
-            old = dict(existing.attrs)
-            same_job = all(_jsonable(old.get(k)) == _jsonable(job[k]) for k in _JOB_KEYS)
-            if not same_job:
-                raise ValueError(
-                    f"{store}/{split} was written by a different job (backbone, data, "
-                    "preprocessing or layout differ); pass --overwrite to replace it"
-                )
-            self.group = existing
-            self.resumed = True
-        else:
-            self.group = self._create(root, split, job, feature_shape, dtype)
-            self.resumed = False
+        with _creation_lock(store):
+            root = _open_root(store, "a")
+            self._check_root(root, job["backbone"])
+            existing = root.get(split)
+            if existing is not None and not overwrite:
+                old = dict(existing.attrs)
+                same_job = all(_jsonable(old.get(k)) == _jsonable(job[k]) for k in _JOB_KEYS)
+                if not same_job:
+                    raise ValueError(
+                        f"{store}/{split} was written by a different job (backbone, data, "
+                        "preprocessing or layout differ); pass --overwrite to replace it"
+                    )
+                self.group = existing
+                self.resumed = True
+            else:
+                self.group = self._create(root, split, job, feature_shape, dtype)
+                self.resumed = False
         self.features = self.group["features"]
         self.labels = self.group["labels"]
         self.chunks_done = self.group["chunks_done"]
+        self.checksums = self.group["chunk_sha256"]
 
     def _check_root(self, root: zarr.Group, backbone: dict) -> None:
         attrs = dict(root.attrs)
@@ -172,6 +224,10 @@ class SplitWriter:
         group.create_array(
             "chunks_done", shape=(self.num_chunks,), chunks=(1,), dtype="uint8", fill_value=0
         )
+        group.create_array(
+            "chunk_sha256", shape=(self.num_chunks, 32), chunks=(1, 32), dtype="uint8",
+            fill_value=0,
+        )
         group.attrs.update(
             job
             | {
@@ -207,9 +263,15 @@ class SplitWriter:
             )
         if not np.isfinite(features).all():
             raise ValueError(f"chunk {chunk} (rows {start}:{stop}) has NaN/Inf features")
-        self.features[start:stop] = features.astype(self.features.dtype)
-        self.labels[start:stop] = np.asarray(labels, np.int32)
-        self.chunks_done[chunk] = 1
+        stored = features.astype(self.features.dtype)
+        if not np.isfinite(stored).all():
+            raise ValueError(f"chunk {chunk} (rows {start}:{stop}) overflows {stored.dtype}; "
+                             "extract with --dtype float32")
+        labels = np.asarray(labels, np.int32)
+        self.features[start:stop] = stored
+        self.labels[start:stop] = labels
+        self.checksums[chunk] = np.frombuffer(chunk_checksum(stored, labels), np.uint8)
+        self.chunks_done[chunk] = 1  # last: a chunk is done only once all of it is on disk
 
     def finalize(self) -> bool:
         """Mark the split complete if every chunk is done; returns whether it is complete."""
@@ -255,22 +317,32 @@ def split_attrs(store, split: str) -> dict:
 
 
 def load_split(store, split: str, dtype=np.float32) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(features as `dtype`, labels int32, attrs) of a complete split, read into memory."""
+    """(features as `dtype`, labels int32, attrs) of a complete split, read into memory.
+
+    `dtype=None` keeps the stored dtype (a float16 cache stays half the size).
+    """
     group = open_split(store, split)
-    features = np.asarray(group["features"][:], dtype=dtype)
+    features = np.asarray(group["features"][:])
+    if dtype is not None:
+        features = features.astype(dtype, copy=False)
     return features, np.asarray(group["labels"][:], np.int32), dict(group.attrs)
 
 
 def iter_split_chunks(
     store, split: str, dtype=np.float32
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Stream (features, labels) row chunk by row chunk, for stores larger than memory."""
+    """Stream (features, labels) row chunk by row chunk, for stores larger than memory.
+
+    `dtype=None` keeps the stored dtype (float16 halves the memory of each chunk).
+    """
     group = open_split(store, split)
     features, labels = group["features"], group["labels"]
     rows = features.chunks[0]
     for start in range(0, features.shape[0], rows):
         stop = min(start + rows, features.shape[0])
-        yield np.asarray(features[start:stop], dtype=dtype), np.asarray(labels[start:stop])
+        chunk = np.asarray(features[start:stop])
+        yield (chunk if dtype is None else chunk.astype(dtype, copy=False),
+               np.asarray(labels[start:stop]))
 
 
 def store_summary(store) -> dict:
@@ -286,3 +358,97 @@ def store_summary(store) -> dict:
                 "num_chunks": int(done.size),
             }
     return summary
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What `verify_store` found: `problems` is empty for a sound store."""
+
+    problems: list[str]
+    splits: dict
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_store(store, *, splits=("train", "test"), fingerprints: dict | None = None,
+                 progress=None) -> VerifyReport:
+    """Check a store: splits present and complete, shapes, NaN/Inf, label range, checksums.
+
+    Args:
+      store: store path.
+      splits: the splits that must be present.
+      fingerprints: optional {split: dataset fingerprint} recomputed from the source data;
+        each must equal the one recorded at extraction.
+      progress: optional callable(split, chunk, num_chunks) for a progress display.
+    """
+    problems: list[str] = []
+    summary: dict = {}
+    try:
+        root = _open_root(store, "r")
+    except FileNotFoundError as err:
+        return VerifyReport([str(err)], {})
+    if dict(root.attrs).get("format") != FORMAT:
+        return VerifyReport([f"{store} is not a dpprobe feature store"], {})
+    for split in splits:
+        if split not in root:
+            problems.append(f"{split}: missing split")
+            continue
+        group, attrs = root[split], dict(root[split].attrs)
+        info = {"num_examples": attrs.get("num_examples"), "complete": attrs.get("complete")}
+        summary[split] = info
+        try:
+            features, labels = group["features"], group["labels"]
+            done = np.asarray(group["chunks_done"][:])
+            sums = np.asarray(group["chunk_sha256"][:])
+        except Exception as err:  # noqa: BLE001 - any read failure is a finding
+            problems.append(f"{split}: arrays unreadable ({type(err).__name__}: {err})")
+            continue
+        num = attrs.get("num_examples")
+        if features.shape != (num, *attrs.get("feature_shape", [])):
+            problems.append(f"{split}: features shape {features.shape} != recorded "
+                            f"({num}, {attrs.get('feature_shape')})")
+        if labels.shape != (num,):
+            problems.append(f"{split}: labels shape {labels.shape} != ({num},)")
+        if str(features.dtype) != attrs.get("dtype"):
+            problems.append(f"{split}: dtype {features.dtype} != recorded {attrs.get('dtype')}")
+        if not attrs.get("complete"):
+            problems.append(f"{split}: incomplete ({int(done.sum())}/{done.size} chunks done)")
+        elif not done.all():
+            problems.append(f"{split}: marked complete but chunks {np.flatnonzero(done == 0)} "
+                            "are not done")
+        rows = attrs.get("rows_per_chunk") or features.chunks[0]
+        num_classes = attrs.get("num_classes")
+        bad_chunks = 0
+        for chunk in np.flatnonzero(done):
+            start, stop = chunk * rows, min((chunk + 1) * rows, features.shape[0])
+            if progress:
+                progress(split, int(chunk), done.size)
+            try:
+                block = np.asarray(features[start:stop])
+                block_labels = np.asarray(labels[start:stop])
+            except Exception as err:  # noqa: BLE001
+                problems.append(f"{split}: chunk {chunk} (rows {start}:{stop}) unreadable "
+                                f"({type(err).__name__})")
+                bad_chunks += 1
+                continue
+            if not np.isfinite(block).all():
+                problems.append(f"{split}: chunk {chunk} (rows {start}:{stop}) has NaN/Inf")
+                bad_chunks += 1
+            if num_classes and block_labels.size and (
+                    block_labels.min() < 0 or block_labels.max() >= num_classes):
+                problems.append(f"{split}: chunk {chunk} has labels outside [0, {num_classes})")
+                bad_chunks += 1
+            if bytes(sums[chunk]) != chunk_checksum(block, block_labels):
+                problems.append(f"{split}: chunk {chunk} (rows {start}:{stop}) is corrupted "
+                                "(sha256 mismatch)")
+                bad_chunks += 1
+        info["chunks_checked"] = int(done.sum())
+        info["bad_chunks"] = bad_chunks
+        if fingerprints and split in fingerprints:
+            recorded = attrs.get("dataset", {}).get("fingerprint")
+            if recorded != fingerprints[split]:
+                problems.append(f"{split}: dataset fingerprint {recorded} != source data "
+                                f"{fingerprints[split]}")
+    return VerifyReport(problems, summary)

@@ -78,7 +78,62 @@ def _add_extract(sub) -> None:
                    help="rows per Zarr chunk (default: ~8 MiB chunks)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing split written by a different job")
+    p.add_argument("--workers", type=int, default=None,
+                   help="DataLoader worker processes (default: 1 on CPU, up to 8 on GPU)")
+    p.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default="auto",
+                   help="autocast: auto = bf16 on CUDA, off on CPU")
+    p.add_argument("--channels-last", action="store_true", help="channels_last memory format")
+    p.add_argument("--compile", action="store_true", help="torch.compile the backbone")
+    p.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                   help="extract only shard K of N (a chunk-aligned slice of rows) into the "
+                   "same store, e.g. one process per GPU or a SLURM array task")
+    p.add_argument("--ray", action="store_true",
+                   help="run the shards as Ray tasks (one per GPU) on a Ray cluster")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
+    p.add_argument("--ray-shards", type=int, default=None,
+                   help="number of shards with --ray (default: one per GPU, else per CPU)")
+    p.add_argument("--views", type=int, default=None,
+                   help="store K augmented views per example, shape (N, K, d), for "
+                   "augmentation multiplicity in the probe (train split only)")
+    p.add_argument("--augment", type=_names, default=(),
+                   help="augmentations of the views: flip,crop (De et al.)")
+    p.add_argument("--augment-seed", type=int, default=0, help="seed of the augmentations")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected K/N, e.g. 0/4, got {text!r}") from err
+    if not (count >= 1 and 0 <= index < count):
+        raise argparse.ArgumentTypeError(f"shard K/N needs 0 <= K < N, got {text!r}")
+    return index, count
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _add_verify_info(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
+        description="Reads every chunk: reports missing or incomplete splits, shape and dtype "
+        "mismatches, NaN/Inf, labels out of range, and chunks whose sha256 differs from the "
+        "one recorded when they were written. Exit status 1 if anything is wrong.",
+    )
+    p.add_argument("store")
+    p.add_argument("--data", default=None,
+                   help="also re-fingerprint this data spec and compare with the recorded one")
+    p.add_argument("--data-dir", default=None, help="Fashion-MNIST directory for --data")
+    p.add_argument("--quiet", action="store_true")
+    p = sub.add_parser("info", help="print a feature store's provenance",
+                       description="Backbone, weights, preprocessing, dataset fingerprint, "
+                       "shapes and completion of every split.")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print all attributes as JSON")
 
 
 def _add_probe_options(p) -> None:
@@ -104,7 +159,22 @@ def _add_probe_options(p) -> None:
     p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
                    help="privacy accountant (default pld, tight)")
+    p.add_argument("--sampling-probability", "-q", type=float, default=1.0,
+                   help="Poisson sampling rate q; q < 1 trains masked DP-SGD on Poisson-"
+                   "sampled minibatches (Beltran et al.) instead of full batch (default 1)")
+    p.add_argument("--physical-batch-size", type=int, default=256,
+                   help="rows per compiled kernel call with q < 1 (default 256)")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument("--stream", dest="stream", action="store_true", default=None,
+                        help="stream the train split from disk chunk by chunk (default: when "
+                        "it exceeds a quarter of RAM as float32)")
+    stream.add_argument("--in-memory", dest="stream", action="store_false",
+                        help="load the train split into memory")
+    p.add_argument("--devices", type=int, default=None,
+                   help="shard rows over this many local devices (data parallel)")
     p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--csv", default=None, help="write one CSV row per run here")
+    p.add_argument("--plot", default=None, help="write a PNG of accuracy vs epsilon here")
     p.add_argument("--quiet", action="store_true", help="print only the table")
 
 
@@ -121,6 +191,48 @@ def _add_probe(sub) -> None:
                    help="target epsilons, comma-separated; inf = non-private reference "
                    "(default 0.5,1,2,4,8,inf)")
     _add_probe_options(p)
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="private hyperparameter search (linear scaling rule) + final probe",
+        description="Panda et al.'s linear scaling rule: search r = lr x T at budgets eps0 "
+        "and eps1, fit r = alpha * epsilon + b, extrapolate, train the final full-batch "
+        "DP-SGD probe with the remaining budget. The total epsilon includes every trial.",
+        epilog=EPILOG,
+    )
+    p.add_argument("store", help="feature store written by `dpprobe extract`")
+    p.add_argument("--epsilon", type=float, required=True, help="total epsilon, tuning included")
+    p.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
+    p.add_argument("--eps0", type=float, default=None,
+                   help="budget of the first search stage (default epsilon/20)")
+    p.add_argument("--eps1", type=float, default=None,
+                   help="budget of the second search stage (default epsilon/10)")
+    p.add_argument("--trials", type=int, default=5, help="trials per stage (default 5)")
+    p.add_argument("--search", choices=("random", "grid"), default="random",
+                   help="random (log-uniform) or grid search over r (default random)")
+    p.add_argument("--r-min", type=float, default=1.0, help="smallest r of stage 0 (default 1)")
+    p.add_argument("--r-max", type=float, default=1000.0,
+                   help="largest r of stage 0 (default 1000)")
+    p.add_argument("--steps-choices", type=_ints, default=[25, 50, 100],
+                   help="T values r is decomposed over, lr = r / T (default 25,50,100)")
+    p.add_argument("--final-steps", type=int, default=None,
+                   help="T of the final run (default: the best stage-1 trial's)")
+    p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
+                   default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
+    p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
+    p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
+                   help="per-example feature normalization (costs no privacy)")
+    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
+    p.add_argument("--validation-fraction", type=float, default=0.1,
+                   help="share of train held out to score trials (default 0.1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the split, the search and the noise (default: OS entropy)")
+    p.add_argument("--out", default=None, help="write results JSON (with the ledger) here")
+    p.add_argument("--model", default=None, help="write the final probe (w, b) as .npz here")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def _add_account(sub) -> None:
@@ -169,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_extract(sub)
     _add_probe(sub)
+    _add_tune(sub)
     _add_account(sub)
+    _add_verify_info(sub)
     _add_demo(sub)
     return parser
 
@@ -188,13 +302,36 @@ def _probe_kwargs(args) -> dict:
         "normalization": args.normalize,
         "groups": args.groups,
         "bias_init": args.bias_init,
+        "sampling_probability": args.sampling_probability,
+        "physical_batch_size": args.physical_batch_size,
+        "stream": args.stream,
+        "devices": args.devices,
         "out": args.out,
+        "csv": args.csv,
+        "plot": args.plot,
         "quiet": args.quiet,
     }
 
 
+def _enable_jax_cache() -> None:
+    """Persist compiled programs across CLI runs (a repeated sweep skips XLA compilation).
+
+    Compiled code never changes results or privacy; DPPROBE_JAX_CACHE=0 turns this off.
+    """
+    if os.environ.get("DPPROBE_JAX_CACHE", "1") == "0":
+        return
+    import jax
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(base, "dpprobe", "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
 def _run(args) -> int:
     from pipelines import jobs
+
+    if args.command in ("probe", "tune", "demo"):
+        _enable_jax_cache()
 
     if args.command == "extract":
         reports = jobs.run_extract(
@@ -214,13 +351,68 @@ def _run(args) -> int:
             rows_per_chunk=args.rows_per_chunk,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            num_workers=args.workers,
+            amp=args.amp,
+            channels_last=args.channels_last,
+            compile=args.compile,
+            shard=args.shard,
+            views=args.views,
+            augment=args.augment,
+            augment_seed=args.augment_seed,
+            ray=args.ray,
+            ray_address=args.ray_address,
+            ray_shards=args.ray_shards,
         )
+        if args.shard is not None:
+            return 0  # a shard finished its chunks; the split completes with the last shard
         return 0 if all(r.complete for r in reports) else 1
+    if args.command == "verify":
+        report = jobs.verify(args.store, data=args.data, data_dir=args.data_dir,
+                             progress=not args.quiet)
+        for split, info in report.splits.items():
+            print(f"{split}: {info}")
+        for problem in report.problems:
+            print(f"PROBLEM {problem}")
+        print("OK" if report.ok else f"{len(report.problems)} problem(s)")
+        return 0 if report.ok else 1
+    if args.command == "info":
+        if args.json:
+            from extract import store_summary
+
+            print(json.dumps(store_summary(args.store), indent=2, default=str))
+        else:
+            print(jobs.store_info(args.store))
+        return 0
     if args.command == "probe":
         results = jobs.run_probe(args.store, epsilons=args.epsilons, **_probe_kwargs(args))
         print(jobs.probe_table(results))
         if args.out and not args.quiet:
             print(f"wrote {args.out} ({results['wall_seconds']:.2f} s)", file=sys.stderr)
+        return 0
+    if args.command == "tune":
+        results = jobs.run_tune(
+            args.store,
+            epsilon=args.epsilon,
+            delta=args.delta,
+            out=args.out,
+            model=args.model,
+            eps0=args.eps0,
+            eps1=args.eps1,
+            trials=args.trials,
+            search=args.search,
+            r_range=(args.r_min, args.r_max),
+            steps_choices=args.steps_choices,
+            final_steps=args.final_steps,
+            optimizer=args.optimizer,
+            loss=args.loss,
+            clip_norm=args.clip_norm,
+            normalization=args.normalize,
+            groups=args.groups,
+            validation_fraction=args.validation_fraction,
+            seed=args.seed,
+            quiet=args.quiet,
+        )
+        print(jobs.tune_report(results))
         return 0
     if args.command == "account":
         result = jobs.account(

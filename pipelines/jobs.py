@@ -5,16 +5,29 @@ from __future__ import annotations
 import datetime
 import itertools
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 import accounting
 import extract
 from pipelines import reporting
 
-__all__ = ["account", "run_demo", "run_extract", "run_probe"]
+__all__ = [
+    "account",
+    "run_demo",
+    "run_extract",
+    "run_extract_ray",
+    "run_probe",
+    "run_tune",
+    "tune_report",
+    "store_info",
+    "verify",
+]
 
 VERSION = "0.1.0"
 
@@ -51,49 +64,113 @@ def run_extract(
     rows_per_chunk: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    num_workers: int | None = None,
+    amp: str | None = "auto",
+    channels_last: bool = False,
+    compile: bool = False,
+    shard: tuple[int, int] | None = None,
+    views: int | None = None,
+    augment: Sequence[str] = (),
+    augment_seed: int = 0,
+    ray: bool = False,
+    ray_address: str | None = None,
+    ray_shards: int | None = None,
 ) -> list:
     """Extract embeddings of a data source into the feature store `out`.
 
     Sources with their own splits (fashion-mnist, digits, cifar) write both unless `split`
     names one; single-split sources (npz, imagefolder) write the split named by `split`
-    (default "train") into a new or existing store.
+    (default "train") into a new or existing store. `shard=(k, n)` extracts one shard;
+    `ray=True` runs the shards as Ray tasks (see `run_extract_ray`).
     """
-    # Open the data and the backbone.
-    precomputed = backbone == "none"
-    splits = extract.open_source(data, split=split, data_dir=data_dir, precomputed=precomputed)
+    options = dict(
+        backbone=backbone, data=data, out=out, split=split, data_dir=data_dir, weights=weights,
+        random_init=random_init, seed=seed, resize=resize, crop=crop, batch_size=batch_size,
+        dtype=dtype, device=device, rows_per_chunk=rows_per_chunk, num_workers=num_workers,
+        amp=amp, channels_last=channels_last, compile=compile, views=views,
+        augment=tuple(augment), augment_seed=augment_seed,
+    )
+    if ray:
+        if shard is not None:
+            raise ValueError("--ray launches the shards itself; drop --shard")
+        return run_extract_ray(options, address=ray_address, num_shards=ray_shards,
+                               overwrite=overwrite, progress=progress)
+    return _extract_local(options, shard=shard, overwrite=overwrite, progress=progress)
+
+
+def _extract_local(options: dict, *, shard=None, overwrite=False, progress=True,
+                   only_create=False) -> list:
+    """Open the data and the backbone, then extract every split (or create it, empty)."""
+    precomputed = options["backbone"] == "none"
+    splits = extract.open_source(options["data"], split=options["split"],
+                                 data_dir=options["data_dir"], precomputed=precomputed)
     model = None
     if not precomputed:
         model = extract.create_backbone(
-            backbone,
-            weights=weights,
-            random_init=random_init,
-            seed=seed,
-            resize=resize,
-            crop=crop,
-            device=device,
+            options["backbone"], weights=options["weights"], random_init=options["random_init"],
+            seed=options["seed"], resize=options["resize"], crop=options["crop"],
+            device=options["device"],
         )
-    # Extract every split, resumably.
     reports = []
     for name, data_split in splits.items():
         report = extract.extract_split(
-            data_split,
-            model,
-            out,
-            split_name=name,
-            batch_size=batch_size,
-            dtype=dtype,
-            rows_per_chunk=rows_per_chunk,
-            overwrite=overwrite,
-            progress=progress,
+            data_split, model, options["out"], split_name=name,
+            batch_size=options["batch_size"], dtype=options["dtype"],
+            rows_per_chunk=options["rows_per_chunk"], overwrite=overwrite, progress=progress,
+            num_workers=options["num_workers"], amp=options["amp"],
+            channels_last=options["channels_last"], compile=options["compile"],
+            shard=shard, views=options["views"], augment=options["augment"],
+            augment_seed=options["augment_seed"], create_only=only_create,
         )
         reports.append(report)
+        if only_create:
+            continue
         state = "complete" if report.complete else "INCOMPLETE"
+        if shard is not None and not report.complete:
+            state = "shard done; the split completes when every shard has run"
         _log(
-            f"{out}/{name}: {report.num_examples} x {report.feature_shape} ({dtype}), "
-            f"{report.chunks_written}/{report.num_chunks} chunks written"
-            f"{' (resumed)' if report.resumed else ''}, {state}",
+            f"{options['out']}/{name}: {report.num_examples} x {report.feature_shape} "
+            f"({options['dtype']}), {report.chunks_written}/{report.num_chunks} chunks written"
+            f"{' (resumed)' if report.resumed else ''}"
+            f"{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}",
             quiet=not progress,
         )
+    return reports
+
+
+def _ray_shard(options: dict, shard: tuple[int, int]) -> list:
+    """One Ray task: extract one shard of every split (re-opening data and backbone there)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _extract_local(options, shard=shard, progress=False)
+
+
+def run_extract_ray(options: dict, *, address: str | None = None, num_shards: int | None = None,
+                    overwrite: bool = False, progress: bool = True) -> list:
+    """Extract with one Ray task per shard (one per GPU when the cluster has GPUs).
+
+    The driver creates the store's splits first (so shards never race to create them), then
+    every task fills its chunk-aligned shard of each split in the same store, a shared
+    filesystem path or fsspec URL that every node can reach. Finished chunks are never
+    redone, so rerunning after a failure resumes.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    shards = num_shards or max(1, gpus or int(ray.cluster_resources().get("CPU", 1)))
+    _log(f"ray: {shards} shards on {ray.cluster_resources()}", not progress)
+    # 1. Create every split (and validate the job) once, on the driver.
+    _extract_local(options, overwrite=overwrite, progress=False, only_create=True)
+    # 2. One task per shard.
+    task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_shard)
+    results = ray.get([task.remote(options, (k, shards)) for k in range(shards)])
+    # 3. Mark complete what is complete (the last shard usually already did).
+    reports = _extract_local(options, progress=progress)
+    _log(f"ray: {sum(len(r) for r in results)} shard-splits done", not progress)
     return reports
 
 
@@ -118,14 +195,27 @@ def run_probe(
     normalization: str = "none",
     groups: int = 1,
     bias_init: float | None = None,
+    sampling_probability: float = 1.0,
+    physical_batch_size: int = 256,
+    stream: bool | None = None,
+    devices: int | None = None,
     out: str | None = None,
+    csv: str | None = None,
+    plot: str | None = None,
     quiet: bool = False,
 ) -> dict:
     """Sweep DP linear probes over epsilons x steps x learning rates x seeds on a store.
 
-    Every run is full batch: T steps of the Gaussian mechanism on the clipped gradient sum,
-    with the noise multiplier calibrated to (epsilon, delta) for add/remove-one neighbours.
-    The reported `epsilon_spent` is computed from the run's `DpEvent` by `accountant`.
+    Full batch by default: T steps of the Gaussian mechanism on the clipped gradient sum. With
+    `sampling_probability` q < 1, masked DP-SGD with Poisson subsampling (Beltran et al.).
+    Noise multipliers are calibrated to (epsilon, delta) for add/remove-one neighbours, and each
+    run's `epsilon_spent` is computed from its `DpEvent` by `accountant`.
+
+    Args:
+      stream: stream the train split from disk chunk by chunk (None: when it would take more
+        than a quarter of the machine's memory as float32).
+      devices: shard rows over this many local devices (default 1).
+      out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG.
 
     Returns:
       The results dict (also written to `out` as JSON when given).
@@ -133,75 +223,109 @@ def run_probe(
     import probe  # JAX: imported here so that `dpprobe extract` does not pay for it
 
     start = time.perf_counter()
-    _check_sweep_args(epsilons, delta, seeds, steps, clip_norm)
+    _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability)
     learning_rates = list(learning_rates or [probe.DEFAULT_LEARNING_RATES[optimizer]])
 
-    # Load the store.
-    train_x, train_y, train_attrs = extract.load_split(store, "train")
-    test_x, test_y, test_attrs = extract.load_split(store, "test")
-    if train_x.shape[-1] != test_x.shape[-1]:
-        raise ValueError(f"train and test feature dims differ: {train_x.shape} vs {test_x.shape}")
-    num_classes = int(max(train_attrs.get("num_classes") or 0, train_y.max() + 1, test_y.max() + 1))
-    num_examples = len(train_y)
+    # Open the store.
+    train_attrs = extract.split_attrs(store, "train")
+    test_attrs = extract.split_attrs(store, "test")
+    for split in ("train", "test"):
+        extract.open_split(store, split)  # raises unless complete
+    if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
+        raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
+                         f"vs {test_attrs['feature_shape']}")
+    num_examples = int(train_attrs["num_examples"])
+    dim = int(train_attrs["feature_shape"][-1])
+    if stream is None:
+        stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
+    if stream and sampling_probability < 1.0:
+        raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    if not stream:
+        train_x, train_y, _ = extract.load_split(store, "train", dtype=None)
+    else:
+        train_y = _stored_labels(store, "train")
+    num_classes = _num_classes(train_attrs, test_attrs, train_y)
     if delta >= 1.0 / num_examples:
         _log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
              "a meaningful guarantee usually needs delta << 1/N", quiet)
-    spec = probe.ProbeSpec(
-        num_classes=num_classes,
-        loss=loss,
-        optimizer=optimizer,
-        bias_init=bias_init,
-        normalization=normalization,
-        groups=groups,
-    )
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
+                           bias_init=bias_init, normalization=normalization, groups=groups)
 
     # Calibrate the noise of each (epsilon, T).
     plans = {}
     for epsilon, num_steps in itertools.product(epsilons, steps):
         sigma = accounting.calibrate_noise_multiplier(
-            epsilon, delta, steps=num_steps, accountant=accountant
+            epsilon, delta, steps=num_steps, sampling_probability=sampling_probability,
+            accountant=accountant,
         )
         plans[epsilon, num_steps] = accounting.DpPlan(
-            sigma, num_steps, 1.0, clip_norm if math.isfinite(epsilon) else math.inf
+            sigma, num_steps, sampling_probability, clip_norm if sigma > 0 else math.inf
         )
 
     # Train every config in one program.
     grid = list(itertools.product(epsilons, steps, learning_rates, range(seeds)))
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
     keys = probe.make_keys(len(runs), seed)
-    result = probe.train_probe(train_x, train_y, runs, keys, spec)
+    progress = not quiet
+    if sampling_probability < 1.0:
+        driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "
+                  f"{physical_batch_size})")
+        result = probe.train_probe_poisson(
+            train_x, train_y, runs, keys, spec, physical_batch_size=physical_batch_size,
+            sampling_seed=seed, progress=progress,
+        )
+    elif stream:
+        driver = "full batch, streamed from disk"
+        result = probe.train_probe_streaming(
+            lambda: extract.iter_split_chunks(store, "train", dtype=None), runs, keys, spec,
+            num_examples=num_examples, dim=dim, progress=progress,
+        )
+    else:
+        mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
+        driver = "full batch, in memory" + (f", rows sharded over {devices} devices"
+                                            if mesh else "")
+        result = probe.train_probe(train_x, train_y, runs, keys, spec, mesh=mesh,
+                                   progress=progress)
 
     # Evaluate on the test split.
-    metrics = probe.evaluate(result.params, probe.prepare_features(test_x, spec), test_y)
+    metrics = probe.evaluate_chunks(
+        result.params, extract.iter_split_chunks(store, "test", dtype=None),
+        normalization=spec.normalization, groups=spec.groups,
+    )
 
     # Record.
     records = []
     for i, (epsilon, num_steps, lr, seed_index) in enumerate(grid):
         plan = plans[epsilon, num_steps]
-        records.append(
-            {
-                "epsilon": epsilon,
-                "epsilon_spent": plan.epsilon(delta, accountant) if plan.is_private else math.inf,
-                "delta": delta,
-                "noise_multiplier": plan.noise_multiplier,
-                "clip_norm": plan.clip_norm,
-                "steps": num_steps,
-                "sampling_probability": plan.sampling_probability,
-                "optimizer": optimizer,
-                "learning_rate": lr,
-                "seed": seed_index,
-                "test_accuracy": float(metrics["top1"][i]),
-                "test_top5_accuracy": float(metrics["top5"][i]),
-                "per_class_accuracy": metrics["per_class"][i].tolist(),
-                "clipped_fraction": float(result.clipped_fraction[i]),
-                "accountant": accountant,
-                "neighboring_relation": accounting.NEIGHBORING_RELATION,
-                "dp_event": accounting.event_to_dict(plan.dp_event()),
-            }
-        )
+        record = {
+            "epsilon": epsilon,
+            "epsilon_spent": plan.epsilon(delta, accountant),
+            "delta": delta,
+            "noise_multiplier": plan.noise_multiplier,
+            "clip_norm": plan.clip_norm,
+            "steps": num_steps,
+            "sampling_probability": plan.sampling_probability,
+            "optimizer": optimizer,
+            "learning_rate": lr,
+            "seed": seed_index,
+            "test_accuracy": float(metrics["top1"][i]),
+            "test_top5_accuracy": float(metrics["top5"][i]),
+            "per_class_accuracy": metrics["per_class"][i].tolist(),
+            "clipped_fraction": float(result.clipped_fraction[i]),
+            "accountant": accountant,
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "dp_event": accounting.event_to_dict(plan.dp_event()),
+        }
+        if result.batch_sizes is not None:
+            record["mean_batch_size"] = float(result.batch_sizes[:num_steps, i].mean())
+        records.append(record)
     summary = reporting.summarize_runs(
         records, ("epsilon", "steps", "learning_rate"), ("test_accuracy", "test_top5_accuracy")
     )
+    # Every run touched the same training data: choosing among them spends their composition.
+    ledger = accounting.PrivacyLedger()
+    for (epsilon, num_steps, lr, seed_index), run in zip(grid, runs, strict=True):
+        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} seed={seed_index}", run.plan)
     results = {
         "dpprobe_version": VERSION,
         "job": "probe",
@@ -209,24 +333,61 @@ def run_probe(
         "wall_seconds": time.perf_counter() - start,
         "store": str(store),
         "provenance": {"train": train_attrs, "test": _split_brief(test_attrs)},
-        "probe": spec.to_dict(),
+        "probe": spec.to_dict() | {"driver": driver},
         "privacy": {
             "delta": delta,
             "accountant": accountant,
             "neighboring_relation": accounting.NEIGHBORING_RELATION,
             "dataset_size_public": True,
-            "sampling": "full batch (q = 1)",
+            "sampling": ("full batch (q = 1)" if sampling_probability == 1.0 else
+                         f"Poisson, q = {sampling_probability:g}"),
             "noise_keys": "os-entropy" if seed is None else f"seeded ({seed})",
         },
         "num_train": num_examples,
-        "num_test": len(test_y),
+        "num_test": int(test_attrs["num_examples"]),
         "runs": records,
         "summary": summary,
+        "ledger": ledger.to_dict(delta, accountant) | {
+            "note": "each run alone is (epsilon_spent, delta)-DP; selecting among the runs by "
+                    "their results spends the composition of all of them"},
     }
     if out:
         reporting.write_json(out, results)
+    if csv:
+        reporting.write_csv(csv, records, CSV_COLUMNS)
+    if plot:
+        reporting.plot_accuracy(summary, plot, title=_plot_title(results))
     results["wall_seconds"] = time.perf_counter() - start
     return results
+
+
+CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
+               "sampling_probability", "optimizer", "learning_rate", "seed", "test_accuracy",
+               "test_top5_accuracy", "clipped_fraction", "accountant", "neighboring_relation")
+
+
+def _plot_title(results: dict) -> str:
+    backbone = results["provenance"]["train"].get("backbone", {}).get("name", "?")
+    dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
+    return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
+            f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()})")
+
+
+def _too_big_for_memory(num_bytes: int) -> bool:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return False
+    return num_bytes > total // 4
+
+
+def _stored_labels(store, split) -> np.ndarray:
+    return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)
+
+
+def _num_classes(train_attrs, test_attrs, train_labels) -> int:
+    declared = [a.get("num_classes") or 0 for a in (train_attrs, test_attrs)]
+    return int(max(*declared, int(train_labels.max()) + 1))
 
 
 def _split_brief(attrs: dict) -> dict:
@@ -234,7 +395,7 @@ def _split_brief(attrs: dict) -> dict:
     return {k: attrs.get(k) for k in keys}
 
 
-def _check_sweep_args(epsilons, delta, seeds, steps, clip_norm) -> None:
+def _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability) -> None:
     if not epsilons:
         raise ValueError("give at least one epsilon")
     for epsilon in epsilons:
@@ -249,6 +410,8 @@ def _check_sweep_args(epsilons, delta, seeds, steps, clip_norm) -> None:
             raise ValueError(f"steps must be >= 1, got {num_steps}")
     if not clip_norm > 0 or math.isinf(clip_norm):
         raise ValueError(f"clip_norm must be finite and > 0, got {clip_norm}")
+    if not 0.0 < sampling_probability <= 1.0:
+        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability}")
 
 
 def probe_table(results: dict) -> str:
@@ -359,3 +522,116 @@ def run_demo(out_dir: str = "runs/demo", *, data: str | None = None, seeds: int 
         quiet=not progress,
     )
     return results
+
+
+# ----------------------------------------------------------------------------------------------
+# tune
+# ----------------------------------------------------------------------------------------------
+
+
+def run_tune(store: str, *, epsilon: float, delta: float, out: str | None = None,
+             model: str | None = None, **kwargs) -> dict:
+    """`linear_scaling_search` on a store; writes results JSON (and the model as npz)."""
+    from pipelines.search import linear_scaling_search
+
+    results = linear_scaling_search(store, epsilon, delta, **kwargs)
+    params = results.pop("params")
+    if model:
+        path = Path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.npz")
+        np.savez(tmp, w=params["w"][0], b=params["b"][0])
+        os.replace(tmp, path)
+        results["model_file"] = str(path)
+    if out:
+        reporting.write_json(out, results)
+    results["params"] = params
+    return results
+
+
+def tune_report(results: dict) -> str:
+    """Trials, the fitted line, the final run and the ledger, for the terminal."""
+    lines = []
+    for stage in results["stages"]:
+        lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
+                     f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "
+                     f"{stage['best_r']:.4g}")
+        rows = [t | {"val": f"{100 * t['validation_accuracy']:.2f}"} for t in stage["trials"]]
+        lines.append(reporting.format_table(rows, [
+            ("r", "r"), ("lr", "learning_rate"), ("steps", "steps"),
+            ("noise mult", "noise_multiplier"), ("val acc %", "val")]))
+    line, chosen, final = results["line"], results["chosen"], results["final"]
+    lines.append(f"linear scaling: r = {line['alpha']:.4g} * epsilon + {line['b']:.4g} -> r* = "
+                 f"{line['r_star']:.4g} at the final run's epsilon "
+                 f"{results['privacy']['epsilon_final_alone']:.4g}"
+                 + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else ""))
+    lines.append(f"final run: lr = {chosen['learning_rate']:.4g}, T = {chosen['steps']}, "
+                 f"noise multiplier = {chosen['noise_multiplier']:.4g} -> test accuracy "
+                 f"{100 * final['test_accuracy']:.2f}% (top-5 "
+                 f"{100 * final['test_top5_accuracy']:.2f}%)")
+    privacy = results["privacy"]
+    lines.append(f"total epsilon (tuning included) = {privacy['epsilon_total']:.4f} <= requested "
+                 f"{privacy['epsilon_requested']:g}, delta = {privacy['delta']:g}; covers "
+                 f"{privacy['covers']}")
+    ledger = results["ledger"]
+    lines.append(f"privacy ledger: {ledger['num_mechanisms']} mechanisms, PLD composition "
+                 f"epsilon = {ledger['epsilon']:.4f}; Gaussian DP mu = {ledger['gdp_mu']:.4g} "
+                 f"(epsilon {ledger['gdp_epsilon']:.4f}); basic composition epsilon = "
+                 f"{ledger['basic_composition_epsilon']:.4f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# verify, info
+# ----------------------------------------------------------------------------------------------
+
+
+def verify(store: str, *, data: str | None = None, data_dir: str | None = None,
+           progress: bool = True) -> extract.VerifyReport:
+    """`extract.verify_store`, optionally re-fingerprinting the source data."""
+    fingerprints = None
+    if data:
+        splits = extract.open_source(data, data_dir=data_dir, split=None)
+        fingerprints = {name: one.fingerprint for name, one in splits.items()}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(unit="chunk", desc="verify", file=sys.stderr, dynamic_ncols=True,
+                   leave=False)
+
+    def tick(split, chunk, total):
+        if bar is not None:
+            bar.set_description(f"verify {split}")
+            bar.update(1)
+
+    try:
+        return extract.verify_store(store, fingerprints=fingerprints, progress=tick)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def store_info(store: str) -> str:
+    """The provenance of a store, for people."""
+    summary = extract.store_summary(store)
+    lines = [f"{store}: {summary['root'].get('format')} v{summary['root'].get('format_version')}"]
+    for name, attrs in summary["splits"].items():
+        backbone, dataset = attrs.get("backbone", {}), attrs.get("dataset", {})
+        pre = attrs.get("preprocessing", {})
+        lines += [
+            f"[{name}] {attrs.get('num_examples')} examples x {attrs.get('feature_shape')} "
+            f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
+            f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
+            f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
+            + (f", sha256 {backbone['weights_sha256'][:16]}..." if backbone.get("weights_sha256")
+               else "") + ")"
+            + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
+                                                      "torch_version") if backbone.get(k)),
+            "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
+                                              if k != "transform" and v not in (None, [], ())),
+            f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
+            f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
+            f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
+        ]
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ import numpy as np
 
 __all__ = [
     "atomic_write_text",
+    "plot_accuracy",
     "format_table",
     "summarize_runs",
     "write_csv",
@@ -125,3 +126,52 @@ def pm(mean: float | None, std: float | None, scale: float = 100.0, digits: int 
     if mean is None:
         return "-"
     return f"{mean * scale:.{digits}f} ± {(std or 0.0) * scale:.{digits}f}"
+
+
+def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
+    """PNG of test accuracy (mean ± std over seeds) vs epsilon, with the non-private line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in summary:
+        groups[(row.get("steps"), row.get("learning_rate"))].append(row)
+    ticks = set()
+    for index, ((num_steps, lr), rows) in enumerate(groups.items()):
+        color = f"C{index % 10}"
+        label = f"T={num_steps}, lr={lr:g}"
+        private = sorted((r for r in rows if math.isfinite(r["epsilon"])),
+                         key=lambda r: r["epsilon"])
+        if private:
+            ticks.update(r["epsilon"] for r in private)
+            ax.errorbar(
+                [r["epsilon"] for r in private],
+                [100 * r["test_accuracy_mean"] for r in private],
+                yerr=[100 * r["test_accuracy_std"] for r in private],
+                marker="o", capsize=3, label=label, color=color,
+            )
+        for r in rows:
+            if not math.isfinite(r["epsilon"]):
+                ax.axhline(100 * r["test_accuracy_mean"], linestyle="--", color=color,
+                           alpha=0.7, label=f"non-private ({label})")
+    ax.set_xscale("log")
+    if ticks:
+        ax.set_xticks(sorted(ticks), [f"{t:g}" for t in sorted(ticks)])
+        ax.minorticks_off()
+    ax.set_xlabel("epsilon")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, path)

@@ -10,7 +10,7 @@ from probe.clipping import (
     per_example_grad_norms,
     residuals,
 )
-from probe.evaluation import evaluate
+from probe.evaluation import evaluate, evaluate_chunks
 from probe.normalization import NORMALIZATIONS, normalize_features
 from probe.optimizers import DEFAULT_LEARNING_RATES, OPTIMIZERS, make_optimizer
 from probe.train import (
@@ -19,10 +19,15 @@ from probe.train import (
     TrainResult,
     apply_update,
     init_params,
+    make_data_mesh,
     make_keys,
     noisy_mean,
+    prefetch,
     prepare_features,
+    shard_rows,
     train_probe,
+    train_probe_poisson,
+    train_probe_streaming,
 )
 
 __all__ = [
@@ -36,16 +41,22 @@ __all__ = [
     "apply_update",
     "clipped_grad_sum",
     "evaluate",
+    "evaluate_chunks",
     "example_losses",
     "feature_gram",
     "init_params",
     "linear_logits",
+    "make_data_mesh",
     "make_keys",
     "make_optimizer",
     "noisy_mean",
     "normalize_features",
     "per_example_grad_norms",
+    "prefetch",
     "prepare_features",
     "residuals",
+    "shard_rows",
     "train_probe",
+    "train_probe_poisson",
+    "train_probe_streaming",
 ]

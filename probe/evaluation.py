@@ -1,56 +1,98 @@
-"""Accuracy of stacked linear probes: top-1, top-k and per-class, for every run at once."""
+"""Accuracy of stacked linear probes: top-1, top-k and per-class, for every run at once.
+
+Rows are processed in fixed-size blocks (the last one padded and masked), so memory stays
+O(block (d + P C)) for any test set and one compiled kernel serves every block.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from probe.clipping import linear_logits
+from probe.normalization import normalize_features
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "evaluate_chunks"]
 
 
-@functools.partial(jax.jit, static_argnames=("num_classes", "top_k"))
-def _correct(params, features, labels, *, num_classes: int, top_k: int):
-    logits = linear_logits(params, features)  # (N, P, C)
+@functools.partial(jax.jit, static_argnames=("num_classes", "top_k", "normalization", "groups"))
+def _counts(params, features, labels, mask, *, num_classes, top_k, normalization, groups):
+    features = normalize_features(features.astype(jnp.float32), normalization, groups=groups)
+    logits = linear_logits(params, features)  # (N, P, C) or (N, V, P, C)
     if features.ndim == 3:  # several views of a test example: average their logits
         logits = logits.mean(axis=1)
-    top = jax.lax.top_k(logits, top_k)[1]  # (N, P, k)
-    hits = top == labels[:, None, None]
-    top1 = hits[..., 0]
-    topk = hits.any(axis=-1)
-    onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)  # (N, C)
-    per_class_correct = jnp.einsum("np,nc->pc", top1.astype(jnp.float32), onehot)
-    return top1.sum(0), topk.sum(0), per_class_correct, onehot.sum(0)
+    # Rank of the true class, ties broken towards the lower class index (as top-k and argmax
+    # do): it is in the top k iff fewer than k classes rank above it. No sort needed.
+    onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    true_logit = jnp.einsum("npc,nc->np", logits, onehot)[..., None]
+    lower_index = jnp.arange(num_classes) < labels[:, None, None]
+    rank = jnp.sum((logits > true_logit) | ((logits == true_logit) & lower_index), axis=-1)
+    valid = mask[:, None] > 0
+    top1, topk = (rank == 0) & valid, (rank < top_k) & valid
+    onehot = onehot * mask[:, None]
+    per_class = jnp.einsum("np,nc->pc", top1.astype(jnp.float32), onehot)
+    return top1.sum(0), topk.sum(0), per_class, onehot.sum(0)
 
 
-def evaluate(params: dict, features, labels, *, top_k: int = 5) -> dict[str, np.ndarray]:
-    """Accuracy of each stacked run on a labelled split.
+def evaluate_chunks(
+    params: dict,
+    chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+    *,
+    top_k: int = 5,
+    normalization: str = "none",
+    groups: int = 1,
+    block_rows: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Accuracy of each stacked run over (features, labels) chunks (e.g. streamed from disk).
 
     Args:
       params: {"w": (P, d, C), "b": (P, C)}.
-      features: (N, d) (already normalized the way the probe was trained).
-      labels: (N,) integer labels.
+      chunks: iterable of (features (n, d) or (n, views, d), labels (n,)) pairs, raw (the
+        per-example normalization the probe was trained with is applied here).
       top_k: k of the top-k accuracy (clamped to the number of classes).
+      normalization, groups: as in `ProbeSpec`.
+      block_rows: rows per compiled block (default: the first chunk's, at most 8192).
 
     Returns:
-      {"top1": (P,), "top5" (or f"top{k}"): (P,), "per_class": (P, C)} as fractions in [0, 1];
-      a class with no examples gets NaN.
+      {"top1": (P,), f"top{top_k}": (P,), "per_class": (P, C)} as fractions in [0, 1]; a class
+      with no examples gets NaN.
     """
     num_classes = int(params["w"].shape[-1])
-    k = min(top_k, num_classes)
-    labels = jnp.asarray(np.asarray(labels), jnp.int32)
-    top1, topk, per_class, counts = _correct(
-        params, jnp.asarray(features, jnp.float32), labels, num_classes=num_classes, top_k=k
-    )
-    n = float(labels.shape[0])
+    kwargs = dict(num_classes=num_classes, top_k=min(top_k, num_classes),
+                  normalization=normalization, groups=groups)
+    params = jax.tree.map(jnp.asarray, params)
+    totals = None
+    for features, labels in chunks:
+        features, labels = np.asarray(features), np.asarray(labels, np.int32)
+        block_rows = block_rows or max(1, min(len(labels), 8192))
+        for start in range(0, len(labels), block_rows):
+            x, y = features[start:start + block_rows], labels[start:start + block_rows]
+            mask = np.zeros((block_rows,), np.float32)
+            mask[: len(y)] = 1.0
+            pad = block_rows - len(y)
+            if pad:
+                x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+                y = np.concatenate([y, np.zeros(pad, np.int32)])
+            counts = _counts(params, x, y, mask, **kwargs)
+            totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
+    if totals is None:
+        raise ValueError("no examples to evaluate")
+    top1, topk, per_class, class_counts = (np.asarray(t, np.float64) for t in totals)
+    n = class_counts.sum()
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_class = np.asarray(per_class) / np.asarray(counts)[None, :]
-    return {
-        "top1": np.asarray(top1) / n,
-        f"top{top_k}": np.asarray(topk) / n,
-        "per_class": per_class,
-    }
+        per_class = per_class / class_counts[None, :]
+    return {"top1": top1 / n, f"top{top_k}": topk / n, "per_class": per_class}
+
+
+def evaluate(params: dict, features, labels, *, top_k: int = 5, normalization: str = "none",
+             groups: int = 1) -> dict[str, np.ndarray]:
+    """Accuracy of each stacked run on one labelled split held in memory.
+
+    `features` are raw: pass the probe's `normalization`/`groups` (see `evaluate_chunks`).
+    """
+    return evaluate_chunks(params, [(features, labels)], top_k=top_k,
+                           normalization=normalization, groups=groups)

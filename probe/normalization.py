@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["NORMALIZATIONS", "normalize_features"]
 
@@ -15,16 +16,18 @@ def normalize_features(
     """Normalize each example (each view) on its own.
 
     Args:
-      features: (..., d) float array.
+      features: (..., d) float array (NumPy or JAX). With "none" it is returned unchanged
+        (float64 is cast to float32); otherwise the result is float32.
       method: "none"; "l2" (unit L2 norm); "group": split the d features into `groups`
         contiguous groups and standardize each to zero mean, unit variance, as the GroupNorm
         that Tramer & Boneh (2021) put on ScatterNet features (channel-major layout).
       groups: number of groups for "group"; must divide d.
       eps: added to the variance / norm for stability.
     """
+    if method == "none":  # left as it is (float16 stays float16; the step casts to float32)
+        return features if features.dtype in (np.float16, np.float32) else (
+            features.astype(np.float32))
     features = jnp.asarray(features, jnp.float32)
-    if method == "none":
-        return features
     if method == "l2":
         norms = jnp.linalg.norm(features, axis=-1, keepdims=True)
         return features / jnp.maximum(norms, eps)

@@ -116,3 +116,27 @@ def test_gdp_epsilon_of_composition_matches_pld():
         exact = accounting.gdp_epsilon(mu, 1e-5)
         assert accounting.DpPlan(sigma, steps).epsilon(1e-5) == pytest.approx(exact, abs=1e-3)
     assert np.isfinite(accounting.gdp_mu(1.0, 1e-5))
+
+
+@pytest.mark.parametrize("sigma,steps", [(0.6, 1), (3.7, 1), (13.3, 1), (5.0, 40), (70.0, 100)])
+def test_closed_form_pld_equals_dp_accounting_pld(sigma, steps):
+    """Full-batch Gaussian events: our exact PLD epsilon equals dp_accounting's PLD accountant."""
+    event = accounting.DpPlan(sigma, steps).dp_event()
+    acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(event)
+    reference = acc.get_epsilon(1e-5)
+    ours = accounting.compute_epsilon(event, 1e-5)
+    assert ours == pytest.approx(reference, abs=1e-6)
+    assert ours <= reference + 1e-12  # no discretization: never looser
+
+
+def test_composed_gaussians_use_mu_composition():
+    events = dp_accounting.ComposedDpEvent([
+        accounting.DpPlan(4.0, 10).dp_event(), accounting.DpPlan(9.0, 3).dp_event(),
+    ])
+    assert accounting.gaussian_mu(events) == pytest.approx(math.sqrt(10 / 16 + 3 / 81))
+    acc = pld.PLDAccountant()
+    acc.compose(events)
+    assert accounting.compute_epsilon(events, 1e-5) == pytest.approx(acc.get_epsilon(1e-5),
+                                                                     abs=1e-3)
+    assert accounting.gaussian_mu(accounting.DpPlan(1.0, 2, 0.5).dp_event()) is None

@@ -94,3 +94,31 @@ def test_demo_on_digits(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     assert {r["epsilon"] for r in results["runs"]} == {0.5, 1.0, 2.0, 4.0, 8.0, "inf"}
     assert all(math.isfinite(r["test_accuracy"]) for r in results["runs"])
+
+
+def test_probe_streamed_equals_in_memory_and_writes_csv_and_plot(digits_store, tmp_path):
+    common = ["probe", digits_store, "--epsilons", "2,inf", "--seeds", "2", "--seed", "5",
+              "--optimizer", "adam", "--steps", "3", "--lr", "0.01", "--quiet"]
+    assert cli.main([*common, "--in-memory", "--out", str(tmp_path / "a.json")]) == 0
+    assert cli.main([*common, "--stream", "--out", str(tmp_path / "b.json"),
+                     "--csv", str(tmp_path / "b.csv"), "--plot", str(tmp_path / "b.png")]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert "streamed" in b["probe"]["driver"] and "in memory" in a["probe"]["driver"]
+    for ra, rb in zip(a["runs"], b["runs"], strict=True):
+        assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1 / 359 + 1e-9)
+    lines = (tmp_path / "b.csv").read_text().splitlines()
+    assert lines[0].startswith("epsilon,epsilon_spent,delta") and len(lines) == 5
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_probe_poisson_mode_records_the_sampled_mechanism(digits_store, tmp_path):
+    out = tmp_path / "p.json"
+    assert cli.main(["probe", digits_store, "--epsilons", "4", "--seeds", "1", "-q", "0.25",
+                     "--steps", "8", "--optimizer", "momentum", "--lr", "1",
+                     "--physical-batch-size", "64", "--out", str(out), "--quiet"]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["sampling_probability"] == 0.25
+    assert run["dp_event"]["event"]["type"] == "PoissonSampledDpEvent"
+    assert run["epsilon_spent"] <= 4.0 + 1e-9
+    assert abs(run["mean_batch_size"] - 0.25 * 1438) < 5 * math.sqrt(1438 * 0.25 * 0.75 / 8)

@@ -1,5 +1,6 @@
 """Extraction: backbones equal calling the model by hand; weights files load; sources."""
 
+import dataclasses
 import gzip
 import shutil
 
@@ -99,19 +100,18 @@ def test_scatternet_equals_kymatio_by_hand(rng):
     assert extract.embed_images(backbone, rgb, range(2)).shape == (2, 3 * 81 * 4 * 4)
 
 
-class _Exploding:
-    """Wraps a backbone and fails on the n-th batch, like a killed job."""
+class _Exploding(torch.nn.Module):
+    """Wraps a backbone's module and fails on the n-th call, like a killed job."""
 
-    def __init__(self, backbone, fail_at):
-        self.inner, self.calls, self.fail_at = backbone, 0, fail_at
-        self.transform, self.provenance = backbone.transform, backbone.provenance
-        self.preprocessing = backbone.preprocessing
+    def __init__(self, inner, fail_at):
+        super().__init__()
+        self.inner, self.calls, self.fail_at = inner, 0, fail_at
 
-    def forward(self, batch):
+    def forward(self, x):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("killed")
-        return self.inner.forward(batch)
+        return self.inner(x)
 
 
 def test_interrupted_extraction_is_not_complete_and_resumes_identically(tmp_path, rng):
@@ -119,8 +119,9 @@ def test_interrupted_extraction_is_not_complete_and_resumes_identically(tmp_path
     backbone = extract.create_backbone("scatternet", device="cpu")
     store = str(tmp_path / "s.zarr")
     with pytest.raises(RuntimeError, match="killed"):
-        extract.extract_split(split, _Exploding(backbone, fail_at=4), store, batch_size=8,
-                              rows_per_chunk=16, progress=False)
+        exploding = dataclasses.replace(backbone, module=_Exploding(backbone.module, 4))
+        extract.extract_split(split, exploding, store, batch_size=8, rows_per_chunk=16,
+                              progress=False)
     assert extract.split_attrs(store, "train")["complete"] is False
     with pytest.raises(extract.IncompleteSplitError):
         extract.load_split(store, "train")

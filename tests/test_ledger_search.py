@@ -1,0 +1,126 @@
+"""The privacy ledger and the linear-scaling search (Panda et al. 2023)."""
+
+import json
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+
+import accounting
+from pipelines import cli, search
+
+
+def _mixed_ledger():
+    ledger = accounting.PrivacyLedger()
+    ledger.record("a", accounting.DpPlan(8.0, 20), role="tuning")
+    ledger.record("b", accounting.DpPlan(3.0, 1), role="tuning")
+    ledger.record("c", accounting.DpPlan(1.2, 50, 0.05), role="final")
+    return ledger
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_ledger_composition_equals_dp_accounting(accountant):
+    ledger = _mixed_ledger()
+    acc = (pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant())
+    acc.compose(dp_accounting.GaussianDpEvent(8.0), 20)
+    acc.compose(dp_accounting.GaussianDpEvent(3.0))
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.2)), 50)
+    assert ledger.epsilon(1e-5, accountant) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert ledger.gdp_mu() is None  # a Poisson entry: no exact Gaussian DP
+
+
+def test_full_batch_ledger_gdp_closed_form_equals_pld():
+    """Panda et al. Cor. 2.2: composition of full-batch runs is sqrt(sum T_i / sigma_i^2)-GDP."""
+    ledger = accounting.PrivacyLedger()
+    plans = [(20.0, 25), (11.0, 50), (6.0, 100), (4.0, 10)]
+    for sigma, steps in plans:
+        ledger.record(f"{sigma}", accounting.DpPlan(sigma, steps))
+    mu = math.sqrt(sum(t / s**2 for s, t in plans))
+    assert ledger.gdp_mu() == pytest.approx(mu, rel=1e-12)
+    acc = pld.PLDAccountant()
+    for sigma, steps in plans:
+        acc.compose(dp_accounting.GaussianDpEvent(sigma), steps)
+    assert ledger.gdp_epsilon(1e-5) == pytest.approx(acc.get_epsilon(1e-5), abs=1e-3)
+    assert ledger.epsilon(1e-5) == pytest.approx(acc.get_epsilon(1e-5), abs=1e-3)
+    # Basic composition is looser than the tight one.
+    basic, total_delta = ledger.basic_composition(1e-5)
+    assert total_delta == 1e-5 and basic > ledger.epsilon(1e-5)
+    record = ledger.to_dict(1e-5)
+    assert record["num_mechanisms"] == 4 and len(record["entries"]) == 4
+    assert record["entries"][0]["dp_event"]["type"] == "SelfComposedDpEvent"
+
+
+def test_budget_split_is_exact_and_rejects_impossible_splits():
+    split = search.budget_split(1.0, 1e-5, 0.05, 0.1)
+    mu = math.sqrt(split["mu0"] ** 2 + split["mu1"] ** 2 + split["mu_final"] ** 2)
+    assert accounting.gdp_epsilon(mu, 1e-5) == pytest.approx(1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="lower them"):
+        search.budget_split(1.0, 1e-5, 0.7, 0.8)
+    with pytest.raises(ValueError, match="eps0 must be < eps1"):
+        search.budget_split(1.0, 1e-5, 0.2, 0.1)
+
+
+def test_fit_linear_scaling_is_the_line_through_two_points():
+    alpha, b = search.fit_linear_scaling(0.1, 3.0, 0.3, 7.0)
+    assert alpha == pytest.approx(20.0) and b == pytest.approx(1.0)
+
+
+def test_noiseless_oracle_recovers_a_planted_line():
+    alpha, b = 400.0, 0.5  # with 801 trials a stage, per-trial epsilons are ~0.0023 and ~0.0048
+
+    def oracle(trials, plans):
+        # The best r at a trial's epsilon is the planted line; read epsilon off the plan.
+        scores = []
+        for trial, plan in zip(trials, plans, strict=True):
+            eps = accounting.gdp_epsilon(math.sqrt(plan.steps) / plan.noise_multiplier, 1e-5)
+            scores.append(-abs(math.log(trial.r) - math.log(alpha * eps + b)))
+        return np.array(scores)
+
+    ledger = accounting.PrivacyLedger()
+    line = search.search_line(
+        oracle, epsilon=2.0, delta=1e-5, eps0=0.1, eps1=0.2, trials=801, r_range=(0.1, 100),
+        steps_choices=(10, 20, 40), search="grid", clip_norm=1.0,
+        rng=np.random.default_rng(0), ledger=ledger,
+    )
+    assert line["alpha"] == pytest.approx(alpha, rel=0.03)
+    assert line["b"] == pytest.approx(b, abs=0.05)
+    eps_final = line["budget"]["epsilon_final"]
+    assert line["r_star"] == pytest.approx(alpha * eps_final + b, rel=0.03)
+    assert len(ledger) == 2 * 801
+    assert ledger.epsilon(1e-5) < 2.0
+
+
+def test_search_total_epsilon_is_at_most_the_request(digits_store):
+    result = search.linear_scaling_search(
+        digits_store, 2.0, 1e-5, trials=3, r_range=(1, 100), steps_choices=(5, 10),
+        normalization="group", groups=27, seed=0, quiet=True,
+    )
+    ledger = result["ledger"]
+    assert ledger["num_mechanisms"] == 7  # 2 stages x 3 trials + the final run
+    assert ledger["epsilon"] <= 2.0 + 1e-9
+    assert ledger["epsilon"] == pytest.approx(2.0, abs=1e-6)  # the final run gets the rest
+    # dp_accounting composing the same events independently agrees.
+    acc = pld.PLDAccountant()
+    for entry in ledger["entries"]:
+        acc.compose(dp_accounting.GaussianDpEvent(entry["noise_multiplier"]), entry["steps"])
+    assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-3)
+    assert result["validation"]["num_examples"] == round(0.1 * 1438)
+    assert result["privacy"]["epsilon_total"] == ledger["epsilon"]
+    assert 0.5 < result["final"]["test_accuracy"] <= 1.0
+    assert result["chosen"]["learning_rate"] * result["chosen"]["steps"] == pytest.approx(
+        result["chosen"]["r"])
+
+
+def test_tune_cli_writes_results_with_the_ledger(digits_store, tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", digits_store, "--epsilon", "1", "--delta", "1e-5", "--trials", "2",
+                     "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
+                     "--groups", "27", "--seed", "1", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "privacy ledger" in printed and "basic composition" in printed
+    results = json.loads(out.read_text())
+    assert results["ledger"]["epsilon"] <= 1.0 + 1e-9
+    assert {"epsilon", "delta", "noise_multiplier", "test_accuracy"} <= set(results["runs"][0])
+    assert "params" not in results
