@@ -103,13 +103,16 @@ class PrivacyLedger:
         basic, _ = self.basic_composition(delta)
         mu = self.gdp_mu()
         roles = sorted({e.role for e in self.entries})
+        total = self.epsilon(delta, accountant)
+        by_role = {role: total if len(roles) == 1 else self.epsilon(delta, accountant, role)
+                   for role in roles}
         return {
             "neighboring_relation": NEIGHBORING_RELATION,
             "delta": delta,
             "accountant": accountant,
             "num_mechanisms": len(self.entries),
-            "epsilon": self.epsilon(delta, accountant),
-            "epsilon_by_role": {role: self.epsilon(delta, accountant, role) for role in roles},
+            "epsilon": total,
+            "epsilon_by_role": by_role,
             "basic_composition_epsilon": basic,
             "gdp_mu": mu,
             "gdp_epsilon": None if mu is None else gdp_epsilon(mu, delta),

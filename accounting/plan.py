@@ -130,6 +130,8 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
     Prop. 2.1). A non-private Gaussian (sigma = 0) gives mu = inf.
     """
     dpa = _dpa()
+    if isinstance(event, dpa.NonPrivateDpEvent):
+        return math.inf
     if isinstance(event, dpa.GaussianDpEvent):
         return math.inf if event.noise_multiplier == 0 else 1.0 / event.noise_multiplier
     if isinstance(event, dpa.NoOpDpEvent):
@@ -145,6 +147,17 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
     return None
 
 
+def _contains_non_private(event) -> bool:
+    dpa = _dpa()
+    if isinstance(event, dpa.NonPrivateDpEvent):
+        return True
+    if isinstance(event, dpa.ComposedDpEvent):
+        return any(_contains_non_private(e) for e in event.events)
+    if isinstance(event, dpa.SelfComposedDpEvent | dpa.PoissonSampledDpEvent):
+        return _contains_non_private(event.event)
+    return False
+
+
 def compute_epsilon(
     event: dp_accounting.DpEvent, delta: float, accountant: Accountant = "pld"
 ) -> float:
@@ -158,8 +171,8 @@ def compute_epsilon(
     """
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if isinstance(event, _dpa().NonPrivateDpEvent):
-        return math.inf
+    if _contains_non_private(event):
+        return math.inf  # without building the PLDs of the other parts
     if accountant == "pld":
         mu = gaussian_mu(event)
         if mu is not None:

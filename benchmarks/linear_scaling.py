@@ -20,6 +20,7 @@ import math
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 - first: keeps this folder off the import path
 import numpy as np
 
 DELTA = 1e-5
@@ -126,7 +127,7 @@ def main():
           f"{len(grid)} runs). Times: "
           + ", ".join(f"eps {r['epsilon']:g}: tune {r['tune_s']:.0f} s, grid {r['grid_s']:.0f} s"
                       for r in rows))
-    assert all(r["total_eps"] <= r["epsilon"] + 1e-9 for r in rows)
+    assert all(r["total_eps"] <= r["epsilon"] for r in rows)
     assert all(math.isfinite(r["tuned"]) for r in rows)
 
 

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 - first: keeps this folder off the import path
 import numpy as np
 
 EPSILONS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
@@ -184,7 +185,7 @@ def step_ratio(repeats: int) -> tuple[float, float]:
 
 
 IMAGENET_CHILD = """
-import json, resource, sys, time, numpy as np
+import json, sys, time, numpy as np
 import accounting, extract, probe
 store, steps = sys.argv[1], int(sys.argv[2])
 attrs = extract.split_attrs(store, "train")
@@ -197,7 +198,9 @@ result = probe.train_probe_streaming(
     lambda: extract.iter_split_chunks(store, "train", dtype=None), runs, probe.make_keys(1),
     spec, num_examples=attrs["num_examples"], dim=attrs["feature_dim"])
 total = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak RSS (ru_maxrss would include the parent's at fork time).
+with open("/proc/self/status") as status:
+    peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": total, "steps": steps, "peak_rss_bytes": peak,
                   "finite": bool(np.isfinite(result.params["w"]).all())}))
 """

@@ -79,7 +79,8 @@ def _add_extract(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing split written by a different job")
     p.add_argument("--workers", type=int, default=None,
-                   help="DataLoader worker processes (default: 1 on CPU, up to 8 on GPU)")
+                   help="DataLoader worker processes (default: none on CPU, where the "
+                   "backbone uses every core; up to 8 on GPU)")
     p.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default="auto",
                    help="autocast: auto = bf16 on CUDA, off on CPU")
     p.add_argument("--channels-last", action="store_true", help="channels_last memory format")
@@ -218,7 +219,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--steps-choices", type=_ints, default=[25, 50, 100],
                    help="T values r is decomposed over, lr = r / T (default 25,50,100)")
     p.add_argument("--final-steps", type=int, default=None,
-                   help="T of the final run (default: the best stage-1 trial's)")
+                   help="T of the final run (default: the largest --steps-choices)")
     p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
                    default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
     p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax")

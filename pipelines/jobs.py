@@ -240,6 +240,9 @@ def run_probe(
         stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
     if stream and sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    if devices and devices > 1 and (stream or sampling_probability < 1.0):
+        raise ValueError("--devices shards in-memory full-batch training; it does not combine "
+                         "with --stream or -q < 1")
     if not stream:
         train_x, train_y, _ = extract.load_split(store, "train", dtype=None)
     else:
@@ -325,7 +328,8 @@ def run_probe(
     # Every run touched the same training data: choosing among them spends their composition.
     ledger = accounting.PrivacyLedger()
     for (epsilon, num_steps, lr, seed_index), run in zip(grid, runs, strict=True):
-        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} seed={seed_index}", run.plan)
+        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} seed={seed_index}", run.plan,
+                      role="private" if run.plan.is_private else "non-private reference")
     results = {
         "dpprobe_version": VERSION,
         "job": "probe",

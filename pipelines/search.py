@@ -81,7 +81,9 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float) -> dict
             f"(Gaussian DP: mu0^2 + mu1^2 = {mu0**2 + mu1**2:.4g} >= mu^2 = {mu**2:.4g}); "
             "lower them"
         )
-    mu_final = math.sqrt(remaining)
+    # A relative 1e-9 below the exact remainder, so that float rounding can never push the
+    # composed total above the request.
+    mu_final = math.sqrt(remaining) * (1.0 - 1e-9)
     return {"mu": mu, "mu0": mu0, "mu1": mu1, "mu_final": mu_final,
             "epsilon_final": accounting.gdp_epsilon(mu_final, delta)}
 
@@ -208,7 +210,7 @@ def linear_scaling_search(
       search: "random" (log-uniform r) or "grid" (geometric grid of r).
       r_range: range of r for the first stage.
       steps_choices: T values a trial's r is decomposed over (lr = r / T).
-      final_steps: T of the final run (default: the best second-stage trial's T).
+      final_steps: T of the final run (default: the largest of `steps_choices`).
       optimizer: update rule (Panda et al.: "momentum", 0.9).
       clip_norm, loss, normalization, groups: as for `run_probe`.
       validation_fraction: share of train held out to score trials.
@@ -237,7 +239,11 @@ def linear_scaling_search(
     num_classes = int(max(train_attrs.get("num_classes") or 0, y.max() + 1, test_y.max() + 1))
     spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
                            normalization=normalization, groups=groups)
-    key_seed = None if seed is None else seed + 1
+    # Independent noise for every mechanism (composition assumes it): with a seed, one child
+    # seed per stage and one for the final run; without, fresh OS entropy each time.
+    key_seeds = ([None] * 3 if seed is None else
+                 [int(c.generate_state(1)[0]) for c in np.random.SeedSequence(seed).spawn(3)])
+    stage_index = iter(range(2))
 
     # Search: two stages, every trial recorded in the ledger.
     ledger = accounting.PrivacyLedger()
@@ -247,8 +253,8 @@ def linear_scaling_search(
         if not quiet:
             print(f"tune: {len(runs)} trials, r in [{min(t.r for t in settings):.3g}, "
                   f"{max(t.r for t in settings):.3g}]", file=sys.stderr)
-        result = probe.train_probe(train_x, train_y, runs, probe.make_keys(len(runs), key_seed),
-                                   spec, progress=not quiet)
+        keys = probe.make_keys(len(runs), key_seeds[next(stage_index)])
+        result = probe.train_probe(train_x, train_y, runs, keys, spec, progress=not quiet)
         metrics = probe.evaluate(result.params, val_x, val_y, normalization=normalization,
                                  groups=groups)
         return metrics["top1"]
@@ -258,14 +264,16 @@ def linear_scaling_search(
                        search=search, clip_norm=clip_norm, rng=rng, ledger=ledger)
     budget, stages = line["budget"], line["stages"]
 
-    # Final run: the remaining budget, r* decomposed as lr x T.
-    steps = final_steps or stages[1].trials[stages[1].best].steps
+    # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
+    # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
+    # how r splits into lr x T, so the final run takes the most steps (the best optimizer).
+    steps = final_steps or max(steps_choices)
     sigma = math.sqrt(steps) / budget["mu_final"]
     plan = accounting.DpPlan(sigma, steps, 1.0, clip_norm)
     learning_rate = line["r_star"] / steps
     ledger.record("final", plan, role="final", r=line["r_star"], learning_rate=learning_rate)
     final = probe.train_probe(train_x, train_y, [probe.RunSpec(plan, learning_rate)],
-                              probe.make_keys(1, None if seed is None else seed + 2), spec,
+                              probe.make_keys(1, key_seeds[2]), spec,
                               progress=not quiet)
 
     # Evaluate the final model on test (the only use of test).

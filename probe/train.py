@@ -405,8 +405,8 @@ def train_probe(
     if feats.shape[0] != onehot.shape[0]:
         raise ValueError(f"{feats.shape[0]} feature rows but {onehot.shape[0]} labels")
     num_examples = jnp.float32(feats.shape[0])
-    if mesh is None:
-        mask = np.ones((feats.shape[0],), np.float32)
+    if mesh is None:  # on the device once, not once per block of steps
+        feats, onehot, mask = jax.device_put((feats, onehot, np.ones(len(onehot), np.float32)))
     else:
         feats, onehot, mask = shard_rows(mesh, feats, onehot)
     data = (feats, onehot, mask, num_examples)

@@ -140,3 +140,15 @@ def test_composed_gaussians_use_mu_composition():
     assert accounting.compute_epsilon(events, 1e-5) == pytest.approx(acc.get_epsilon(1e-5),
                                                                      abs=1e-3)
     assert accounting.gaussian_mu(accounting.DpPlan(1.0, 2, 0.5).dp_event()) is None
+
+
+def test_a_non_private_part_makes_the_composition_infinite_at_once():
+    events = dp_accounting.ComposedDpEvent([
+        accounting.DpPlan(13.0, 1).dp_event(),
+        accounting.DpPlan(0.0, 1, clip_norm=math.inf).dp_event(),
+        accounting.DpPlan(1.0, 30, 0.01).dp_event(),
+    ])
+    assert accounting.compute_epsilon(events, 1e-5) == math.inf
+    assert accounting.compute_epsilon(events, 1e-5, "rdp") == math.inf
+    assert accounting.gaussian_mu(accounting.DpPlan(0.0, 2, clip_norm=math.inf).dp_event()) \
+        == math.inf

@@ -55,7 +55,8 @@ def test_full_batch_ledger_gdp_closed_form_equals_pld():
 def test_budget_split_is_exact_and_rejects_impossible_splits():
     split = search.budget_split(1.0, 1e-5, 0.05, 0.1)
     mu = math.sqrt(split["mu0"] ** 2 + split["mu1"] ** 2 + split["mu_final"] ** 2)
-    assert accounting.gdp_epsilon(mu, 1e-5) == pytest.approx(1.0, abs=1e-9)
+    assert accounting.gdp_epsilon(mu, 1e-5) == pytest.approx(1.0, abs=1e-7)
+    assert accounting.gdp_epsilon(mu, 1e-5) <= 1.0
     with pytest.raises(ValueError, match="lower them"):
         search.budget_split(1.0, 1e-5, 0.7, 0.8)
     with pytest.raises(ValueError, match="eps0 must be < eps1"):
@@ -99,7 +100,7 @@ def test_search_total_epsilon_is_at_most_the_request(digits_store):
     )
     ledger = result["ledger"]
     assert ledger["num_mechanisms"] == 7  # 2 stages x 3 trials + the final run
-    assert ledger["epsilon"] <= 2.0 + 1e-9
+    assert ledger["epsilon"] <= 2.0
     assert ledger["epsilon"] == pytest.approx(2.0, abs=1e-6)  # the final run gets the rest
     # dp_accounting composing the same events independently agrees.
     acc = pld.PLDAccountant()
@@ -121,6 +122,26 @@ def test_tune_cli_writes_results_with_the_ledger(digits_store, tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "privacy ledger" in printed and "basic composition" in printed
     results = json.loads(out.read_text())
-    assert results["ledger"]["epsilon"] <= 1.0 + 1e-9
+    assert results["ledger"]["epsilon"] <= 1.0
     assert {"epsilon", "delta", "noise_multiplier", "test_accuracy"} <= set(results["runs"][0])
     assert "params" not in results
+
+
+def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkeypatch):
+    """Composition assumes independent noise: each stage and the final run get their own keys."""
+    import jax
+
+    import probe
+
+    seen = []
+    original = probe.make_keys
+
+    def recording(count, seed=None):
+        keys = original(count, seed)
+        seen.extend(tuple(int(v) for v in row) for row in jax.random.key_data(keys))
+        return keys
+
+    monkeypatch.setattr(probe, "make_keys", recording)
+    search.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
+                                 r_range=(1, 10), seed=7, quiet=True)
+    assert len(seen) == 5 and len(set(seen)) == 5
