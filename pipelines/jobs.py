@@ -226,11 +226,8 @@ def run_probe(
     _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability)
     learning_rates = list(learning_rates or [probe.DEFAULT_LEARNING_RATES[optimizer]])
 
-    # Open the store.
-    train_attrs = extract.split_attrs(store, "train")
-    test_attrs = extract.split_attrs(store, "test")
-    for split in ("train", "test"):
-        extract.open_split(store, split)  # raises unless complete
+    # Open the store (both splits must be complete).
+    train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs) for s in ("train", "test"))
     if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
         raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
                          f"vs {test_attrs['feature_shape']}")
@@ -389,9 +386,10 @@ def _stored_labels(store, split) -> np.ndarray:
     return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)
 
 
-def _num_classes(train_attrs, test_attrs, train_labels) -> int:
+def _num_classes(train_attrs, test_attrs, *label_arrays) -> int:
+    """Classes declared by the store, or seen in the labels, whichever is larger."""
     declared = [a.get("num_classes") or 0 for a in (train_attrs, test_attrs)]
-    return int(max(*declared, int(train_labels.max()) + 1))
+    return int(max(*declared, *(int(labels.max()) + 1 for labels in label_arrays)))
 
 
 def _split_brief(attrs: dict) -> dict:

@@ -223,7 +223,7 @@ def linear_scaling_search(
     """
     import extract
     import probe
-    from pipelines.jobs import VERSION, _now
+    from pipelines.jobs import VERSION, _now, _num_classes
 
     start_time = time.perf_counter()
     eps0 = epsilon / 20 if eps0 is None else eps0
@@ -236,7 +236,7 @@ def linear_scaling_search(
     rng = np.random.default_rng(seed)
     train_idx, val_idx = _validation_split(len(y), validation_fraction, rng)
     train_x, train_y, val_x, val_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
-    num_classes = int(max(train_attrs.get("num_classes") or 0, y.max() + 1, test_y.max() + 1))
+    num_classes = _num_classes(train_attrs, test_attrs, y, test_y)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
                            normalization=normalization, groups=groups)
     # Independent noise for every mechanism (composition assumes it): with a seed, one child
