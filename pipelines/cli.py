@@ -189,8 +189,8 @@ def _add_probe(sub) -> None:
     )
     p.add_argument("store", help="feature store written by `dpprobe extract`")
     p.add_argument("--epsilons", type=_floats, default=[0.5, 1, 2, 4, 8, math.inf],
-                   help="target epsilons, comma-separated; inf = non-private reference "
-                   "(default 0.5,1,2,4,8,inf)")
+                   help="target epsilons, comma-separated; inf = non-private reference: "
+                   "the same recipe without noise (default 0.5,1,2,4,8,inf)")
     _add_probe_options(p)
 
 
