@@ -137,6 +137,16 @@ def _add_verify_info(sub) -> None:
     p.add_argument("--json", action="store_true", help="print all attributes as JSON")
 
 
+def _add_model_options(p) -> None:
+    """Loss, clipping and feature normalization: shared by `probe` and `tune`."""
+    p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax",
+                   help="softmax cross-entropy, or one-vs-all sigmoid (bias init -10)")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
+    p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
+                   help="per-example feature normalization (costs no privacy)")
+    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
+
+
 def _add_probe_options(p) -> None:
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--seeds", type=int, default=3, help="runs per config (default 3)")
@@ -150,14 +160,9 @@ def _add_probe_options(p) -> None:
     p.add_argument("--lr", type=_floats, default=None,
                    help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
                    "sgd and momentum 1)")
-    p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax",
-                   help="softmax cross-entropy, or one-vs-all sigmoid (bias init -10)")
+    _add_model_options(p)
     p.add_argument("--bias-init", type=float, default=None,
                    help="initial bias (default 0 for softmax, -10 for sigmoid)")
-    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
-    p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
-                   help="per-example feature normalization (costs no privacy)")
-    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
                    help="privacy accountant (default pld, tight)")
     p.add_argument("--sampling-probability", "-q", type=float, default=1.0,
@@ -222,11 +227,7 @@ def _add_tune(sub) -> None:
                    help="T of the final run (default: the largest --steps-choices)")
     p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
                    default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
-    p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax")
-    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
-    p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
-                   help="per-example feature normalization (costs no privacy)")
-    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
+    _add_model_options(p)
     p.add_argument("--validation-fraction", type=float, default=0.1,
                    help="share of train held out to score trials (default 0.1)")
     p.add_argument("--seed", type=int, default=None,
