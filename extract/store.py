@@ -41,6 +41,7 @@ __all__ = [
     "VerifyReport",
     "choose_rows_per_chunk",
     "chunk_checksum",
+    "finalize_split",
     "iter_split_chunks",
     "load_split",
     "open_split",
@@ -275,10 +276,20 @@ class SplitWriter:
 
     def finalize(self) -> bool:
         """Mark the split complete if every chunk is done; returns whether it is complete."""
-        if self.pending_chunks():
-            return False
-        self.group.attrs.update({"complete": True, "completed": _now()})
-        return True
+        return _mark_complete(self.group)
+
+
+def _mark_complete(group: zarr.Group) -> bool:
+    if not np.asarray(group["chunks_done"][:]).all():
+        return False
+    if not group.attrs.get("complete", False):
+        group.attrs.update({"complete": True, "completed": _now()})
+    return True
+
+
+def finalize_split(store, split: str) -> bool:
+    """Mark a split complete if all its chunks are done (e.g. after shards ran elsewhere)."""
+    return _mark_complete(_open_root(store, "a")[split])
 
 
 def _now() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import math
@@ -164,13 +165,21 @@ def run_extract_ray(options: dict, *, address: str | None = None, num_shards: in
     shards = num_shards or max(1, gpus or int(ray.cluster_resources().get("CPU", 1)))
     _log(f"ray: {shards} shards on {ray.cluster_resources()}", not progress)
     # 1. Create every split (and validate the job) once, on the driver.
-    _extract_local(options, overwrite=overwrite, progress=False, only_create=True)
+    created = _extract_local(options, overwrite=overwrite, progress=False, only_create=True)
     # 2. One task per shard.
     task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_shard)
     results = ray.get([task.remote(options, (k, shards)) for k in range(shards)])
-    # 3. Mark complete what is complete (the last shard usually already did).
-    reports = _extract_local(options, progress=progress)
-    _log(f"ray: {sum(len(r) for r in results)} shard-splits done", not progress)
+    # 3. Mark complete what is complete (the last shard usually already did); no need to load
+    #    the data or the backbone again for that.
+    reports = []
+    for report in created:
+        written = sum(r.chunks_written for shard in results for r in shard
+                      if r.split == report.split)
+        complete = extract.finalize_split(options["out"], report.split)
+        reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
+        _log(f"{options['out']}/{report.split}: {report.num_examples} x {report.feature_shape}, "
+             f"{written}/{report.num_chunks} chunks written by {shards} Ray tasks, "
+             f"{'complete' if complete else 'INCOMPLETE'}", not progress)
     return reports
 
 
