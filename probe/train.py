@@ -281,7 +281,8 @@ def prepare_features(features, spec: ProbeSpec):
     return normalize_features(features, spec.normalization, groups=spec.groups)
 
 
-def _onehot(labels, num_classes) -> np.ndarray:
+def _check_labels(labels, num_classes) -> np.ndarray:
+    """The labels as a 1-D integer array, or a clear error."""
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
@@ -289,7 +290,11 @@ def _onehot(labels, num_classes) -> np.ndarray:
         raise ValueError(
             f"labels must lie in [0, {num_classes}), got range [{labels.min()}, {labels.max()}]"
         )
-    return np.eye(num_classes, dtype=np.float32)[labels]
+    return labels
+
+
+def _onehot(labels, num_classes) -> np.ndarray:
+    return np.eye(num_classes, dtype=np.float32)[_check_labels(labels, num_classes)]
 
 
 def _runs_arrays(runs: Sequence[RunSpec], keys: jax.Array) -> _Runs:
@@ -466,11 +471,9 @@ def _padded_chunks(chunks: Iterable, spec: ProbeSpec, rows: int | None):
     """Validate chunks, pad each to `rows` rows (mask 0) so one compiled kernel serves all."""
     for features, labels in chunks:
         features = np.asarray(features)
-        labels = np.asarray(labels)
+        labels = _check_labels(labels, spec.num_classes)
         if not np.isfinite(features).all():
             raise ValueError("features contain NaN or Inf; re-extract or drop those rows")
-        if labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
-            raise ValueError(f"labels must lie in [0, {spec.num_classes})")
         count = len(labels)
         target = rows or count
         if count > target:
@@ -600,8 +603,7 @@ def train_probe_poisson(
         raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size}")
     arrays = _runs_arrays(runs, keys)
     feats = np.asarray(prepare_features(features, spec))
-    label_array = np.asarray(labels)
-    _onehot(label_array, spec.num_classes)  # validates labels
+    label_array = _check_labels(labels, spec.num_classes)
     if len(feats) != len(label_array):
         raise ValueError(f"{len(feats)} feature rows but {len(label_array)} labels")
     num_examples, num_runs, p = len(feats), len(runs), physical_batch_size
