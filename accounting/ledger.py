@@ -21,7 +21,7 @@ from accounting.plan import (
     NEIGHBORING_RELATION,
     Accountant,
     DpPlan,
-    _dpa,
+    _events,
     compute_epsilon,
     event_to_dict,
     gaussian_mu,
@@ -66,7 +66,7 @@ class PrivacyLedger:
         k entries with the same plan enter as one `SelfComposedDpEvent` of count k: the same
         mechanism, which dp_accounting composes in one go instead of k.
         """
-        dpa = _dpa()
+        dpa = _events()
         counts = collections.Counter(
             e.plan for e in self.entries if role is None or e.role == role
         )

@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import math
+import os
+import sys
 from typing import TYPE_CHECKING, Literal
 
 from accounting.gaussian import gdp_epsilon
@@ -35,9 +38,38 @@ NEIGHBORING_RELATION = "add_or_remove_one"
 
 
 def _dpa():
-    """dp_accounting, imported on first use: it costs ~1 s of start-up (SciPy signal/stats),
-    which a CLI run can overlap with its other work (see `pipelines.cli`)."""
+    """dp_accounting, imported on first use: its accountants pull SciPy's signal and stats
+    packages (~0.5 s of start-up), which building and recording events does not need."""
     return importlib.import_module("dp_accounting")
+
+
+def _events():
+    """dp_accounting's event classes (the module `dp_accounting.dp_event`), cheaply.
+
+    `import dp_accounting` runs the package's `__init__`, which imports the PLD and RDP
+    accountants and through them SciPy (~0.5 s). The event module itself needs only `attrs`,
+    so while the package is not imported yet, that one module is loaded alone, under its own
+    name. A later `import dp_accounting` finds it in `sys.modules` and binds the same module,
+    so the classes are the same objects either way (`isinstance`, equality and pickling agree).
+    """
+    name = "dp_accounting.dp_event"
+    if (module := sys.modules.get(name)) is not None:
+        return module
+    if "dp_accounting" in sys.modules:
+        return importlib.import_module(name)
+    package = importlib.util.find_spec("dp_accounting")  # locates it without running it
+    if package is None or not package.submodule_search_locations:
+        return importlib.import_module(name)  # the usual ImportError
+    path = os.path.join(list(package.submodule_search_locations)[0], "dp_event.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +114,7 @@ class DpPlan:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The `DpEvent` of this run: a Gaussian, Poisson-sampled if q < 1, composed T times."""
-        dpa = _dpa()
+        dpa = _events()
         if not self.is_private:
             return dpa.NonPrivateDpEvent()
         event: dp_accounting.DpEvent = dpa.GaussianDpEvent(self.noise_multiplier)
@@ -129,7 +161,7 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
     mu-GDP with mu = sqrt(sum_i count_i / sigma_i^2) (Dong, Roth & Su 2019; Panda et al. 2023,
     Prop. 2.1). A non-private Gaussian (sigma = 0) gives mu = inf.
     """
-    dpa = _dpa()
+    dpa = _events()
     if isinstance(event, dpa.NonPrivateDpEvent):
         return math.inf
     if isinstance(event, dpa.GaussianDpEvent):
@@ -148,7 +180,7 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
 
 
 def _contains_non_private(event) -> bool:
-    dpa = _dpa()
+    dpa = _events()
     if isinstance(event, dpa.NonPrivateDpEvent):
         return True
     if isinstance(event, dpa.ComposedDpEvent):
@@ -188,7 +220,7 @@ def event_to_dict(event: dp_accounting.DpEvent) -> dict:
     """A JSON-ready description of a `DpEvent`, with the event class names."""
     import attr
 
-    base = _dpa().DpEvent
+    base = _events().DpEvent
     out: dict = {"type": type(event).__name__}
     for field in attr.fields(type(event)):
         value = getattr(event, field.name)

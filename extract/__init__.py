@@ -1,7 +1,7 @@
 """dpprobe's feature extractor: a frozen backbone, run once, into a chunked Zarr store.
 
-The store and data-source API import only NumPy and Zarr; the backbone API (torch, timm) is
-imported on first use, so that jobs which only read a store start fast.
+The store and data-source API import only NumPy (Zarr on first use); the backbone API (torch,
+timm) is imported on first use too, so that jobs which only read a store start fast.
 """
 
 import importlib
@@ -17,13 +17,16 @@ from extract.store import (
     FORMAT,
     FORMAT_VERSION,
     IncompleteSplitError,
+    SplitPrefetch,
     SplitWriter,
     VerifyReport,
+    can_prefetch_in_child,
     choose_rows_per_chunk,
     chunk_checksum,
     finalize_split,
     iter_split_chunks,
     load_split,
+    local_split_attrs,
     open_split,
     shard_chunks,
     split_attrs,
@@ -59,9 +62,11 @@ __all__ = [
     "ImageSplit",
     "IncompleteSplitError",
     "PrecomputedSplit",
+    "SplitPrefetch",
     "SplitWriter",
     "VerifyReport",
     "augment_image",
+    "can_prefetch_in_child",
     "choose_rows_per_chunk",
     "chunk_checksum",
     "create_backbone",
@@ -72,6 +77,7 @@ __all__ = [
     "from_torch_dataset",
     "iter_split_chunks",
     "load_split",
+    "local_split_attrs",
     "open_source",
     "open_split",
     "parse_data_spec",

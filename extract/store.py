@@ -25,13 +25,17 @@ import dataclasses
 import datetime
 import fcntl
 import hashlib
+import importlib
+import json
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zarr
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = [
     "FORMAT",
@@ -63,8 +67,14 @@ class IncompleteSplitError(RuntimeError):
     """The split exists but its extraction did not finish."""
 
 
+def _zarr():
+    """Zarr, imported on first use (~0.25 s): a probe job reads its store in a child process
+    (`prefetch_splits`) and never imports it."""
+    return importlib.import_module("zarr")
+
+
 def _compressor():
-    return zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+    return _zarr().codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
 
 
 def choose_rows_per_chunk(
@@ -116,7 +126,7 @@ def _creation_lock(store):
 
 def _open_root(store, mode: str) -> zarr.Group:
     try:
-        return zarr.open_group(store, mode=mode, zarr_format=3)
+        return _zarr().open_group(store, mode=mode, zarr_format=3)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"no feature store at {store}") from err
 
@@ -333,10 +343,133 @@ def load_split(store, split: str, dtype=np.float32) -> tuple[np.ndarray, np.ndar
     `dtype=None` keeps the stored dtype (a float16 cache stays half the size).
     """
     group = open_split(store, split)
-    features = np.asarray(group["features"][:])
-    if dtype is not None:
-        features = features.astype(dtype, copy=False)
-    return features, np.asarray(group["labels"][:], np.int32), dict(group.attrs)
+    stored = group["features"]
+    features = aligned_empty(stored.shape, stored.dtype)
+    labels = np.empty(stored.shape[:1], np.int32)
+    _read_into(group, features, labels)
+    if dtype is not None and np.dtype(dtype) != features.dtype:
+        converted = aligned_empty(features.shape, dtype)
+        converted[...] = features
+        features = converted
+    return features, labels, dict(group.attrs)
+
+
+def _read_into(group, features: np.ndarray, labels: np.ndarray) -> None:
+    """Decode a split's features and labels straight into the given arrays."""
+    from zarr.core.buffer.cpu import NDBuffer
+
+    stored = group["features"]
+    if stored.shape != features.shape or stored.dtype != features.dtype:
+        raise ValueError(f"{group.path}: stored features are {stored.dtype} {stored.shape}, "
+                         f"their attributes say {features.dtype} {features.shape}")
+    stored.get_basic_selection(Ellipsis, out=NDBuffer.from_numpy_array(features))
+    labels[...] = group["labels"][:]
+
+
+def local_split_attrs(store, split: str) -> dict | None:
+    """A complete split's attributes, read from the Zarr v3 metadata (`zarr.json`) of a store on
+    local disk without importing Zarr; None when that is not possible (a URL, a missing or
+    incomplete split, not a dpprobe store): `open_split` then gives the answer or the error."""
+    if not isinstance(store, str | os.PathLike) or "://" in os.fspath(store):
+        return None
+    try:
+        with open(os.path.join(store, "zarr.json")) as f:
+            root = json.load(f)
+        with open(os.path.join(store, split, "zarr.json")) as f:
+            group = json.load(f)
+    except (OSError, ValueError):
+        return None
+    attrs = group.get("attributes") or {}
+    if ((root.get("attributes") or {}).get("format") != FORMAT
+            or group.get("node_type") != "group" or attrs.get("complete") is not True):
+        return None
+    return attrs
+
+
+def can_prefetch_in_child() -> bool:
+    """Whether `SplitPrefetch` may fork: a POSIX system, and a process with one thread that has
+    not loaded JAX or torch (whose native thread pools make a fork unsafe)."""
+    import sys
+    import threading
+
+    return (hasattr(os, "fork") and threading.active_count() == 1
+            and not any(name in sys.modules for name in ("jax", "jaxlib", "torch")))
+
+
+class SplitPrefetch:
+    """Complete splits of a local store, read by a forked child process into shared memory.
+
+    The parent goes on meanwhile: a probe job imports JAX (~0.7 s) while the child imports Zarr
+    and decodes the features, on the other core, so the parent never imports Zarr at all. The
+    arrays are page-aligned, so JAX's CPU client uses them in place. Check
+    `can_prefetch_in_child()` first.
+
+    Args:
+      store: a local store directory.
+      splits: {split: its attributes (from `local_split_attrs`)}: they give the shapes.
+    """
+
+    def __init__(self, store, splits: dict[str, dict]):
+        self._arrays = {}
+        for split, attrs in splits.items():
+            shape = (int(attrs["num_examples"]), *attrs["feature_shape"])
+            self._arrays[split] = (_shared_empty(shape, attrs["dtype"]),
+                                   _shared_empty(shape[:1], np.int32))
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: read, report, and leave without running any parent code
+            code = 1
+            try:
+                os.close(read_fd)
+                for split, (features, labels) in self._arrays.items():
+                    _read_into(open_split(store, split), features, labels)
+                code = 0
+            except BaseException as err:
+                os.write(write_fd, f"{type(err).__name__}: {err}".encode()[:8192])
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        self._store, self._pid, self._read_fd, self._error = store, pid, read_fd, None
+
+    def wait(self) -> None:
+        """Wait for the child; raise if it failed."""
+        if self._pid is not None:
+            with os.fdopen(self._read_fd, "rb") as pipe:
+                message = pipe.read().decode(errors="replace")
+            _, status = os.waitpid(self._pid, 0)
+            self._pid = None
+            if os.waitstatus_to_exitcode(status) != 0:
+                self._error = message or f"the reader exited with status {status}"
+        if self._error:
+            raise RuntimeError(f"reading {self._store} failed: {self._error}")
+
+    def result(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """(features as stored, labels int32) of a split."""
+        self.wait()
+        return self._arrays[split]
+
+
+def _shared_empty(shape, dtype) -> np.ndarray:
+    """A zeroed array in anonymous shared memory (visible to a forked child; page-aligned)."""
+    import mmap
+
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    return np.frombuffer(buffer, dtype, count=count).reshape(shape)
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an `alignment`-byte boundary.
+
+    NumPy aligns to 16 bytes; JAX's CPU client uses a 64-byte-aligned host array in place
+    (`jax.device_put` costs nothing) and copies any other (~60 ms for 73 MB here).
+    """
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset:offset + size].view(dtype).reshape(shape)
 
 
 def iter_split_chunks(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import sys
+import threading
 
 # A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
 # users who want the hub set HF_HUB_OFFLINE=0 explicitly.
@@ -322,11 +324,18 @@ def _enable_jax_cache() -> None:
     """
     if os.environ.get("DPPROBE_JAX_CACHE", "1") == "0":
         return
-    import jax
-
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(base, "dpprobe", "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    settings = {"jax_compilation_cache_dir": os.path.join(base, "dpprobe", "jax"),
+                "jax_persistent_cache_min_compile_time_secs": 0.1}
+    if "jax" in sys.modules:
+        import jax
+
+        for name, value in settings.items():
+            jax.config.update(name, value)
+    else:  # read by JAX when it is imported; not importing it here lets the job import it
+        # while it reads the store (see `jobs.run_probe`). A user's own JAX_* setting wins.
+        for name, value in settings.items():
+            os.environ.setdefault(name.upper(), str(value))
 
 
 def _run(args) -> int:
@@ -460,5 +469,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `dpprobe` console script: `main`, then a fast exit once every output is written.
+
+    Tearing down an interpreter that has loaded JAX (its CPU client, thousands of modules) takes
+    ~0.3 s, a sixth of a whole probe sweep. So once the command has returned, stdout/stderr are
+    flushed, the atexit handlers run (JAX's, Ray's shutdown, multiprocessing's), and the process
+    leaves with `os._exit`. If a non-daemon thread is still alive, the normal exit joins it.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import itertools
 import math
 import os
@@ -229,14 +231,17 @@ def run_probe(
     Returns:
       The results dict (also written to `out` as JSON when given).
     """
-    import probe  # JAX: imported here so that `dpprobe extract` does not pay for it
-
     start = time.perf_counter()
     _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability)
-    learning_rates = list(learning_rates or [probe.DEFAULT_LEARNING_RATES[optimizer]])
 
-    # Open the store (both splits must be complete).
-    train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs) for s in ("train", "test"))
+    # Open the store (both splits must be complete). A local store's attributes come straight
+    # from its metadata files, so that this process need not import Zarr (see below).
+    local = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
+    if all(local.values()):
+        train_attrs, test_attrs = local["train"], local["test"]
+    else:  # or the error that says what is wrong
+        train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs)
+                                   for s in ("train", "test"))
     if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
         raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
                          f"vs {test_attrs['feature_shape']}")
@@ -249,10 +254,32 @@ def run_probe(
     if devices and devices > 1 and (stream or sampling_probability < 1.0):
         raise ValueError("--devices shards in-memory full-batch training; it does not combine "
                          "with --stream or -q < 1")
-    if not stream:
-        train_x, train_y, _ = extract.load_split(store, "train", dtype=None)
+    # Read the splits while JAX is imported (`import probe` is the first JAX import, so
+    # `dpprobe extract` never pays for it): in a forked child process where possible (it imports
+    # Zarr and decodes on the other core), else in threads (Zarr decodes in its own threads).
+    test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
+    test_in_memory = not stream and not _too_big_for_memory(test_bytes)
+    if all(local.values()) and test_in_memory and extract.can_prefetch_in_child():
+        reader = extract.SplitPrefetch(store, {"train": train_attrs, "test": test_attrs})
+        import probe
+
+        (train_x, train_y), test_chunks = reader.result("train"), [reader.result("test")]
     else:
-        train_y = _stored_labels(store, "train")
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dpprobe-read") as pool:
+            train_read = pool.submit(
+                _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
+                store, "train",
+            )
+            test_read = pool.submit(lambda: list(extract.iter_split_chunks(
+                store, "test", dtype=None))) if test_in_memory else None
+            import probe
+
+            if stream:
+                train_y = train_read.result()
+            else:
+                train_x, train_y, _ = train_read.result()
+            test_chunks = test_read.result() if test_read else None
+    learning_rates = list(learning_rates or [probe.DEFAULT_LEARNING_RATES[optimizer]])
     num_classes = _num_classes(train_attrs, test_attrs, train_y)
     if delta >= 1.0 / num_examples:
         _log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
@@ -298,8 +325,10 @@ def run_probe(
                                    progress=progress)
 
     # Evaluate on the test split.
+    if test_chunks is None:  # streamed
+        test_chunks = extract.iter_split_chunks(store, "test", dtype=None)
     metrics = probe.evaluate_chunks(
-        result.params, extract.iter_split_chunks(store, "test", dtype=None),
+        result.params, test_chunks,
         normalization=spec.normalization, groups=spec.groups,
     )
 

@@ -64,11 +64,12 @@ def evaluate_chunks(
     num_classes = int(params["w"].shape[-1])
     kwargs = dict(num_classes=num_classes, top_k=min(top_k, num_classes),
                   normalization=normalization, groups=groups)
-    params = jax.tree.map(jnp.asarray, params)
+    params = jax.device_put(params)  # once, not once per block
     totals = None
     for features, labels in chunks:
         features, labels = np.asarray(features), np.asarray(labels, np.int32)
-        block_rows = block_rows or max(1, min(len(labels), 8192))
+        # Default: the first chunk in equal blocks of at most 8192 rows (little padding).
+        block_rows = block_rows or max(1, -(-len(labels) // max(1, -(-len(labels) // 8192))))
         for start in range(0, len(labels), block_rows):
             x, y = features[start:start + block_rows], labels[start:start + block_rows]
             mask = np.zeros((block_rows,), np.float32)
@@ -77,11 +78,12 @@ def evaluate_chunks(
             if pad:
                 x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
                 y = np.concatenate([y, np.zeros(pad, np.int32)])
-            counts = _counts(params, x, y, mask, **kwargs)
-            totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
+            counts = [np.asarray(c, np.float64) for c in _counts(params, x, y, mask, **kwargs)]
+            totals = counts if totals is None else [
+                t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:
         raise ValueError("no examples to evaluate")
-    top1, topk, per_class, class_counts = (np.asarray(t, np.float64) for t in totals)
+    top1, topk, per_class, class_counts = totals
     n = class_counts.sum()
     with np.errstate(invalid="ignore", divide="ignore"):
         per_class = per_class / class_counts[None, :]

@@ -146,7 +146,7 @@ class _State(NamedTuple):
 
 
 class _Runs(NamedTuple):
-    """Per-run arrays, device side."""
+    """Per-run arrays (NumPy: the jitted steps take them as arguments, no eager device ops)."""
 
     noise_std: jax.Array  # sigma * C (0 for non-private runs)
     clip: jax.Array
@@ -161,7 +161,7 @@ def make_keys(count: int, seed: int | None = None) -> jax.Array:
     """`count` independent noise keys: from OS entropy, or derived from `seed` if given."""
     if seed is None:
         data = np.frombuffer(os.urandom(8 * count), dtype=np.uint32).reshape(count, 2)
-        return jax.random.wrap_key_data(jnp.asarray(data))
+        return jax.random.wrap_key_data(data)  # from NumPy: no device program to compile
     base = jax.random.key(seed)
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(count))
 
@@ -237,29 +237,47 @@ def _gram(features):
     return feature_gram(features if features.ndim == 3 else features[:, None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
-    features = features.astype(jnp.float32)  # a float16 cache stays float16 in memory
+def _in_memory_sums(features, block_rows):
+    """The clipped-sum function of the in-memory trainer.
+
+    Blocked (`block_rows`): the features stay as stored (float16 too) and each row block is
+    converted and used while in cache. Unblocked (row-sharded features): one float32 copy and
+    the loop-invariant Gram, reused by every step of the program.
+    """
+    if block_rows is not None:
+        return features, None
+    features = features.astype(jnp.float32)
+    return features, _gram(features)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block_rows"))
+def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec, block_rows):
+    """Step 0 of every run, and the number of rows with a NaN or Inf feature (checked here, in
+    one fused pass, rather than by a separate NumPy pass over the whole array)."""
+    finite_rows = jnp.isfinite(features.reshape(features.shape[0], -1)).all(axis=1)
+    nonfinite_rows = jnp.sum(~finite_rows & (mask > 0))
     state = _initial_state(spec, runs.lr.shape[0], features.shape[-1])
-    gram = _gram(features)
+    features, gram = _in_memory_sums(features, block_rows)
 
     def sum_fn(params, clip):
         return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram)
+                                gram=gram, block_rows=block_rows)
 
     sums, num_clipped = _shared_start_sums(spec, runs, features.shape[-1], sum_fn)
-    return _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
-                                 num_examples)
+    state = _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
+                                  num_examples)
+    return state, nonfinite_rows
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: _Runs, *, spec):
-    features = features.astype(jnp.float32)
-    gram = _gram(features)  # O(N d), loop-invariant: computed once per block of steps
+@functools.partial(jax.jit, static_argnames=("spec", "block_rows"), donate_argnames=("state",))
+def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: _Runs, *, spec,
+                block_rows):
+    features, gram = _in_memory_sums(features, block_rows)
 
     def body(step, state):
         sums, num_clipped = clipped_grad_sum(
-            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram
+            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram,
+            block_rows=block_rows,
         )
         return _privatize_and_update(spec, runs, state, sums, num_clipped, step, num_examples,
                                      num_examples)
@@ -267,17 +285,25 @@ def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: 
     return jax.lax.fori_loop(start, stop, body, state)
 
 
-def prepare_features(features, spec: ProbeSpec):
-    """Validate and normalize features ((N, d) or (N, views, d)); float16 is kept as is."""
+def _nonfinite_error(rows: int) -> ValueError:
+    return ValueError(f"features contain NaN or Inf in {rows} rows; re-extract or drop them")
+
+
+def prepare_features(features, spec: ProbeSpec, *, check_finite: bool = True):
+    """Validate and normalize features ((N, d) or (N, views, d)); float16 is kept as is.
+
+    `check_finite=False` leaves the NaN/Inf check to the caller (`train_probe` does it inside
+    its first jitted step).
+    """
     features = np.asarray(features)
     if features.ndim not in (2, 3):
         raise ValueError(f"features must be (N, d) or (N, views, d), got shape {features.shape}")
     if not np.issubdtype(features.dtype, np.floating):
         raise ValueError(f"features must be floating point, got {features.dtype}")
-    finite = np.isfinite(features)
-    if not finite.all():
-        bad = int((~finite).reshape(len(features), -1).any(axis=1).sum())
-        raise ValueError(f"features contain NaN or Inf in {bad} rows; re-extract or drop them")
+    if check_finite:
+        finite = np.isfinite(features)
+        if not finite.all():
+            raise _nonfinite_error(int((~finite).reshape(len(features), -1).any(axis=1).sum()))
     return normalize_features(features, spec.normalization, groups=spec.groups)
 
 
@@ -309,14 +335,26 @@ def _runs_arrays(runs: Sequence[RunSpec], keys: jax.Array) -> _Runs:
     noise_std = np.where(sigma > 0, sigma * np.where(np.isfinite(clip), clip, 0.0), 0.0)
     unique_clips, clip_index = np.unique(clip, return_inverse=True)
     return _Runs(
-        noise_std=jnp.asarray(noise_std, jnp.float32),
-        clip=jnp.asarray(clip),
-        lr=jnp.asarray([r.learning_rate for r in runs], jnp.float32),
-        steps=jnp.asarray([r.plan.steps for r in runs], jnp.int32),
+        noise_std=noise_std.astype(np.float32),
+        clip=clip,
+        lr=np.array([r.learning_rate for r in runs], np.float32),
+        steps=np.array([r.plan.steps for r in runs], np.int32),
         keys=keys,
-        unique_clips=jnp.asarray(unique_clips),
-        clip_index=jnp.asarray(clip_index.reshape(-1), jnp.int32),
+        unique_clips=unique_clips,
+        clip_index=clip_index.reshape(-1).astype(np.int32),
     )
+
+
+def _block_rows(features) -> int | None:
+    """Rows per block of the in-memory clipped sum: blocks of ~1 MiB of float32 on CPU, where
+    cache reuse pays; none on accelerators, where one large matmul is best."""
+    if jax.default_backend() != "cpu":
+        return None
+    row_floats = math.prod(features.shape[1:])
+    return max(64, _CPU_BLOCK_FLOATS // row_floats)
+
+
+_CPU_BLOCK_FLOATS = 2**18
 
 
 def _check_full_batch(runs: Sequence[RunSpec]) -> None:
@@ -405,20 +443,23 @@ def train_probe(
     """
     _check_full_batch(runs)
     arrays = _runs_arrays(runs, keys)
-    feats = prepare_features(features, spec)
+    feats = prepare_features(features, spec, check_finite=False)  # checked in `_first_step`
     onehot = _onehot(labels, spec.num_classes)
     if feats.shape[0] != onehot.shape[0]:
         raise ValueError(f"{feats.shape[0]} feature rows but {onehot.shape[0]} labels")
-    num_examples = jnp.float32(feats.shape[0])
+    num_examples = np.float32(feats.shape[0])
     if mesh is None:  # on the device once, not once per block of steps
         feats, onehot, mask = jax.device_put((feats, onehot, np.ones(len(onehot), np.float32)))
     else:
         feats, onehot, mask = shard_rows(mesh, feats, onehot)
     data = (feats, onehot, mask, num_examples)
-    state = _first_step(*data, arrays, spec=spec)
+    block_rows = _block_rows(feats) if mesh is None else None
+    state, nonfinite_rows = _first_step(*data, arrays, spec=spec, block_rows=block_rows)
+    if nonfinite_rows:  # nothing trained on them is returned
+        raise _nonfinite_error(int(nonfinite_rows))
     total = max(r.plan.steps for r in runs)
     for start, stop in _step_blocks(total, progress, "probe steps"):
-        state = _more_steps(state, start, stop, *data, arrays, spec=spec)
+        state = _more_steps(state, start, stop, *data, arrays, spec=spec, block_rows=block_rows)
     return _result(state, arrays)
 
 
@@ -521,7 +562,7 @@ def train_probe_streaming(
     arrays = _runs_arrays(runs, keys)
     state = _initial_state(spec, len(runs), dim)
     total = max(r.plan.steps for r in runs)
-    denominator = jnp.float32(num_examples)
+    denominator = np.float32(num_examples)
     first_start = init_params(arrays.unique_clips.shape[0], dim, spec)
     bar = tqdm(total=total, unit="step", desc="probe steps (streamed)", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, leave=False)
@@ -610,7 +651,7 @@ def train_probe_poisson(
     rates = np.array([r.plan.sampling_probability for r in runs])
     steps = np.array([r.plan.steps for r in runs])
     rng = np.random.default_rng(sampling_seed)  # OS entropy when None
-    denominator = jnp.asarray(rates * num_examples, jnp.float32)
+    denominator = (rates * num_examples).astype(np.float32)
     state = _initial_state(spec, num_runs, feats.shape[-1])
     total = int(steps.max())
     batch_sizes = np.zeros((total, num_runs), np.int64)
@@ -638,6 +679,6 @@ def train_probe_poisson(
                 sums = part_sums if sums is None else jax.tree.map(jnp.add, sums, part_sums)
                 num_clipped = part_clipped if num_clipped is None else num_clipped + part_clipped
             state = _finish_step(state, sums, num_clipped, step, denominator,
-                                 jnp.asarray(batch_sizes[step], jnp.float32), arrays, spec=spec)
+                                 batch_sizes[step].astype(np.float32), arrays, spec=spec)
             bar.update(1)
     return _result(state, arrays, batch_sizes)

@@ -119,3 +119,63 @@ def test_rows_per_chunk_follows_row_size():
     assert extract.choose_rows_per_chunk(10**6, (8192,), 4) == 256
     assert extract.choose_rows_per_chunk(100, (768,), 2) == 100
     assert extract.choose_rows_per_chunk(10**6, (10**7,), 4) == 64
+
+
+# A fresh interpreter without JAX or torch (as `dpprobe probe` is when it forks its reader).
+_PREFETCH = """
+import sys, numpy as np, extract
+store = sys.argv[1]
+assert extract.can_prefetch_in_child()
+attrs = extract.local_split_attrs(store, "train")
+assert "zarr" not in sys.modules  # the parent read the attributes without Zarr
+reader = extract.SplitPrefetch(store, {"train": attrs})
+features, labels = reader.result("train")
+assert "zarr" not in sys.modules
+ref, ref_labels, _ = extract.load_split(store, "train", dtype=None)
+assert features.dtype == ref.dtype and np.array_equal(features, ref), "features differ"
+assert labels.dtype == np.int32 and np.array_equal(labels, ref_labels), "labels differ"
+assert features.ctypes.data % 64 == 0
+print("ok")
+"""
+
+
+def _prefetch_in_fresh_process(store):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _PREFETCH, store], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_child_process_prefetch_equals_load_split(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    features = rng.normal(size=(300, 7)).astype(np.float32)
+    _fill(writer := _writer(store, dtype="float16"), features, rng.integers(0, 4, size=300))
+    writer.finalize()
+    done = _prefetch_in_fresh_process(store)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_child_process_prefetch_reports_a_bad_chunk(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    _fill(writer := _writer(store), rng.normal(size=(300, 7)), rng.integers(0, 4, size=300))
+    writer.finalize()
+    (tmp_path / "s.zarr" / "train" / "features" / "c" / "2" / "0").write_bytes(b"garbage")
+    done = _prefetch_in_fresh_process(store)
+    assert done.returncode != 0
+    assert "reading" in done.stderr and "failed" in done.stderr, done.stderr
+
+
+def test_local_split_attrs_only_for_complete_local_splits(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    features, labels = rng.normal(size=(300, 7)), rng.integers(0, 4, size=300)
+    writer = _writer(store)
+    _fill(writer, features, labels, chunks=[0])
+    assert extract.local_split_attrs(store, "train") is None  # incomplete
+    _fill(writer, features, labels)
+    writer.finalize()
+    attrs = extract.local_split_attrs(store, "train")
+    assert attrs == extract.split_attrs(store, "train")
+    assert extract.local_split_attrs(store, "test") is None  # missing
+    assert extract.local_split_attrs(str(tmp_path / "nowhere"), "train") is None
+    assert extract.local_split_attrs("s3://bucket/s.zarr", "train") is None
