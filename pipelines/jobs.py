@@ -321,8 +321,9 @@ def run_probe(
         mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
         driver = "full batch, in memory" + (f", rows sharded over {devices} devices"
                                             if mesh else "")
+        # Not waited for: the evaluation below is traced while the training computes.
         result = probe.train_probe(train_x, train_y, runs, keys, spec, mesh=mesh,
-                                   progress=progress)
+                                   progress=progress, wait=False)
 
     # Evaluate on the test split.
     if test_chunks is None:  # streamed
@@ -331,6 +332,7 @@ def run_probe(
         result.params, test_chunks,
         normalization=spec.normalization, groups=spec.groups,
     )
+    result.wait()  # raises here if the features held NaN/Inf: nothing is reported
 
     # Record.
     records = []

@@ -132,11 +132,24 @@ class TrainResult:
     """Trained stacked parameters (numpy, leading axis = run) and clipping statistics.
 
     `batch_sizes` (steps, runs) holds the sampled logical batch sizes of Poisson training.
+    From `train_probe(..., wait=False)` the fields are JAX arrays still being computed (and
+    `clipped_fraction` is None) until `wait()` is called.
     """
 
     params: dict
-    clipped_fraction: np.ndarray  # mean over steps of the fraction of examples clipped
+    clipped_fraction: np.ndarray | None  # mean over steps of the fraction of examples clipped
     batch_sizes: np.ndarray | None = None
+    _finish: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def wait(self) -> TrainResult:
+        """Block until training is done, check it, and make the fields NumPy; returns self.
+
+        Raises ValueError if the features held NaN or Inf (checked during the first step).
+        """
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self.params, self.clipped_fraction = finish()
+        return self
 
 
 class _State(NamedTuple):
@@ -420,6 +433,7 @@ def train_probe(
     *,
     mesh: jax.sharding.Mesh | None = None,
     progress: bool = False,
+    wait: bool = True,
 ) -> TrainResult:
     """Train one zero-initialized linear probe per run, full batch, all runs in one program.
 
@@ -434,6 +448,10 @@ def train_probe(
         (data parallel); the clipped sums are reduced across devices and the noise is added
         once, to the reduced sum.
       progress: show a progress bar over steps.
+      wait: return when training is done, with NumPy arrays. False returns as soon as the
+        work is dispatched (JAX runs it asynchronously), so that the caller can prepare its
+        next program (e.g. `evaluate_chunks(result.params, ...)`) meanwhile; then call
+        `result.wait()`, which also raises if the features held NaN or Inf.
 
     Returns:
       TrainResult with params {"w": (P, d, C), "b": (P, C)}.
@@ -455,17 +473,30 @@ def train_probe(
     data = (feats, onehot, mask, num_examples)
     block_rows = _block_rows(feats) if mesh is None else None
     state, nonfinite_rows = _first_step(*data, arrays, spec=spec, block_rows=block_rows)
-    if nonfinite_rows:  # nothing trained on them is returned
-        raise _nonfinite_error(int(nonfinite_rows))
     total = max(r.plan.steps for r in runs)
+    if total > 1:  # check before spending more steps on them
+        _raise_if_nonfinite(nonfinite_rows)
     for start, stop in _step_blocks(total, progress, "probe steps"):
         state = _more_steps(state, start, stop, *data, arrays, spec=spec, block_rows=block_rows)
-    return _result(state, arrays)
+    result = TrainResult(state.params, None, None, functools.partial(
+        _finish_result, state, arrays, nonfinite_rows))
+    return result.wait() if wait else result
+
+
+def _raise_if_nonfinite(nonfinite_rows) -> None:
+    if nonfinite_rows is not None and (rows := int(nonfinite_rows)):
+        raise _nonfinite_error(rows)  # nothing trained on them is returned
+
+
+def _finish_result(state: _State, runs: _Runs, nonfinite_rows=None):
+    _raise_if_nonfinite(nonfinite_rows)
+    clipped = np.asarray(state.clipped_total) / np.asarray(runs.steps)
+    return jax.tree.map(np.asarray, state.params), clipped
 
 
 def _result(state: _State, runs: _Runs, batch_sizes=None) -> TrainResult:
-    clipped = np.asarray(state.clipped_total) / np.asarray(runs.steps)
-    return TrainResult(jax.tree.map(np.asarray, state.params), clipped, batch_sizes)
+    params, clipped = _finish_result(state, runs)
+    return TrainResult(params, clipped, batch_sizes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,6 +63,23 @@ def test_probe_writes_results_json(digits_store, tmp_path, capsys):
     assert acc["inf"] > 0.9 and acc[8.0] > 0.6
 
 
+def test_fresh_cli_process_equals_the_in_process_job(digits_store, tmp_path):
+    """A fresh `dpprobe probe` reads the store in a forked child while it imports JAX; this
+    process has JAX loaded, so `run_probe` reads in threads here. Same seed, same results."""
+    from pipelines import run_probe
+
+    out = tmp_path / "cli.json"
+    args = dict(epsilons=[1.0, math.inf], delta=1e-5, seeds=2, optimizer="adam", seed=7)
+    result = _dpprobe("probe", digits_store, "--epsilons", "1,inf", "--delta", "1e-5",
+                      "--seeds", "2", "--optimizer", "adam", "--seed", "7", "--out", str(out),
+                      "--quiet")
+    assert result.returncode == 0, result.stderr
+    fresh = json.loads(out.read_text())["runs"]
+    here = run_probe(digits_store, quiet=True, **args)["runs"]
+    assert [r["test_accuracy"] for r in fresh] == [r["test_accuracy"] for r in here]
+    assert [str(r["epsilon_spent"]) for r in fresh] == [str(r["epsilon_spent"]) for r in here]
+
+
 def test_probe_errors_are_one_line(tmp_path, digits_store):
     result = _dpprobe("probe", str(tmp_path / "missing.zarr"))
     assert result.returncode == 2 and "no feature store" in result.stderr

@@ -64,6 +64,29 @@ def test_sweep_equals_each_run_alone(rng, optimizer):
         np.testing.assert_allclose(swept.clipped_fraction[i], alone.clipped_fraction[0])
 
 
+def test_row_blocked_training_equals_one_pass(rng, monkeypatch):
+    """On CPU the in-memory trainer sums row blocks (here 3 of 64 rows for 150 rows, the last
+    one overlapping and masked); it equals the one-pass program, waited for or not."""
+    from probe import train
+
+    features, labels, _ = random_problem(rng, n=150, d=16, c=4)
+    features = features.astype(np.float16)
+    spec = probe.ProbeSpec(4, optimizer="adam")
+    runs = _runs([0.5, 2.0, math.inf], steps=3, lr=0.05, clip=7.0)
+    keys = probe.make_keys(len(runs), seed=3)
+    monkeypatch.setattr(train, "_CPU_BLOCK_FLOATS", 64 * 16)
+    assert train._block_rows(features) == 64
+    blocked = probe.train_probe(features, labels, runs, keys, spec, wait=False)
+    assert blocked.clipped_fraction is None  # not collected yet
+    blocked.wait()
+    monkeypatch.setattr(train, "_block_rows", lambda features: None)
+    one_pass = probe.train_probe(features, labels, runs, keys, spec)
+    np.testing.assert_allclose(blocked.params["w"], one_pass.params["w"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(blocked.params["b"], one_pass.params["b"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(blocked.clipped_fraction, one_pass.clipped_fraction)
+    assert 0 < one_pass.clipped_fraction[0] < 1
+
+
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
 def test_non_private_run_is_plain_gradient_descent(rng, loss):
     features, labels, _ = random_problem(rng, n=96, d=8, c=3)
@@ -107,6 +130,9 @@ def test_bad_inputs_are_rejected_with_clear_errors(rng):
     bad[3, 1] = np.nan
     with pytest.raises(ValueError, match="NaN or Inf in 1 rows"):
         probe.train_probe(bad, labels, runs, probe.make_keys(1), spec)
+    pending = probe.train_probe(bad, labels, runs, probe.make_keys(1), spec, wait=False)
+    with pytest.raises(ValueError, match="NaN or Inf in 1 rows"):
+        pending.wait()  # not waited for: the check is raised when the result is collected
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
         probe.train_probe(features, labels + 5, runs, probe.make_keys(1), spec)
     with pytest.raises(ValueError, match="16 feature rows but 15 labels"):
