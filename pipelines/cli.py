@@ -327,6 +327,9 @@ def _enable_jax_cache() -> None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     settings = {"jax_compilation_cache_dir": os.path.join(base, "dpprobe", "jax"),
                 "jax_persistent_cache_min_compile_time_secs": 0.1}
+    # Compiled probe programs, which a fresh process need not even trace (probe.executables).
+    os.environ.setdefault("DPPROBE_EXECUTABLE_CACHE",
+                          os.path.join(base, "dpprobe", "executables"))
     if "jax" in sys.modules:
         import jax
 

@@ -113,7 +113,6 @@ def clipped_grad_sum(
     loss: Loss,
     mask: jax.Array | None = None,
     gram: jax.Array | None = None,
-    block_rows: int | None = None,
 ) -> tuple[dict, jax.Array]:
     """Sum over examples of per-example gradients clipped to `clip_norm`, per config.
 
@@ -126,11 +125,6 @@ def clipped_grad_sum(
       loss: "softmax" or "sigmoid".
       mask: optional (N,) 0/1 weights; masked rows contribute nothing (padding).
       gram: optional precomputed `feature_gram(features)` (it does not change across steps).
-      block_rows: if set, accumulate the sum over blocks of this many rows in a loop: the
-        same sum (up to float summation order), but no (N, d) float32 copy of the features
-        and no (N, P, C) residuals are ever built, and each block is converted, normed and
-        multiplied while it is in cache (about 2.5x faster for float16 features on CPU).
-        Leave it None for row-sharded features (the loop would gather the shards).
 
     Returns:
       ({"w": (P, d, C), "b": (P, C)} clipped sums, (P,) number of examples that were clipped).
@@ -138,9 +132,6 @@ def clipped_grad_sum(
     DP contract: rows of `features` are distinct individuals; each contributes at most
     `clip_norm` in L2 norm to the returned sum of its config.
     """
-    if block_rows is not None and features.shape[0] > block_rows:
-        return _blocked_clipped_grad_sum(params, features, onehot, clip_norm, loss=loss,
-                                         mask=mask, gram=gram, block_rows=block_rows)
     features = _as_views(features).astype(jnp.promote_types(features.dtype, jnp.float32))
     views = features.shape[1]
     res, sq_norms = _residuals_and_norms(params, features, onehot, loss, gram)
@@ -159,30 +150,3 @@ def clipped_grad_sum(
     }
     return sums, num_clipped
 
-
-def _blocked_clipped_grad_sum(params, features, onehot, clip_norm, *, loss, mask, gram,
-                              block_rows):
-    """`clipped_grad_sum` accumulated over row blocks in a loop, nothing padded or copied.
-
-    Block i covers rows [i B, i B + B); the last one starts at N - B instead (dynamic slices
-    stay in bounds) and masks the rows an earlier block already counted.
-    """
-    num_rows = features.shape[0]
-    if mask is None:
-        mask = jnp.ones((num_rows,), jnp.float32)
-
-    def body(i, carry):
-        first = i * block_rows
-        start = jnp.minimum(first, num_rows - block_rows)
-
-        def rows(a):
-            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, block_rows)
-
-        fresh = start + jnp.arange(block_rows) >= first
-        block = clipped_grad_sum(params, rows(features), rows(onehot), clip_norm, loss=loss,
-                                 mask=rows(mask) * fresh, gram=rows(gram))
-        return jax.tree.map(jnp.add, carry, block)
-
-    zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-             jnp.zeros(clip_norm.shape, jnp.int32))
-    return jax.lax.fori_loop(0, -(-num_rows // block_rows), body, zeros)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probe.clipping import linear_logits
+from probe.executables import cached_call
 from probe.normalization import normalize_features
 
 __all__ = ["evaluate", "evaluate_chunks"]
@@ -78,7 +79,8 @@ def evaluate_chunks(
             if pad:
                 x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
                 y = np.concatenate([y, np.zeros(pad, np.int32)])
-            counts = [np.asarray(c, np.float64) for c in _counts(params, x, y, mask, **kwargs)]
+            counts = [np.asarray(c, np.float64)
+                      for c in cached_call(_counts, params, x, y, mask, **kwargs)]
             totals = counts if totals is None else [
                 t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:

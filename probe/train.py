@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from accounting import DpPlan
 from probe.clipping import LOSSES, Loss, clipped_grad_sum, feature_gram
+from probe.executables import cached_call
 from probe.normalization import NORMALIZATIONS, normalize_features
 from probe.optimizers import OPTIMIZERS, make_optimizer
 
@@ -250,31 +251,19 @@ def _gram(features):
     return feature_gram(features if features.ndim == 3 else features[:, None, :])
 
 
-def _in_memory_sums(features, block_rows):
-    """The clipped-sum function of the in-memory trainer.
-
-    Blocked (`block_rows`): the features stay as stored (float16 too) and each row block is
-    converted and used while in cache. Unblocked (row-sharded features): one float32 copy and
-    the loop-invariant Gram, reused by every step of the program.
-    """
-    if block_rows is not None:
-        return features, None
-    features = features.astype(jnp.float32)
-    return features, _gram(features)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "block_rows"))
-def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec, block_rows):
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
     """Step 0 of every run, and the number of rows with a NaN or Inf feature (checked here, in
     one fused pass, rather than by a separate NumPy pass over the whole array)."""
     finite_rows = jnp.isfinite(features.reshape(features.shape[0], -1)).all(axis=1)
     nonfinite_rows = jnp.sum(~finite_rows & (mask > 0))
+    features = features.astype(jnp.float32)  # a float16 cache stays float16 in memory
     state = _initial_state(spec, runs.lr.shape[0], features.shape[-1])
-    features, gram = _in_memory_sums(features, block_rows)
+    gram = _gram(features)
 
     def sum_fn(params, clip):
         return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram, block_rows=block_rows)
+                                gram=gram)
 
     sums, num_clipped = _shared_start_sums(spec, runs, features.shape[-1], sum_fn)
     state = _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
@@ -282,15 +271,14 @@ def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec, bloc
     return state, nonfinite_rows
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_rows"), donate_argnames=("state",))
-def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: _Runs, *, spec,
-                block_rows):
-    features, gram = _in_memory_sums(features, block_rows)
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: _Runs, *, spec):
+    features = features.astype(jnp.float32)
+    gram = _gram(features)  # O(N d), loop-invariant: computed once per block of steps
 
     def body(step, state):
         sums, num_clipped = clipped_grad_sum(
-            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram,
-            block_rows=block_rows,
+            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram
         )
         return _privatize_and_update(spec, runs, state, sums, num_clipped, step, num_examples,
                                      num_examples)
@@ -356,18 +344,6 @@ def _runs_arrays(runs: Sequence[RunSpec], keys: jax.Array) -> _Runs:
         unique_clips=unique_clips,
         clip_index=clip_index.reshape(-1).astype(np.int32),
     )
-
-
-def _block_rows(features) -> int | None:
-    """Rows per block of the in-memory clipped sum: blocks of ~1 MiB of float32 on CPU, where
-    cache reuse pays; none on accelerators, where one large matmul is best."""
-    if jax.default_backend() != "cpu":
-        return None
-    row_floats = math.prod(features.shape[1:])
-    return max(64, _CPU_BLOCK_FLOATS // row_floats)
-
-
-_CPU_BLOCK_FLOATS = 2**18
 
 
 def _check_full_batch(runs: Sequence[RunSpec]) -> None:
@@ -471,13 +447,13 @@ def train_probe(
     else:
         feats, onehot, mask = shard_rows(mesh, feats, onehot)
     data = (feats, onehot, mask, num_examples)
-    block_rows = _block_rows(feats) if mesh is None else None
-    state, nonfinite_rows = _first_step(*data, arrays, spec=spec, block_rows=block_rows)
+    first_step = functools.partial(cached_call, _first_step) if mesh is None else _first_step
+    state, nonfinite_rows = first_step(*data, arrays, spec=spec)
     total = max(r.plan.steps for r in runs)
     if total > 1:  # check before spending more steps on them
         _raise_if_nonfinite(nonfinite_rows)
     for start, stop in _step_blocks(total, progress, "probe steps"):
-        state = _more_steps(state, start, stop, *data, arrays, spec=spec, block_rows=block_rows)
+        state = _more_steps(state, start, stop, *data, arrays, spec=spec)
     result = TrainResult(state.params, None, None, functools.partial(
         _finish_result, state, arrays, nonfinite_rows))
     return result.wait() if wait else result

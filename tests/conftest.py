@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The CLI's compilation and executable caches go to a fresh folder, not the user's ~/.cache.
+os.environ.setdefault("XDG_CACHE_HOME", __import__("tempfile").mkdtemp(prefix="dpprobe-tests-"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
