@@ -152,3 +152,26 @@ def test_a_non_private_part_makes_the_composition_infinite_at_once():
     assert accounting.compute_epsilon(events, 1e-5, "rdp") == math.inf
     assert accounting.gaussian_mu(accounting.DpPlan(0.0, 2, clip_norm=math.inf).dp_event()) \
         == math.inf
+
+
+def test_events_without_importing_the_accountants():
+    """A fresh process builds DpEvents without dp_accounting's PLD/RDP (and SciPy); the classes
+    are dp_accounting's own once it is imported."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, accounting
+plan = accounting.DpPlan(1.5, 7)
+event = plan.dp_event()
+assert accounting.event_to_dict(event)["type"] == "SelfComposedDpEvent"
+assert plan.epsilon(1e-5) > 0  # full batch: the exact Gaussian DP closed form
+assert "dp_accounting.pld" not in sys.modules and "scipy.stats" not in sys.modules
+import dp_accounting
+assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.5), 7)
+assert isinstance(event, dp_accounting.DpEvent)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
