@@ -129,8 +129,9 @@ def _key(jitted, args, static) -> str:
 @functools.cache
 def _environment() -> str:
     """Everything outside the call that can change the compiled program."""
+    import importlib.metadata
+
     import jaxlib
-    import optax
 
     package = Path(__file__).parent
     sources = hashlib.sha256()
@@ -139,5 +140,5 @@ def _environment() -> str:
     config = sorted((name, repr(value)) for name, value in jax.config.values.items())
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     return repr((sys.version, np.__version__, jax.__version__, jaxlib.__version__,
-                 optax.__version__, sources.hexdigest(), config,
+                 importlib.metadata.version("optax"), sources.hexdigest(), config,
                  os.environ.get("XLA_FLAGS", ""), devices))

@@ -154,8 +154,12 @@ class TrainResult:
 
 
 class _State(NamedTuple):
+    """What one program hands the next. The optimizer state travels as its flat tuple of
+    leaves (rebuilt by `_opt_state` inside each program), so that a cached executable's
+    output tree holds no optax class and a cached run never imports optax."""
+
     params: dict
-    opt_state: object
+    opt_state: tuple
     clipped_total: jax.Array  # (P,) sum over steps of the clipped fraction
 
 
@@ -222,17 +226,25 @@ def _privatize_and_update(spec, runs: _Runs, state: _State, sums, num_clipped, s
     """Noise the clipped sums, then step the optimizer of every run still active."""
     grads = noisy_mean(sums, runs.noise_std, runs.keys, step, denominator)
     active = step < runs.steps
+    tx = spec.make_optimizer()
     params, opt_state = apply_update(
-        spec.make_optimizer(), state.params, state.opt_state, grads, runs.lr, active
+        tx, state.params, _opt_state(tx, state), grads, runs.lr, active
     )
     clipped = jnp.where(active, num_clipped / jnp.maximum(batch_size, 1.0), 0.0)
-    return _State(params, opt_state, state.clipped_total + clipped)
+    return _State(params, tuple(jax.tree.leaves(opt_state)), state.clipped_total + clipped)
+
+
+def _opt_state(tx, state: _State):
+    """The optax state of every run, rebuilt from the flat leaves `_State` carries."""
+    structure = jax.tree.structure(jax.eval_shape(jax.vmap(tx.init), state.params))
+    return jax.tree.unflatten(structure, state.opt_state)
 
 
 def _initial_state(spec: ProbeSpec, num_runs: int, dim: int) -> _State:
     params = init_params(num_runs, dim, spec)
     opt_state = jax.vmap(spec.make_optimizer().init)(params)
-    return _State(params, opt_state, jnp.zeros((num_runs,), jnp.float32))
+    return _State(params, tuple(jax.tree.leaves(opt_state)),
+                  jnp.zeros((num_runs,), jnp.float32))
 
 
 def _shared_start_sums(spec, runs: _Runs, dim, sum_fn):
