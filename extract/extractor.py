@@ -307,7 +307,10 @@ def _run_backbone(split, backbone, writer, pending, bar, *, batch_size, num_work
         prefetch_factor=4 if workers else None,
     )
     buffers: dict[int, np.ndarray] = {}  # chunk -> its rows' features, filled batch by batch
-    remaining = {c: int(np.subtract(*writer.chunk_rows(c)[::-1])) for c in pending}
+    remaining = {}  # chunk -> rows still to come
+    for chunk in pending:
+        start, stop = writer.chunk_rows(chunk)
+        remaining[chunk] = stop - start
     background = _Writer(writer)
     try:
         with torch.inference_mode(), _autocast(device, amp):

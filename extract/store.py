@@ -69,7 +69,7 @@ class IncompleteSplitError(RuntimeError):
 
 def _zarr():
     """Zarr, imported on first use (~0.25 s): a probe job reads its store in a child process
-    (`prefetch_splits`) and never imports it."""
+    (`SplitPrefetch`) and never imports it."""
     return importlib.import_module("zarr")
 
 
@@ -344,11 +344,11 @@ def load_split(store, split: str, dtype=np.float32) -> tuple[np.ndarray, np.ndar
     """
     group = open_split(store, split)
     stored = group["features"]
-    features = aligned_empty(stored.shape, stored.dtype)
+    features = _aligned_empty(stored.shape, stored.dtype)
     labels = np.empty(stored.shape[:1], np.int32)
     _read_into(group, features, labels)
     if dtype is not None and np.dtype(dtype) != features.dtype:
-        converted = aligned_empty(features.shape, dtype)
+        converted = _aligned_empty(features.shape, dtype)
         converted[...] = features
         features = converted
     return features, labels, dict(group.attrs)
@@ -459,7 +459,7 @@ def _shared_empty(shape, dtype) -> np.ndarray:
     return np.frombuffer(buffer, dtype, count=count).reshape(shape)
 
 
-def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+def _aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     """An uninitialized array whose data starts on an `alignment`-byte boundary.
 
     NumPy aligns to 16 bytes; JAX's CPU client uses a 64-byte-aligned host array in place

@@ -119,7 +119,7 @@ def clipped_grad_sum(
     Args:
       params: {"w": (P, d, C), "b": (P, C)} stacked linear models.
       features: (N, d), or (N, K, d) for K augmented views per example; float16 features
-        are computed with in float32.
+        are widened to float32.
       onehot: (N, C) one-hot labels (float).
       clip_norm: (P,) per-config clipping bound; `inf` disables clipping.
       loss: "softmax" or "sigmoid".
@@ -149,4 +149,3 @@ def clipped_grad_sum(
         "b": jnp.sum(weighted, axis=(0, 1)),
     }
     return sums, num_clipped
-

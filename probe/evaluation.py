@@ -7,6 +7,7 @@ O(block (d + P C)) for any test set and one compiled kernel serves every block.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 
 import jax
@@ -69,8 +70,9 @@ def evaluate_chunks(
     totals = None
     for features, labels in chunks:
         features, labels = np.asarray(features), np.asarray(labels, np.int32)
-        # Default: the first chunk in equal blocks of at most 8192 rows (little padding).
-        block_rows = block_rows or max(1, -(-len(labels) // max(1, -(-len(labels) // 8192))))
+        if not block_rows:  # the first chunk in equal blocks of at most 8192 rows
+            num_blocks = max(1, math.ceil(len(labels) / 8192))
+            block_rows = max(1, math.ceil(len(labels) / num_blocks))
         for start in range(0, len(labels), block_rows):
             x, y = features[start:start + block_rows], labels[start:start + block_rows]
             mask = np.zeros((block_rows,), np.float32)
