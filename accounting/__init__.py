@@ -1,7 +1,8 @@
 """Privacy accounting for dpprobe on Google's `dp-accounting`.
 
-Every reported epsilon is computed from the `DpEvent` of what ran, for add/remove-one
-neighbours, with the PLD accountant by default (RDP for comparison).
+Every reported epsilon is computed from the `DpEvent` of what ran, for zero-out neighbours
+(one record replaced by a null record; N public), with the PLD accountant by default (RDP for
+comparison).
 """
 
 from accounting.calibration import calibrate_noise_multiplier
@@ -10,6 +11,7 @@ from accounting.ledger import LedgerEntry, PrivacyLedger
 from accounting.plan import (
     ACCOUNTANTS,
     NEIGHBORING_RELATION,
+    NEIGHBORING_RELATION_TEXT,
     DpPlan,
     compute_epsilon,
     event_to_dict,
@@ -20,6 +22,7 @@ from accounting.plan import (
 __all__ = [
     "ACCOUNTANTS",
     "NEIGHBORING_RELATION",
+    "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
     "LedgerEntry",
     "PrivacyLedger",

@@ -7,6 +7,12 @@ Three compositions are reported side by side:
     delta is the ledger's delta; what Panda et al. (2023) report (eps_f + eps_0 + eps_1);
   * Gaussian DP (full-batch Gaussian entries only): mu = sqrt(sum_i T_i / sigma_i^2), exact
     (Panda et al. 2023, Prop. 2.1 / Cor. 2.2).
+
+Disjoint parts (parallel composition). An entry may name the part of the data it touched
+(`data=`), e.g. a validation part carved from train by a data-independent random partition.
+Under zero-out neighbours a record lies in exactly one part, so it is affected only by the
+entries on its part and those on all the data ("all"); the job's epsilon is the largest over
+parts of the composition of those entries.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 from accounting.gaussian import gdp_epsilon
 from accounting.plan import (
     NEIGHBORING_RELATION,
+    NEIGHBORING_RELATION_TEXT,
     Accountant,
     DpPlan,
     _events,
@@ -38,6 +45,7 @@ class LedgerEntry:
     role: str  # e.g. "tuning" or "final"
     plan: DpPlan
     metadata: dict = dataclasses.field(default_factory=dict)
+    data: str = "all"  # the part of the private data it touched (parallel composition)
 
     def dp_event(self):
         return self.plan.dp_event()
@@ -47,52 +55,68 @@ class LedgerEntry:
 class PrivacyLedger:
     """Records the `DpPlan` of every run of a job and composes them.
 
-    Contract: every entry ran on the same private dataset (add/remove-one neighbours); entries
-    that ran on disjoint data would compose more favourably, which this ledger does not claim.
+    Contract: every entry ran on the private dataset (zero-out neighbours), on all of it or on
+    the disjoint part it names (`data`); parts are fixed independently of the data.
     """
 
     entries: list[LedgerEntry] = dataclasses.field(default_factory=list)
 
-    def record(self, name: str, plan: DpPlan, *, role: str = "run", **metadata: Any) -> None:
-        """Add a mechanism that ran."""
-        self.entries.append(LedgerEntry(name, role, plan, dict(metadata)))
+    def record(self, name: str, plan: DpPlan, *, role: str = "run", data: str = "all",
+               **metadata: Any) -> None:
+        """Add a mechanism that ran on `data` ("all", or the name of a disjoint part)."""
+        self.entries.append(LedgerEntry(name, role, plan, dict(metadata), data))
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def composed_event(self, role: str | None = None):
-        """The `ComposedDpEvent` of every entry (or of the entries with `role`).
+    def parts(self) -> list[str]:
+        """The disjoint parts some entry ran on alone (empty: every entry saw all the data)."""
+        return sorted({e.data for e in self.entries} - {"all"})
+
+    def _touching(self, part: str | None, role: str | None = None) -> list[LedgerEntry]:
+        return [e for e in self.entries if (role is None or e.role == role)
+                and (part is None or e.data in ("all", part))]
+
+    def composed_event(self, role: str | None = None, part: str | None = None):
+        """The `ComposedDpEvent` of every entry (or of those with `role`, or touching `part`).
 
         k entries with the same plan enter as one `SelfComposedDpEvent` of count k: the same
         mechanism, which dp_accounting composes in one go instead of k.
         """
         dpa = _events()
-        counts = collections.Counter(
-            e.plan for e in self.entries if role is None or e.role == role
-        )
+        counts = collections.Counter(e.plan for e in self._touching(part, role))
         return dpa.ComposedDpEvent([
             plan.dp_event() if count == 1 else dpa.SelfComposedDpEvent(plan.dp_event(), count)
             for plan, count in counts.items()
         ])
 
     def epsilon(self, delta: float, accountant: Accountant = "pld", role: str | None = None):
-        """Epsilon of the composition of every entry (tight with PLD)."""
+        """Epsilon of the job: the composition of the entries every record is affected by,
+        maximized over the disjoint parts (tight with PLD)."""
         if not self.entries:
             return 0.0
-        return compute_epsilon(self.composed_event(role), delta, accountant)
+        return max(compute_epsilon(self.composed_event(role, part), delta, accountant)
+                   for part in (self.parts() or [None]))
 
     def basic_composition(self, delta: float) -> tuple[float, float]:
-        """(sum_i epsilon_i(delta / k), delta): the naive sum over the k entries."""
+        """(max over parts of sum_i epsilon_i(delta / k), delta): the naive sum over the k
+        entries a record is affected by."""
         if not self.entries:
             return 0.0, 0.0
-        share = delta / len(self.entries)
-        return sum(e.plan.epsilon(share) for e in self.entries), delta
+        totals = []
+        for part in self.parts() or [None]:
+            touching = self._touching(part)
+            share = delta / len(touching)
+            totals.append(sum(e.plan.epsilon(share) for e in touching))
+        return max(totals), delta
 
     def gdp_mu(self) -> float | None:
-        """mu of the exact Gaussian-DP composition, if every entry is full-batch Gaussian."""
+        """mu of the exact Gaussian-DP composition (the largest over parts), if every entry is
+        full-batch Gaussian."""
         if not self.entries:
             return 0.0
-        return gaussian_mu(self.composed_event())
+        mus = [gaussian_mu(self.composed_event(part=part)) for part in self.parts() or [None]]
+        return None if any(mu is None for mu in mus) else max(mus)
 
     def gdp_epsilon(self, delta: float) -> float | None:
         mu = self.gdp_mu()
@@ -108,6 +132,7 @@ class PrivacyLedger:
                    for role in roles}
         return {
             "neighboring_relation": NEIGHBORING_RELATION,
+            "neighboring_relation_text": NEIGHBORING_RELATION_TEXT,
             "delta": delta,
             "accountant": accountant,
             "num_mechanisms": len(self.entries),
@@ -116,10 +141,12 @@ class PrivacyLedger:
             "basic_composition_epsilon": basic,
             "gdp_mu": mu,
             "gdp_epsilon": None if mu is None else gdp_epsilon(mu, delta),
+            "parts": self.parts() or ["all"],
             "entries": [
                 {
                     "name": e.name,
                     "role": e.role,
+                    "data": e.data,
                     **e.plan.to_dict(),
                     "epsilon_alone": e.plan.epsilon(delta, accountant),
                     "dp_event": event_to_dict(e.dp_event()),
@@ -133,8 +160,8 @@ class PrivacyLedger:
         """A few lines for the terminal."""
         record = self.to_dict(delta, accountant)
         lines = [
-            f"privacy ledger: {record['num_mechanisms']} mechanisms on the same data, "
-            f"add/remove-one neighbours, delta={delta:g}",
+            f"privacy ledger: {record['num_mechanisms']} mechanisms, "
+            f"{NEIGHBORING_RELATION_TEXT}, delta={delta:g}",
             f"  {accountant.upper()} composition (tight): epsilon = {_fmt(record['epsilon'])}",
         ]
         if record["gdp_mu"] is not None:

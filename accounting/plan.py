@@ -1,9 +1,11 @@
 """The DP mechanism of a training run as data, and epsilon computed from its `DpEvent`.
 
-Neighbouring relation: add or remove one example (`NeighboringRelation.ADD_OR_REMOVE_ONE`).
-For full-batch runs the gradient is divided by the dataset size, which is treated as public
-(as in Mehta et al. 2023 and Panda et al. 2023); each example's clipped gradient changes the
-noisy sum by at most `clip_norm`, the noise std is `noise_multiplier * clip_norm`.
+Neighbouring relation: zero-out (dp_accounting's `NeighboringRelation.REPLACE_SPECIAL`): two
+datasets are neighbours when one record of one is replaced by a null record, whose gradient is
+zero, in the other. The dataset size N is public: the trainers divide by N (or by the expected
+batch size qN), as Mehta et al. (2023) and Panda et al. (2023) do. Each example's clipped
+gradient changes the noisy sum by at most `clip_norm`, the noise std is
+`noise_multiplier * clip_norm`; for these sums the privacy curves equal those of add/remove-one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCOUNTANTS",
     "NEIGHBORING_RELATION",
+    "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
     "compute_epsilon",
     "event_to_dict",
@@ -34,7 +37,8 @@ __all__ = [
 
 Accountant = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-NEIGHBORING_RELATION = "add_or_remove_one"
+NEIGHBORING_RELATION = "zero_out"
+NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
 
 
 def _dpa():
@@ -125,7 +129,7 @@ class DpPlan:
         return event
 
     def epsilon(self, delta: float, accountant: Accountant = "pld") -> float:
-        """Epsilon of `dp_event()` at `delta` (add/remove-one neighbours); cached per plan."""
+        """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per plan."""
         return _plan_epsilon(self, delta, accountant)
 
     def to_dict(self) -> dict:
@@ -144,9 +148,9 @@ def _plan_epsilon(plan: DpPlan, delta: float, accountant: Accountant) -> float:
 
 
 def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
-    """A fresh `dp_accounting` accountant for add/remove-one neighbours."""
+    """A fresh `dp_accounting` accountant for zero-out neighbours (`REPLACE_SPECIAL`)."""
     dpa = _dpa()
-    relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    relation = dpa.NeighboringRelation.REPLACE_SPECIAL
     if accountant == "pld":
         return dpa.pld.PLDAccountant(neighboring_relation=relation)
     if accountant == "rdp":

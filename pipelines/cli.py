@@ -15,8 +15,9 @@ import threading
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EPILOG = """\
-Privacy: every epsilon is for add/remove-one neighbours (dataset size public), computed from
-the DpEvent of what ran, with the PLD accountant unless --accountant rdp.
+Privacy: every epsilon is for zero-out neighbours (one record replaced by a null record; the
+dataset size N is public), computed from the DpEvent of what ran, with the PLD accountant unless
+--accountant rdp. Noise and batch sampling always draw from OS entropy.
 """
 
 
@@ -151,10 +152,8 @@ def _add_model_options(p) -> None:
 
 def _add_probe_options(p) -> None:
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--seeds", type=int, default=3, help="runs per config (default 3)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed the noise keys (default: fresh OS entropy; seeding makes the "
-                   "noise reproducible by anyone who knows the seed)")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="independent runs per config, each with fresh noise (default 3)")
     p.add_argument("--optimizer", choices=("adam", "sgd", "momentum", "sign", "lamb"),
                    default="adam", help="update rule on the privatized gradient (default adam)")
     p.add_argument("--steps", type=_ints, default=[1],
@@ -183,27 +182,33 @@ def _add_probe_options(p) -> None:
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--csv", default=None, help="write one CSV row per run here")
     p.add_argument("--plot", default=None, help="write a PNG of accuracy vs epsilon here")
+    p.add_argument("--diagnostics", default=None, metavar="PATH",
+                   help="write exact statistics of the private data (clipped fractions, batch "
+                   "sizes, data fingerprint) to this local file for debugging: not DP, never "
+                   "share it")
     p.add_argument("--quiet", action="store_true", help="print only the table")
 
 
 def _add_probe(sub) -> None:
     p = sub.add_parser(
         "probe",
+        allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
         help="train DP linear probes on a feature store over a sweep of epsilons",
         description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
         "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
         epilog=EPILOG,
     )
     p.add_argument("store", help="feature store written by `dpprobe extract`")
-    p.add_argument("--epsilons", type=_floats, default=[0.5, 1, 2, 4, 8, math.inf],
-                   help="target epsilons, comma-separated; inf = non-private reference: "
-                   "the same recipe without noise (default 0.5,1,2,4,8,inf)")
+    p.add_argument("--epsilons", type=_floats, default=[0.5, 1, 2, 4, 8],
+                   help="target epsilons, comma-separated (default 0.5,1,2,4,8); add inf for a "
+                   "non-private reference: the same recipe without noise, no guarantee")
     _add_probe_options(p)
 
 
 def _add_tune(sub) -> None:
     p = sub.add_parser(
         "tune",
+        allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
         help="private hyperparameter search (linear scaling rule) + final probe",
         description="Panda et al.'s linear scaling rule: search r = lr x T at budgets eps0 "
         "and eps1, fit r = alpha * epsilon + b, extrapolate, train the final full-batch "
@@ -230,10 +235,21 @@ def _add_tune(sub) -> None:
     p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
                    default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
     _add_model_options(p)
+    p.add_argument("--selection", choices=("train", "holdout"), default="train",
+                   help="how trials are scored, privately: noisy correct counts on the training "
+                   "data, paid from --eps-select (train, default), or on a held-out part of train "
+                   "that composes in parallel (holdout)")
+    p.add_argument("--eps-select", type=float, default=None,
+                   help="budget of the noisy selection counts with --selection train "
+                   "(default epsilon/20)")
     p.add_argument("--validation-fraction", type=float, default=0.1,
-                   help="share of train held out to score trials (default 0.1)")
+                   help="share of train held out with --selection holdout (default 0.1)")
+    p.add_argument("--public-validation", default=None, metavar="npz:PATH",
+                   help="score trials exactly on this PUBLIC validation set (features in the "
+                   "store's feature space, labels): costs no privacy")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed the split, the search and the noise (default: OS entropy)")
+                   help="seed the r proposals and the holdout split (never the noise, which "
+                   "always draws from OS entropy; the seed is not written to results)")
     p.add_argument("--out", default=None, help="write results JSON (with the ledger) here")
     p.add_argument("--model", default=None, help="write the final probe (w, b) as .npz here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -302,7 +318,6 @@ def _probe_kwargs(args) -> dict:
         "loss": args.loss,
         "clip_norm": args.clip_norm,
         "accountant": args.accountant,
-        "seed": args.seed,
         "normalization": args.normalize,
         "groups": args.groups,
         "bias_init": args.bias_init,
@@ -313,6 +328,7 @@ def _probe_kwargs(args) -> dict:
         "out": args.out,
         "csv": args.csv,
         "plot": args.plot,
+        "diagnostics": args.diagnostics,
         "quiet": args.quiet,
     }
 
@@ -422,7 +438,10 @@ def _run(args) -> int:
             clip_norm=args.clip_norm,
             normalization=args.normalize,
             groups=args.groups,
+            selection="public" if args.public_validation else args.selection,
+            eps_select=args.eps_select,
             validation_fraction=args.validation_fraction,
+            public_validation=args.public_validation,
             seed=args.seed,
             quiet=args.quiet,
         )
@@ -444,7 +463,7 @@ def _run(args) -> int:
             sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
             print(f"noise multiplier {result['noise_multiplier']:.6g}, {args.steps} step(s), "
                   f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {args.delta:g} "
-                  f"({args.accountant.upper()}, add/remove-one neighbours)")
+                  f"({args.accountant.upper()}, zero-out neighbours)")
         return 0
     if args.command == "demo":
         results = jobs.run_demo(args.out, data=args.data, seeds=args.seeds,

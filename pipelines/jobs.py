@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import datetime
 import functools
 import itertools
 import math
@@ -18,7 +17,7 @@ import numpy as np
 
 import accounting
 import extract
-from pipelines import reporting
+from pipelines import records, reporting
 
 __all__ = [
     "account",
@@ -32,16 +31,12 @@ __all__ = [
     "verify",
 ]
 
-VERSION = "0.1.0"
+VERSION = records.VERSION
 
 
 def _log(message: str, quiet: bool = False) -> None:
     if not quiet:
         print(message, file=sys.stderr, flush=True)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +197,6 @@ def run_probe(
     loss: str = "softmax",
     clip_norm: float = 1.0,
     accountant: str = "pld",
-    seed: int | None = None,
     normalization: str = "none",
     groups: int = 1,
     bias_init: float | None = None,
@@ -213,20 +207,26 @@ def run_probe(
     out: str | None = None,
     csv: str | None = None,
     plot: str | None = None,
+    diagnostics: str | None = None,
     quiet: bool = False,
 ) -> dict:
     """Sweep DP linear probes over epsilons x steps x learning rates x seeds on a store.
 
     Full batch by default: T steps of the Gaussian mechanism on the clipped gradient sum. With
     `sampling_probability` q < 1, masked DP-SGD with Poisson subsampling (Beltran et al.).
-    Noise multipliers are calibrated to (epsilon, delta) for add/remove-one neighbours, and each
-    run's `epsilon_spent` is computed from its `DpEvent` by `accountant`.
+    Noise multipliers are calibrated to (epsilon, delta) for zero-out neighbours (N public), and
+    each run's `epsilon_spent` is computed from its `DpEvent` by `accountant`. Noise keys and
+    batch sampling always draw from OS entropy. `math.inf` in `epsilons` trains a non-private
+    reference (no noise, no guarantee), labelled as such.
 
     Args:
       stream: stream the train split from disk chunk by chunk (None: when it would take more
         than a quarter of the machine's memory as float32).
       devices: shard rows over this many local devices (default 1).
-      out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG.
+      out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
+        outputs and public inputs only, see `pipelines.records`).
+      diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
+        sizes, the data fingerprint) to this local file, for debugging; never share it.
 
     Returns:
       The results dict (also written to `out` as JSON when given).
@@ -280,7 +280,7 @@ def run_probe(
                 train_x, train_y, _ = train_read.result()
             test_chunks = test_read.result() if test_read else None
     learning_rates = list(learning_rates or [probe.DEFAULT_LEARNING_RATES[optimizer]])
-    num_classes = _num_classes(train_attrs, test_attrs, train_y)
+    num_classes = records.declared_num_classes(train_attrs, test_attrs)
     if delta >= 1.0 / num_examples:
         _log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
              "a meaningful guarantee usually needs delta << 1/N", quiet)
@@ -302,14 +302,14 @@ def run_probe(
     # Train every config in one program.
     grid = list(itertools.product(epsilons, steps, learning_rates, range(seeds)))
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
-    keys = probe.make_keys(len(runs), seed)
+    keys = probe.make_keys(len(runs))
     progress = not quiet
     if sampling_probability < 1.0:
         driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "
                   f"{physical_batch_size})")
         result = probe.train_probe_poisson(
             train_x, train_y, runs, keys, spec, physical_batch_size=physical_batch_size,
-            sampling_seed=seed, progress=progress,
+            progress=progress,
         )
     elif stream:
         driver = "full batch, streamed from disk"
@@ -332,11 +332,11 @@ def run_probe(
         result.params, test_chunks,
         normalization=spec.normalization, groups=spec.groups,
     )
-    result.wait()  # raises here if the features held NaN/Inf: nothing is reported
+    result.wait()
 
-    # Record.
-    records = []
-    for i, (epsilon, num_steps, lr, seed_index) in enumerate(grid):
+    # Record: DP outputs and public inputs only (pipelines.records).
+    run_records = []
+    for i, (epsilon, num_steps, lr, replicate) in enumerate(grid):
         plan = plans[epsilon, num_steps]
         record = {
             "epsilon": epsilon,
@@ -348,55 +348,64 @@ def run_probe(
             "sampling_probability": plan.sampling_probability,
             "optimizer": optimizer,
             "learning_rate": lr,
-            "seed": seed_index,
+            "replicate": replicate,
             "test_accuracy": float(metrics["top1"][i]),
             "test_top5_accuracy": float(metrics["top5"][i]),
             "per_class_accuracy": metrics["per_class"][i].tolist(),
-            "clipped_fraction": float(result.clipped_fraction[i]),
             "accountant": accountant,
             "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "guarantee": ("none: non-private reference" if not plan.is_private else
+                          f"({plan.epsilon(delta, accountant):.4g}, {delta:g})-DP alone"),
             "dp_event": accounting.event_to_dict(plan.dp_event()),
         }
-        if result.batch_sizes is not None:
-            record["mean_batch_size"] = float(result.batch_sizes[:num_steps, i].mean())
-        records.append(record)
-    summary = reporting.summarize_runs(
-        records, ("epsilon", "steps", "learning_rate"), ("test_accuracy", "test_top5_accuracy")
-    )
-    # Every run touched the same training data: choosing among them spends their composition.
+        run_records.append(record)
+    # Every run touched the same training data: choosing among them, or reporting a summary of
+    # several, spends their composition. The summary rows say what each aggregate costs.
     ledger = accounting.PrivacyLedger()
-    for (epsilon, num_steps, lr, seed_index), run in zip(grid, runs, strict=True):
-        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} seed={seed_index}", run.plan,
-                      role="private" if run.plan.is_private else "non-private reference")
+    for (epsilon, num_steps, lr, replicate), run in zip(grid, runs, strict=True):
+        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} replicate={replicate}",
+                      run.plan, role="private" if run.plan.is_private else "non-private reference")
+    summary = reporting.summarize_runs(
+        run_records, ("epsilon", "steps", "learning_rate"),
+        ("test_accuracy", "test_top5_accuracy"),
+    )
+    for row in summary:
+        row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
+                                               row["num_seeds"], delta, accountant)
     results = {
         "dpprobe_version": VERSION,
         "job": "probe",
-        "created": _now(),
+        "created": records.now(),
         "wall_seconds": time.perf_counter() - start,
         "store": str(store),
-        "provenance": {"train": train_attrs, "test": _split_brief(test_attrs)},
+        "provenance": {"train": records.public_split_attrs(train_attrs),
+                       "test": records.public_split_attrs(test_attrs)},
         "probe": spec.to_dict() | {"driver": driver},
         "privacy": {
             "delta": delta,
             "accountant": accountant,
             "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
             "dataset_size_public": True,
             "sampling": ("full batch (q = 1)" if sampling_probability == 1.0 else
                          f"Poisson, q = {sampling_probability:g}"),
-            "noise_keys": "os-entropy" if seed is None else f"seeded ({seed})",
-        },
+            "non_private_reference": any(not p.is_private for p in plans.values()),
+        } | records.randomness(None, ""),
         "num_train": num_examples,
         "num_test": int(test_attrs["num_examples"]),
-        "runs": records,
+        "runs": run_records,
         "summary": summary,
         "ledger": ledger.to_dict(delta, accountant) | {
-            "note": "each run alone is (epsilon_spent, delta)-DP; selecting among the runs by "
-                    "their results spends the composition of all of them"},
+            "note": "each run alone is (epsilon_spent, delta)-DP; a summary row over seeds costs "
+                    "epsilon_row (its runs composed); selecting among the runs by their results "
+                    "spends the composition of all of them (epsilon)"},
     }
+    if diagnostics:
+        _write_diagnostics(diagnostics, grid, result, train_attrs)
     if out:
         reporting.write_json(out, results)
     if csv:
-        reporting.write_csv(csv, records, CSV_COLUMNS)
+        reporting.write_csv(csv, run_records, CSV_COLUMNS)
     if plot:
         reporting.plot_accuracy(summary, plot, title=_plot_title(results))
     results["wall_seconds"] = time.perf_counter() - start
@@ -404,8 +413,33 @@ def run_probe(
 
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
-               "sampling_probability", "optimizer", "learning_rate", "seed", "test_accuracy",
-               "test_top5_accuracy", "clipped_fraction", "accountant", "neighboring_relation")
+               "sampling_probability", "optimizer", "learning_rate", "replicate",
+               "test_accuracy", "test_top5_accuracy", "accountant", "neighboring_relation",
+               "guarantee")
+
+
+def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
+    """Epsilon of `count` runs of `plan` on the same data, composed (what a mean over seeds
+    costs)."""
+    ledger = accounting.PrivacyLedger()
+    for _ in range(count):
+        ledger.record("run", plan)
+    return ledger.epsilon(delta, accountant)
+
+
+def _write_diagnostics(path, grid, result, train_attrs) -> None:
+    """Exact statistics of the private data, for local debugging only (never published)."""
+    batch_sizes = result.batch_sizes
+    reporting.write_json(path, {
+        "warning": records.DIAGNOSTICS_WARNING,
+        "created": records.now(),
+        "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
+        "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
+                  "clipped_fraction": float(result.clipped_fraction[i]),
+                  **({"batch_sizes": batch_sizes[:t, i].tolist()} if batch_sizes is not None
+                     else {})}
+                 for i, (e, t, lr, k) in enumerate(grid)],
+    })
 
 
 def _plot_title(results: dict) -> str:
@@ -425,17 +459,6 @@ def _too_big_for_memory(num_bytes: int) -> bool:
 
 def _stored_labels(store, split) -> np.ndarray:
     return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)
-
-
-def _num_classes(train_attrs, test_attrs, *label_arrays) -> int:
-    """Classes declared by the store, or seen in the labels, whichever is larger."""
-    declared = [a.get("num_classes") or 0 for a in (train_attrs, test_attrs)]
-    return int(max(*declared, *(int(labels.max()) + 1 for labels in label_arrays)))
-
-
-def _split_brief(attrs: dict) -> dict:
-    keys = ("split", "num_examples", "dataset", "backbone", "dtype", "complete", "created")
-    return {k: attrs.get(k) for k in keys}
 
 
 def _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability) -> None:
@@ -458,19 +481,23 @@ def _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probabi
 
 
 def probe_table(results: dict) -> str:
-    """The printed table: epsilon, noise multiplier, steps, lr, accuracy mean ± std."""
+    """The printed table: epsilon per run and of the row (its seeds composed), noise
+    multiplier, steps, lr, accuracy mean ± std; the non-private reference labelled as such."""
     rows = []
     for row in results["summary"]:
+        private = math.isfinite(row["epsilon"])
         rows.append(
             row
             | {
+                "epsilon": row["epsilon"] if private else "inf: non-private, no guarantee",
                 "acc": reporting.pm(row["test_accuracy_mean"], row["test_accuracy_std"]),
                 "top5": reporting.pm(row["test_top5_accuracy_mean"], row["test_top5_accuracy_std"]),
             }
         )
     columns = [
-        ("epsilon", "epsilon"),
+        ("epsilon per run", "epsilon"),
         ("eps spent", "epsilon_spent"),
+        ("eps of row (seeds composed)", "epsilon_row"),
         ("noise mult", "noise_multiplier"),
         ("steps", "steps"),
         ("lr", "learning_rate"),
@@ -481,10 +508,13 @@ def probe_table(results: dict) -> str:
     privacy = results["privacy"]
     header = (
         f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
-        f"neighbours: {privacy['neighboring_relation'].replace('_', ' ')}, "
-        f"{privacy['sampling']}; N_train={results['num_train']}, N_test={results['num_test']}"
+        f"{privacy['neighboring_relation_text']}, {privacy['sampling']}; "
+        f"N_train={results['num_train']}, N_test={results['num_test']}"
     )
-    return header + "\n" + reporting.format_table(rows, columns)
+    ledger = results["ledger"]
+    footer = (f"all {ledger['num_mechanisms']} runs together (e.g. picking the best): epsilon = "
+              f"{reporting.format_epsilon(ledger['epsilon'])} at delta={privacy['delta']:g}")
+    return header + "\n" + reporting.format_table(rows, columns) + "\n" + footer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -599,10 +629,10 @@ def tune_report(results: dict) -> str:
         lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
                      f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "
                      f"{stage['best_r']:.4g}")
-        rows = [t | {"val": f"{100 * t['validation_accuracy']:.2f}"} for t in stage["trials"]]
+        rows = [t | {"score": f"{100 * t['score']:.2f}"} for t in stage["trials"]]
         lines.append(reporting.format_table(rows, [
             ("r", "r"), ("lr", "learning_rate"), ("steps", "steps"),
-            ("noise mult", "noise_multiplier"), ("val acc %", "val")]))
+            ("noise mult", "noise_multiplier"), ("score % (DP)", "score")]))
     line, chosen, final = results["line"], results["chosen"], results["final"]
     lines.append(f"linear scaling: r = {line['alpha']:.4g} * epsilon + {line['b']:.4g} -> r* = "
                  f"{line['r_star']:.4g} at the final run's epsilon "
@@ -613,8 +643,10 @@ def tune_report(results: dict) -> str:
                  f"{100 * final['test_accuracy']:.2f}% (top-5 "
                  f"{100 * final['test_top5_accuracy']:.2f}%)")
     privacy = results["privacy"]
-    lines.append(f"total epsilon (tuning included) = {privacy['epsilon_total']:.4f} <= requested "
-                 f"{privacy['epsilon_requested']:g}, delta = {privacy['delta']:g}; covers "
+    lines.append(f"selection: {results['selection']['scoring']}")
+    lines.append(f"total epsilon (tuning and selection included) = "
+                 f"{privacy['epsilon_total']:.4f} <= requested {privacy['epsilon_requested']:g}, "
+                 f"delta = {privacy['delta']:g}, {privacy['neighboring_relation_text']}; covers "
                  f"{privacy['covers']}")
     ledger = results["ledger"]
     lines.append(f"privacy ledger: {ledger['num_mechanisms']} mechanisms, PLD composition "

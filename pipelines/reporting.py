@@ -17,6 +17,7 @@ import numpy as np
 __all__ = [
     "atomic_write_text",
     "plot_accuracy",
+    "format_epsilon",
     "format_table",
     "summarize_runs",
     "write_csv",
@@ -105,6 +106,13 @@ def _fmt(value) -> str:
             return f"{value:.3g}"
         return f"{value:.4g}"
     return str(value)
+
+
+def format_epsilon(value) -> str:
+    """An epsilon for people: 'inf (no guarantee)' when infinite."""
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "inf (no guarantee)"
+    return f"{value:.4g}"
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:

@@ -4,25 +4,33 @@ The total step size r = lr x T of full-batch DP-SGD with momentum grows linearly
 So: search r with a tiny budget eps0, search again near (eps1 / eps0) r0 with a small budget
 eps1, fit r = alpha * epsilon + b through the two best points, extrapolate to the final run's
 epsilon, and train once. Every trial is a DP mechanism on the training data and goes into the
-ledger; the final run gets exactly the budget that remains, so the whole job, tuning included,
-is (epsilon, delta)-DP.
+ledger; the final run gets exactly the budget that remains, so the whole job, tuning and
+selection included, is (epsilon, delta)-DP for every record of the store's train split
+(zero-out neighbours, N public).
 
-Budget split (Gaussian DP, exact for full-batch Gaussian runs): the job is mu-GDP with
-mu^2 = mu_0^2 + mu_1^2 + mu_f^2, where mu = gdp_mu(epsilon, delta), mu_s = gdp_mu(eps_s, delta)
-for the two search stages (each stage's trials together), and the final run gets the rest. A
-stage of n trials gives each trial mu_s / sqrt(n); a trial of T steps then needs noise
-multiplier sigma = sqrt(T) sqrt(n) / mu_s.
+Budget split (Gaussian DP, exact for full-batch Gaussian mechanisms): the job is mu-GDP with
+mu^2 = mu_0^2 + mu_1^2 + mu_sel^2 + mu_f^2, where mu = gdp_mu(epsilon, delta), mu_s =
+gdp_mu(eps_s, delta) for the two search stages (each stage's trials together) and for the
+selection counts, and the final run gets the rest. A stage of n trials gives each trial
+mu_s / sqrt(n); a trial of T steps then needs noise multiplier sigma = sqrt(T) sqrt(n) / mu_s.
 
-Model selection scores trials on a validation split carved from train. Validation examples are
-held out of every training run, so the (epsilon, delta) guarantee covers the remaining training
-examples; the selection itself reads the validation examples without noise, so they are not
-covered (like a test set). The test split is touched only for the final report.
+Model selection is a DP mechanism too. Three ways to score the trials (`selection`):
+  * "train" (default): each trial's count of correct predictions on the training data itself,
+    plus Gaussian noise (sensitivity 1, `probe.noisy_correct_counts`), paid from eps_select
+    (default epsilon/20) and composed with everything else;
+  * "holdout": a random validation part carved from train (independently of the data) is held
+    out of all training and scored with noisy counts; under zero-out neighbours the two
+    disjoint parts compose in parallel (the ledger takes the larger), so training keeps the whole
+    budget and the counts get the whole budget too, at the price of fewer training examples;
+  * "public": the trials are scored exactly on a validation set the user declares public.
+Panda et al. account for the training runs only and do not say what data scores the trials;
+scoring private records without noise would leave them unprotected. The test split (public) is
+used only for the final report.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import sys
 import time
@@ -31,6 +39,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import accounting
+from pipelines import records
 
 __all__ = [
     "StageResult",
@@ -39,7 +48,10 @@ __all__ = [
     "fit_linear_scaling",
     "linear_scaling_search",
     "search_line",
+    "SELECTIONS",
 ]
+
+SELECTIONS: tuple[str, ...] = ("train", "holdout", "public")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +69,7 @@ class StageResult:
     epsilon_stage: float  # epsilon of the whole stage (its trials composed)
     trials: list[Trial]
     plans: list[accounting.DpPlan]
-    scores: np.ndarray
+    scores: np.ndarray  # a DP output: noisy (or public) accuracies
     best: int
 
     @property
@@ -65,26 +77,32 @@ class StageResult:
         return self.trials[self.best].r
 
 
-def budget_split(epsilon: float, delta: float, eps0: float, eps1: float) -> dict:
-    """mu of the whole job, of each search stage and of the final run (Gaussian DP, exact)."""
-    for name, value in (("epsilon", epsilon), ("eps0", eps0), ("eps1", eps1)):
+def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
+                 eps_select: float | None = None) -> dict:
+    """mu of the whole job, of each search stage, of the selection counts (`eps_select`, when
+    they compose with training) and of the final run (Gaussian DP, exact)."""
+    named = [("epsilon", epsilon), ("eps0", eps0), ("eps1", eps1)]
+    if eps_select is not None:
+        named.append(("eps_select", eps_select))
+    for name, value in named:
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be finite and > 0, got {value}")
     if not eps0 < eps1:
         raise ValueError(f"eps0 must be < eps1 (two points on a line), got {eps0} and {eps1}")
     mu = accounting.gdp_mu(epsilon, delta)
     mu0, mu1 = accounting.gdp_mu(eps0, delta), accounting.gdp_mu(eps1, delta)
-    remaining = mu * mu - mu0 * mu0 - mu1 * mu1
-    if remaining <= 0:
+    mu_select = 0.0 if eps_select is None else accounting.gdp_mu(eps_select, delta)
+    spent = mu0 * mu0 + mu1 * mu1 + mu_select * mu_select
+    if mu * mu - spent <= 0:
         raise ValueError(
-            f"the search budgets eps0={eps0} and eps1={eps1} use all of epsilon={epsilon} "
-            f"(Gaussian DP: mu0^2 + mu1^2 = {mu0**2 + mu1**2:.4g} >= mu^2 = {mu**2:.4g}); "
-            "lower them"
+            f"the search budgets ({', '.join(f'{n}={v:g}' for n, v in named[1:])}) use all of "
+            f"epsilon={epsilon:g} (Gaussian DP: their mu^2 sum to {spent:.4g} >= mu^2 = "
+            f"{mu**2:.4g}); lower them"
         )
     # A relative 1e-9 below the exact remainder, so that float rounding can never push the
     # composed total above the request.
-    mu_final = math.sqrt(remaining) * (1.0 - 1e-9)
-    return {"mu": mu, "mu0": mu0, "mu1": mu1, "mu_final": mu_final,
+    mu_final = math.sqrt(mu * mu - spent) * (1.0 - 1e-9)
+    return {"mu": mu, "mu0": mu0, "mu1": mu1, "mu_select": mu_select, "mu_final": mu_final,
             "epsilon_final": accounting.gdp_epsilon(mu_final, delta)}
 
 
@@ -123,18 +141,23 @@ def search_line(
     clip_norm: float,
     rng: np.random.Generator,
     ledger: accounting.PrivacyLedger,
+    eps_select: float | None = None,
+    training_data: str = "all",
 ) -> dict:
     """Panda et al. Alg. 1 up to the final run: two searches, a linear fit, an extrapolation.
 
-    `run_stage(trials, plans)` trains each trial with its DP plan and returns validation scores
-    (higher is better); it is the only place data is touched.
+    `run_stage(stage, trials, plans)` trains each trial with its DP plan and returns its scores
+    (higher is better; a DP output, its own mechanisms recorded by the caller); it is the only
+    place data is touched. The trials are recorded in `ledger` as running on `training_data`;
+    `eps_select` is the budget the scoring takes out of the total (None when the scoring
+    composes in parallel or is free). `rng` drives only data-independent r proposals.
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     low, high = r_range
     if not 0 < low < high:
         raise ValueError(f"r_range must satisfy 0 < low < high, got {r_range}")
-    budget = budget_split(epsilon, delta, eps0, eps1)
+    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)
     # Each trial of a stage of n trials is (mu_s / sqrt(n))-GDP; its epsilon is the line's x.
     mu_trial = [mu / math.sqrt(trials) for mu in (budget["mu0"], budget["mu1"])]
     eps_trial = [accounting.gdp_epsilon(mu, delta) for mu in mu_trial]
@@ -150,9 +173,9 @@ def search_line(
         plans = [accounting.DpPlan(math.sqrt(t.steps) / mu_trial[stage], t.steps, 1.0, clip_norm)
                  for t in settings]
         for i, (trial, plan) in enumerate(zip(settings, plans, strict=True)):
-            ledger.record(f"stage{stage}-trial{i}", plan, role="tuning", stage=stage,
-                          r=trial.r, learning_rate=trial.learning_rate)
-        scores = np.asarray(run_stage(settings, plans), float)
+            ledger.record(f"stage{stage}-trial{i}", plan, role="tuning", data=training_data,
+                          stage=stage, r=trial.r, learning_rate=trial.learning_rate)
+        scores = np.asarray(run_stage(stage, settings, plans), float)
         stages.append(StageResult(
             epsilon_per_trial=eps_trial[stage],
             epsilon_stage=accounting.gdp_epsilon(budget[f"mu{stage}"], delta),
@@ -170,6 +193,7 @@ def search_line(
 
 
 def _validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A random partition of the row indices, drawn independently of the data (N is public)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"validation_fraction must be in (0, 1), got {fraction}")
     count = max(1, int(round(fraction * num_examples)))
@@ -179,6 +203,23 @@ def _validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarr
     return np.sort(order[count:]), np.sort(order[:count])
 
 
+def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
+    store's feature space: the same backbone and preprocessing) and `labels`."""
+    kind, _, path = spec.partition(":")
+    if kind != "npz" or not path:
+        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
+    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
+        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
+                         f"{labels.shape} do not fit the store's feature dim {dim}")
+    return features, labels.astype(np.int32)
+
+
 def linear_scaling_search(
     store: str,
     epsilon: float,
@@ -186,6 +227,7 @@ def linear_scaling_search(
     *,
     eps0: float | None = None,
     eps1: float | None = None,
+    eps_select: float | None = None,
     trials: int = 5,
     search: str = "random",
     r_range: tuple[float, float] = (1.0, 1000.0),
@@ -196,7 +238,9 @@ def linear_scaling_search(
     clip_norm: float = 1.0,
     normalization: str = "none",
     groups: int = 1,
+    selection: str = "train",
     validation_fraction: float = 0.1,
+    public_validation: str | tuple[np.ndarray, np.ndarray] | None = None,
     seed: int | None = None,
     quiet: bool = False,
 ) -> dict:
@@ -204,8 +248,10 @@ def linear_scaling_search(
 
     Args:
       store: feature store with complete train and test splits.
-      epsilon, delta: the total budget of the job, tuning included.
+      epsilon, delta: the total budget of the job, tuning and selection included.
       eps0, eps1: budgets of the two search stages (default epsilon/20 and epsilon/10).
+      eps_select: budget of the noisy selection counts of both stages with selection "train"
+        (default epsilon/20).
       trials: trials per stage.
       search: "random" (log-uniform r) or "grid" (geometric grid of r).
       r_range: range of r for the first stage.
@@ -213,56 +259,84 @@ def linear_scaling_search(
       final_steps: T of the final run (default: the largest of `steps_choices`).
       optimizer: update rule (Panda et al.: "momentum", 0.9).
       clip_norm, loss, normalization, groups: as for `run_probe`.
-      validation_fraction: share of train held out to score trials.
-      seed: seeds the validation split, r sampling and noise (default: OS entropy).
+      selection: "train", "holdout" or "public" (module docstring).
+      validation_fraction: share of train held out with selection "holdout".
+      public_validation: with selection "public": `npz:PATH` or (features, labels), public.
+      seed: drives only data-independent randomness: the r proposals and the holdout split.
+        Noise and counts always draw from OS entropy.
 
     Returns:
-      A results dict: the chosen (lr, T, r), the fitted line, every trial with its validation
-      accuracy, the final test accuracy, the validation split record, and the ledger (its PLD
-      composition is the job's total epsilon).
+      A results dict: the chosen (lr, T, r), the fitted line, every trial with its (noisy)
+      score, the final test accuracy and the ledger (its composition is the job's epsilon);
+      plus "params", the final probe.
     """
     import extract
     import probe
-    from pipelines.jobs import VERSION, _now, _num_classes
 
     start_time = time.perf_counter()
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    if (selection == "public") != (public_validation is not None):
+        raise ValueError("a public validation set goes with selection 'public', and only there")
     eps0 = epsilon / 20 if eps0 is None else eps0
     eps1 = epsilon / 10 if eps1 is None else eps1
-    budget_split(epsilon, delta, eps0, eps1)  # fail fast on an impossible split
+    if selection == "train":
+        eps_select = epsilon / 20 if eps_select is None else eps_select
+    elif eps_select is not None:
+        raise ValueError(f"eps_select applies to selection 'train', not {selection!r}")
+    budget_split(epsilon, delta, eps0, eps1, eps_select)  # fail fast on an impossible split
 
-    # Load the store and carve the validation split.
+    # Load the store; choose what trains and what scores.
     x, y, train_attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, test_attrs = extract.load_split(store, "test", dtype=None)
-    rng = np.random.default_rng(seed)
-    train_idx, val_idx = _validation_split(len(y), validation_fraction, rng)
-    train_x, train_y, val_x, val_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
-    num_classes = _num_classes(train_attrs, test_attrs, y, test_y)
+    num_classes = records.declared_num_classes(train_attrs, test_attrs)
+    rng = np.random.default_rng(seed)  # data-independent choices only
+    training_data, scored_data = "all", "all"
+    if selection == "holdout":
+        train_idx, val_idx = _validation_split(len(y), validation_fraction, rng)
+        train_x, train_y, score_x, score_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+        training_data, scored_data = "train part", "validation part"
+    elif selection == "public":
+        train_x, train_y = x, y
+        score_x, score_y = (public_validation if not isinstance(public_validation, str) else
+                            load_public_validation(public_validation, x.shape[-1]))
+    else:
+        train_x, train_y, score_x, score_y = x, y, x, y
     spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
                            normalization=normalization, groups=groups)
-    # Independent noise for every mechanism (composition assumes it): with a seed, one child
-    # seed per stage and one for the final run; without, fresh OS entropy each time.
-    key_seeds = ([None] * 3 if seed is None else
-                 [int(c.generate_state(1)[0]) for c in np.random.SeedSequence(seed).spawn(3)])
-    stage_index = iter(range(2))
+    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)
+    # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
+    mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
+    count_sigma = math.sqrt(2 * trials) / mu_count if selection != "public" else 0.0
 
-    # Search: two stages, every trial recorded in the ledger.
+    # Search: two stages; every trial and every count recorded in the ledger.
     ledger = accounting.PrivacyLedger()
 
-    def run_stage(settings, plans):
+    def run_stage(stage, settings, plans):
         runs = [probe.RunSpec(p, t.learning_rate) for t, p in zip(settings, plans, strict=True)]
         if not quiet:
-            print(f"tune: {len(runs)} trials, r in [{min(t.r for t in settings):.3g}, "
-                  f"{max(t.r for t in settings):.3g}]", file=sys.stderr)
-        keys = probe.make_keys(len(runs), key_seeds[next(stage_index)])
-        result = probe.train_probe(train_x, train_y, runs, keys, spec, progress=not quiet)
-        metrics = probe.evaluate(result.params, val_x, val_y, normalization=normalization,
-                                 groups=groups)
-        return metrics["top1"]
+            print(f"tune: stage {stage}, {len(runs)} trials, r in "
+                  f"[{min(t.r for t in settings):.3g}, {max(t.r for t in settings):.3g}]",
+                  file=sys.stderr)
+        result = probe.train_probe(train_x, train_y, runs, probe.make_keys(len(runs)), spec,
+                                   progress=not quiet)
+        kwargs = dict(normalization=normalization, groups=groups)
+        if selection == "public":
+            counts = probe.correct_counts(result.params, score_x, score_y, **kwargs)
+        else:
+            counts = probe.noisy_correct_counts(result.params, score_x, score_y, count_sigma,
+                                                **kwargs)
+            ledger.record(f"stage{stage}-selection", accounting.DpPlan(count_sigma, len(runs)),
+                          role="selection", data=scored_data,
+                          mechanism="Gaussian noise on each trial's correct count "
+                                    "(sensitivity 1)")
+        return counts / len(score_y)
 
     line = search_line(run_stage, epsilon=epsilon, delta=delta, eps0=eps0, eps1=eps1,
                        trials=trials, r_range=r_range, steps_choices=steps_choices,
-                       search=search, clip_norm=clip_norm, rng=rng, ledger=ledger)
-    budget, stages = line["budget"], line["stages"]
+                       search=search, clip_norm=clip_norm, rng=rng, ledger=ledger,
+                       eps_select=eps_select, training_data=training_data)
+    stages = line["stages"]
 
     # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
     # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
@@ -271,16 +345,16 @@ def linear_scaling_search(
     sigma = math.sqrt(steps) / budget["mu_final"]
     plan = accounting.DpPlan(sigma, steps, 1.0, clip_norm)
     learning_rate = line["r_star"] / steps
-    ledger.record("final", plan, role="final", r=line["r_star"], learning_rate=learning_rate)
+    ledger.record("final", plan, role="final", data=training_data, r=line["r_star"],
+                  learning_rate=learning_rate)
     final = probe.train_probe(train_x, train_y, [probe.RunSpec(plan, learning_rate)],
-                              probe.make_keys(1, key_seeds[2]), spec,
-                              progress=not quiet)
+                              probe.make_keys(1), spec, progress=not quiet)
 
-    # Evaluate the final model on test (the only use of test).
+    # Evaluate the final model on test (public; the only use of test).
     metrics = probe.evaluate(final.params, test_x, test_y, normalization=normalization,
                              groups=groups)
 
-    # Record.
+    # Record: DP outputs and public inputs only.
     total = ledger.epsilon(delta)
     stage_records = [
         {
@@ -290,19 +364,26 @@ def linear_scaling_search(
             "best_r": stage.best_r,
             "trials": [
                 {"r": t.r, "learning_rate": t.learning_rate, "steps": t.steps,
-                 "noise_multiplier": p.noise_multiplier, "validation_accuracy": float(s)}
+                 "noise_multiplier": p.noise_multiplier, "score": float(s)}
                 for t, p, s in zip(stage.trials, stage.plans, stage.scores, strict=True)
             ],
         }
         for index, stage in enumerate(stages)
     ]
+    scoring = {
+        "train": "noisy correct counts on the training data (Gaussian, sensitivity 1), "
+                 "composed with training",
+        "holdout": "noisy correct counts on a held-out validation part (Gaussian, sensitivity "
+                   "1); the parts compose in parallel",
+        "public": "exact accuracy on a validation set declared public by the user",
+    }[selection]
     return {
-        "dpprobe_version": VERSION,
+        "dpprobe_version": records.VERSION,
         "job": "tune",
-        "created": _now(),
+        "created": records.now(),
         "store": str(store),
-        "provenance": {"train": train_attrs, "test": {k: test_attrs.get(k) for k in (
-            "split", "num_examples", "dataset", "backbone", "complete")}},
+        "provenance": {"train": records.public_split_attrs(train_attrs),
+                       "test": records.public_split_attrs(test_attrs)},
         "probe": spec.to_dict(),
         "method": "linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD",
         "privacy": {
@@ -311,21 +392,20 @@ def linear_scaling_search(
             "epsilon_total": total,
             "accountant": "pld",
             "neighboring_relation": accounting.NEIGHBORING_RELATION,
-            "covers": f"the {len(train_idx)} training examples outside the validation split",
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "covers": "every record of the store's train split (tuning, selection and the "
+                      "final run included)",
             "eps0": eps0,
             "eps1": eps1,
+            "eps_select": eps_select,
             "epsilon_final_alone": budget["epsilon_final"],
-            "noise_keys": "os-entropy" if seed is None else f"seeded ({seed})",
-        },
-        "validation": {
-            "fraction": validation_fraction,
-            "num_examples": int(len(val_idx)),
-            "num_train": int(len(train_idx)),
-            "indices_sha256": hashlib.sha256(val_idx.astype(np.int64).tobytes()).hexdigest(),
-            "split_seed": seed,
-            "note": "held out of all training; used without noise to select r, so not "
-                    "covered by the guarantee",
-        },
+        } | records.randomness(seed, "the r proposals" + (
+            " and the holdout split" if selection == "holdout" else "")),
+        "selection": {"kind": selection, "scoring": scoring,
+                      "count_noise_std": count_sigma if selection != "public" else None,
+                      "num_scored": int(len(score_y)),
+                      "num_trained": int(len(train_y))}
+        | ({"validation_fraction": validation_fraction} if selection == "holdout" else {}),
         "search": {"kind": search, "trials_per_stage": trials, "r_range": list(r_range),
                    "steps_choices": list(steps_choices)},
         "stages": stage_records,
@@ -338,7 +418,7 @@ def linear_scaling_search(
                   "per_class_accuracy": metrics["per_class"][0].tolist(),
                   "epsilon_alone": plan.epsilon(delta)},
         "runs": [{"epsilon": total, "delta": delta, "noise_multiplier": sigma, "steps": steps,
-                  "optimizer": optimizer, "learning_rate": learning_rate, "seed": 0,
+                  "optimizer": optimizer, "learning_rate": learning_rate,
                   "test_accuracy": float(metrics["top1"][0]), "accountant": "pld",
                   "includes_tuning": True}],
         "ledger": ledger.to_dict(delta),

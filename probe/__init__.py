@@ -11,8 +11,10 @@ from probe.clipping import (
     residuals,
 )
 from probe.evaluation import evaluate, evaluate_chunks
+from probe.mechanism import gaussian_noise, make_keys
 from probe.normalization import NORMALIZATIONS, normalize_features
 from probe.optimizers import DEFAULT_LEARNING_RATES, OPTIMIZERS, make_optimizer
+from probe.selection import correct_counts, noisy_correct_counts
 from probe.train import (
     ProbeSpec,
     RunSpec,
@@ -20,7 +22,6 @@ from probe.train import (
     apply_update,
     init_params,
     make_data_mesh,
-    make_keys,
     noisy_mean,
     prefetch,
     prepare_features,
@@ -40,15 +41,18 @@ __all__ = [
     "TrainResult",
     "apply_update",
     "clipped_grad_sum",
+    "correct_counts",
     "evaluate",
     "evaluate_chunks",
     "example_losses",
     "feature_gram",
+    "gaussian_noise",
     "init_params",
     "linear_logits",
     "make_data_mesh",
     "make_keys",
     "make_optimizer",
+    "noisy_correct_counts",
     "noisy_mean",
     "normalize_features",
     "per_example_grad_norms",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import queue
 import sys
 import threading
@@ -37,6 +36,7 @@ from tqdm.auto import tqdm
 from accounting import DpPlan
 from probe.clipping import LOSSES, Loss, clipped_grad_sum, feature_gram
 from probe.executables import cached_call
+from probe.mechanism import gaussian_noise
 from probe.normalization import NORMALIZATIONS, normalize_features
 from probe.optimizers import OPTIMIZERS, make_optimizer
 
@@ -47,7 +47,6 @@ __all__ = [
     "apply_update",
     "init_params",
     "make_data_mesh",
-    "make_keys",
     "noisy_mean",
     "prefetch",
     "prepare_features",
@@ -132,7 +131,9 @@ class RunSpec:
 class TrainResult:
     """Trained stacked parameters (numpy, leading axis = run) and clipping statistics.
 
-    `batch_sizes` (steps, runs) holds the sampled logical batch sizes of Poisson training.
+    Only `params` is a DP output. `clipped_fraction` and `batch_sizes` (the sampled logical
+    batch sizes of Poisson training, (steps, runs)) are exact statistics of the private data:
+    for local debugging only, never to be published.
     From `train_probe(..., wait=False)` the fields are JAX arrays still being computed (and
     `clipped_fraction` is None) until `wait()` is called.
     """
@@ -143,10 +144,7 @@ class TrainResult:
     _finish: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def wait(self) -> TrainResult:
-        """Block until training is done, check it, and make the fields NumPy; returns self.
-
-        Raises ValueError if the features held NaN or Inf (checked during the first step).
-        """
+        """Block until training is done and make the fields NumPy; returns self."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
             self.params, self.clipped_fraction = finish()
@@ -175,15 +173,6 @@ class _Runs(NamedTuple):
     clip_index: jax.Array  # run -> index into unique_clips
 
 
-def make_keys(count: int, seed: int | None = None) -> jax.Array:
-    """`count` independent noise keys: from OS entropy, or derived from `seed` if given."""
-    if seed is None:
-        data = np.frombuffer(os.urandom(8 * count), dtype=np.uint32).reshape(count, 2)
-        return jax.random.wrap_key_data(data)  # from NumPy: no device program to compile
-    base = jax.random.key(seed)
-    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(count))
-
-
 def init_params(num_runs: int, dim: int, spec: ProbeSpec) -> dict:
     """Zero weights and constant biases for `num_runs` stacked linear models."""
     return {
@@ -196,9 +185,8 @@ def noisy_mean(sums: dict, noise_std: jax.Array, keys: jax.Array, step, denomina
     """(sum + N(0, std^2 I)) / denominator, per run, with the noise of `fold_in(key, step)`."""
 
     def one(key, std, denom, sum_w, sum_b):
-        # One draw for all coordinates (it compiles ~7x faster than one draw per leaf).
-        noise = jax.random.normal(jax.random.fold_in(key, step), (sum_w.size + sum_b.size,),
-                                  sum_w.dtype)
+        # One draw for all coordinates (it compiles faster than one draw per leaf).
+        noise = gaussian_noise(jax.random.fold_in(key, step), sum_w.size + sum_b.size)
         return {
             "w": (sum_w + std * noise[: sum_w.size].reshape(sum_w.shape)) / denom,
             "b": (sum_b + std * noise[sum_w.size:]) / denom,
@@ -265,10 +253,7 @@ def _gram(features):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
-    """Step 0 of every run, and the number of rows with a NaN or Inf feature (checked here, in
-    one fused pass, rather than by a separate NumPy pass over the whole array)."""
-    finite_rows = jnp.isfinite(features.reshape(features.shape[0], -1)).all(axis=1)
-    nonfinite_rows = jnp.sum(~finite_rows & (mask > 0))
+    """Step 0 of every run (rows with non-finite features contribute nothing, see clipping)."""
     features = features.astype(jnp.float32)  # a float16 cache stays float16 in memory
     state = _initial_state(spec, runs.lr.shape[0], features.shape[-1])
     gram = _gram(features)
@@ -278,9 +263,8 @@ def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
                                 gram=gram)
 
     sums, num_clipped = _shared_start_sums(spec, runs, features.shape[-1], sum_fn)
-    state = _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
-                                  num_examples)
-    return state, nonfinite_rows
+    return _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
+                                 num_examples)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -298,42 +282,35 @@ def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: 
     return jax.lax.fori_loop(start, stop, body, state)
 
 
-def _nonfinite_error(rows: int) -> ValueError:
-    return ValueError(f"features contain NaN or Inf in {rows} rows; re-extract or drop them")
+def prepare_features(features, spec: ProbeSpec):
+    """Check the shape and dtype (public metadata) and normalize each example; float16 is kept.
 
-
-def prepare_features(features, spec: ProbeSpec, *, check_finite: bool = True):
-    """Validate and normalize features ((N, d) or (N, views, d)); float16 is kept as is.
-
-    `check_finite=False` leaves the NaN/Inf check to the caller (`train_probe` does it inside
-    its first jitted step).
+    The values are not inspected: a row with NaN or Inf contributes nothing to any clipped sum
+    (`probe.clipped_grad_sum`), so no outcome depends on whether one private row is bad.
     """
     features = np.asarray(features)
     if features.ndim not in (2, 3):
         raise ValueError(f"features must be (N, d) or (N, views, d), got shape {features.shape}")
     if not np.issubdtype(features.dtype, np.floating):
         raise ValueError(f"features must be floating point, got {features.dtype}")
-    if check_finite:
-        finite = np.isfinite(features)
-        if not finite.all():
-            raise _nonfinite_error(int((~finite).reshape(len(features), -1).any(axis=1).sum()))
     return normalize_features(features, spec.normalization, groups=spec.groups)
 
 
-def _check_labels(labels, num_classes) -> np.ndarray:
-    """The labels as a 1-D integer array, or a clear error."""
+def _check_labels(labels) -> np.ndarray:
+    """The labels as a 1-D integer array (shape and dtype only: values are private)."""
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ValueError(
-            f"labels must lie in [0, {num_classes}), got range [{labels.min()}, {labels.max()}]"
-        )
     return labels
 
 
-def _onehot(labels, num_classes) -> np.ndarray:
-    return np.eye(num_classes, dtype=np.float32)[_check_labels(labels, num_classes)]
+def _onehot(labels, num_classes) -> tuple[np.ndarray, np.ndarray]:
+    """(one-hot (N, C), 0/1 mask): a label outside [0, C) gives a masked row, which contributes
+    nothing, rather than an error whose occurrence would depend on one private record."""
+    labels = _check_labels(labels)
+    valid = (labels >= 0) & (labels < num_classes)
+    onehot = np.eye(num_classes, dtype=np.float32)[np.where(valid, labels, 0)]
+    return onehot * valid[:, None], valid.astype(np.float32)
 
 
 def _runs_arrays(runs: Sequence[RunSpec], keys: jax.Array) -> _Runs:
@@ -430,7 +407,7 @@ def train_probe(
         before clipping (augmentation multiplicity, De et al. 2022 eq. 4).
       labels: (N,) integer labels in [0, num_classes).
       runs: the configs; every `run.plan` must be full batch (sampling_probability 1).
-      keys: (len(runs),) noise keys, e.g. from `make_keys` (OS entropy unless seeded).
+      keys: (len(runs),) secret noise keys from `probe.make_keys` (OS entropy).
       spec: loss, optimizer, normalization.
       mesh: optional `jax.sharding.Mesh` with a "data" axis: rows are sharded over its devices
         (data parallel); the clipped sums are reduced across devices and the noise is added
@@ -444,40 +421,35 @@ def train_probe(
     Returns:
       TrainResult with params {"w": (P, d, C), "b": (P, C)}.
 
-    DP contract: rows are distinct individuals; N is treated as public (add/remove-one
-    neighbours); each run is then exactly the mechanism of its `DpPlan`.
+    DP contract: rows are distinct individuals; the neighbouring relation is zero-out (one row
+    replaced by a null row that contributes nothing; N public); each run is then exactly the
+    mechanism of its `DpPlan`, if `keys` are secret (`make_keys`). Rows with non-finite
+    features or labels outside [0, C) are such null rows.
     """
     _check_full_batch(runs)
     arrays = _runs_arrays(runs, keys)
-    feats = prepare_features(features, spec, check_finite=False)  # checked in `_first_step`
-    onehot = _onehot(labels, spec.num_classes)
+    feats = prepare_features(features, spec)
+    onehot, valid = _onehot(labels, spec.num_classes)
     if feats.shape[0] != onehot.shape[0]:
         raise ValueError(f"{feats.shape[0]} feature rows but {onehot.shape[0]} labels")
     num_examples = np.float32(feats.shape[0])
     if mesh is None:  # on the device once, not once per block of steps
-        feats, onehot, mask = jax.device_put((feats, onehot, np.ones(len(onehot), np.float32)))
+        feats, onehot, mask = jax.device_put((feats, onehot, valid))
     else:
-        feats, onehot, mask = shard_rows(mesh, feats, onehot)
+        feats, onehot, valid, mask = shard_rows(mesh, feats, onehot, valid)
+        mask = mask * valid
     data = (feats, onehot, mask, num_examples)
     first_step = functools.partial(cached_call, _first_step) if mesh is None else _first_step
-    state, nonfinite_rows = first_step(*data, arrays, spec=spec)
+    state = first_step(*data, arrays, spec=spec)
     total = max(r.plan.steps for r in runs)
-    if total > 1:  # check before spending more steps on them
-        _raise_if_nonfinite(nonfinite_rows)
     for start, stop in _step_blocks(total, progress, "probe steps"):
         state = _more_steps(state, start, stop, *data, arrays, spec=spec)
     result = TrainResult(state.params, None, None, functools.partial(
-        _finish_result, state, arrays, nonfinite_rows))
+        _finish_result, state, arrays))
     return result.wait() if wait else result
 
 
-def _raise_if_nonfinite(nonfinite_rows) -> None:
-    if nonfinite_rows is not None and (rows := int(nonfinite_rows)):
-        raise _nonfinite_error(rows)  # nothing trained on them is returned
-
-
-def _finish_result(state: _State, runs: _Runs, nonfinite_rows=None):
-    _raise_if_nonfinite(nonfinite_rows)
+def _finish_result(state: _State, runs: _Runs):
     clipped = np.asarray(state.clipped_total) / np.asarray(runs.steps)
     return jax.tree.map(np.asarray, state.params), clipped
 
@@ -512,12 +484,18 @@ def prefetch(iterable: Iterable, depth: int = 2) -> Iterator:
         yield item
 
 
+def _onehot_masked(labels, mask, num_classes):
+    """In-program `_onehot`: labels outside [0, C) become masked rows."""
+    valid = (labels >= 0) & (labels < num_classes)
+    return jax.nn.one_hot(labels, num_classes, dtype=jnp.float32), mask * valid
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _chunk_sums(params, features, labels, mask, clip, *, spec):
     """Clipped sums of one (padded) row chunk, after per-example normalization."""
     features = normalize_features(features.astype(jnp.float32), spec.normalization,
                                   groups=spec.groups)
-    onehot = jax.nn.one_hot(labels, spec.num_classes, dtype=jnp.float32)
+    onehot, mask = _onehot_masked(labels, mask, spec.num_classes)
     return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask)
 
 
@@ -528,12 +506,10 @@ def _finish_step(state, sums, num_clipped, step, denominator, batch_size, runs: 
 
 
 def _padded_chunks(chunks: Iterable, spec: ProbeSpec, rows: int | None):
-    """Validate chunks, pad each to `rows` rows (mask 0) so one compiled kernel serves all."""
+    """Pad each chunk to `rows` rows (mask 0) so one compiled kernel serves all."""
     for features, labels in chunks:
         features = np.asarray(features)
-        labels = _check_labels(labels, spec.num_classes)
-        if not np.isfinite(features).all():
-            raise ValueError("features contain NaN or Inf; re-extract or drop those rows")
+        labels = _check_labels(labels)
         count = len(labels)
         target = rows or count
         if count > target:
@@ -619,7 +595,7 @@ def train_probe_streaming(
 def _poisson_batch_sums(params, features, labels, mask, clip, *, spec):
     """Per-run clipped sums of one physical batch: features (P, p, [V,] d), mask (P, p)."""
     features = features.astype(jnp.float32)
-    onehot = jax.nn.one_hot(labels, spec.num_classes, dtype=jnp.float32)
+    onehot, mask = _onehot_masked(labels, mask, spec.num_classes)
 
     def one(w, b, x, y, m, c):
         sums, count = clipped_grad_sum({"w": w[None], "b": b[None]}, x, y, c[None],
@@ -637,7 +613,7 @@ def train_probe_poisson(
     spec: ProbeSpec,
     *,
     physical_batch_size: int = 256,
-    sampling_seed: int | None = None,
+    rng: np.random.Generator | None = None,
     progress: bool = False,
 ) -> TrainResult:
     """Masked DP-SGD with Poisson subsampling (Beltran et al. 2024, Alg. A1), without recompiles.
@@ -652,24 +628,28 @@ def train_probe_poisson(
     Args:
       features, labels, runs, keys, spec: as for `train_probe`; runs may have any q in (0, 1].
       physical_batch_size: p, rows per compiled kernel call.
-      sampling_seed: seed of the batch sampling (default: OS entropy).
+      rng: the batch sampler's generator; None (the only private choice) seeds a fresh one from
+        OS entropy. A seeded generator makes the batches public: for tests only.
       progress: show a progress bar over steps.
 
     Returns:
       TrainResult whose `batch_sizes` (steps, runs) holds each sampled logical batch size
-      (0 once a run has finished its steps).
+      (0 once a run has finished its steps): private, for local debugging only.
+
+    DP contract: as `train_probe`; the batch of each step includes every row independently with
+    probability q, so each run is the Poisson-sampled Gaussian of its `DpPlan`.
     """
     if physical_batch_size < 1:
         raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size}")
     arrays = _runs_arrays(runs, keys)
     feats = np.asarray(prepare_features(features, spec))
-    label_array = _check_labels(labels, spec.num_classes)
+    label_array = _check_labels(labels)
     if len(feats) != len(label_array):
         raise ValueError(f"{len(feats)} feature rows but {len(label_array)} labels")
     num_examples, num_runs, p = len(feats), len(runs), physical_batch_size
     rates = np.array([r.plan.sampling_probability for r in runs])
     steps = np.array([r.plan.steps for r in runs])
-    rng = np.random.default_rng(sampling_seed)  # OS entropy when None
+    rng = np.random.default_rng() if rng is None else rng  # OS entropy
     denominator = (rates * num_examples).astype(np.float32)
     state = _initial_state(spec, num_runs, feats.shape[-1])
     total = int(steps.max())

@@ -42,3 +42,11 @@ requires_fashion_mnist = pytest.mark.skipif(
     reason="Debian's dataset-fashion-mnist is not installed "
     "(apt-get install dataset-fashion-mnist)",
 )
+
+
+def fixed_keys(count: int, seed: int):
+    """Reproducible noise keys, for tests that compare two runs with the same noise. The
+    product never derives noise from a seed (`probe.make_keys` reads OS entropy)."""
+    import jax
+
+    return jax.random.split(jax.random.key(seed), count)

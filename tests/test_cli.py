@@ -23,7 +23,7 @@ def test_account_both_directions(capsys):
     assert out["noise_multiplier"] == pytest.approx(
         accounting.calibrate_noise_multiplier(1.0, 1e-5, steps=4))
     assert out["epsilon"] == pytest.approx(1.0, abs=1e-3)
-    assert out["neighboring_relation"] == "add_or_remove_one" and out["accountant"] == "pld"
+    assert out["neighboring_relation"] == "zero_out" and out["accountant"] == "pld"
     assert cli.main(["account", "--sigma", str(out["noise_multiplier"]), "--steps", "4"]) == 0
     assert "epsilon 1" in capsys.readouterr().out
 
@@ -46,7 +46,7 @@ def test_probe_writes_results_json(digits_store, tmp_path, capsys):
     results = json.loads(out.read_text())
     assert len(results["runs"]) == 6
     required = {"epsilon", "delta", "noise_multiplier", "steps", "optimizer", "learning_rate",
-                "seed", "test_accuracy", "accountant"}
+                "replicate", "test_accuracy", "accountant", "guarantee"}
     for run in results["runs"]:
         assert required <= set(run)
         if run["epsilon"] != "inf":
@@ -55,7 +55,7 @@ def test_probe_writes_results_json(digits_store, tmp_path, capsys):
             assert run["noise_multiplier"] == pytest.approx(sigma)
         else:
             assert run["noise_multiplier"] == 0
-    assert results["privacy"]["neighboring_relation"] == "add_or_remove_one"
+    assert results["privacy"]["neighboring_relation"] == "zero_out"
     assert results["provenance"]["train"]["backbone"]["name"] == "scatternet"
     assert results["provenance"]["train"]["dataset"]["name"] == "digits"
     acc = {r["epsilon"]: r["test_accuracy"] for r in results["runs"]}
@@ -65,14 +65,14 @@ def test_probe_writes_results_json(digits_store, tmp_path, capsys):
 
 def test_fresh_cli_process_equals_the_in_process_job(digits_store, tmp_path):
     """A fresh `dpprobe probe` reads the store in a forked child while it imports JAX; this
-    process has JAX loaded, so `run_probe` reads in threads here. Same seed, same results."""
+    process has JAX loaded, so `run_probe` reads in threads here. The non-private reference
+    has no noise, so the two must agree exactly."""
     from pipelines import run_probe
 
     out = tmp_path / "cli.json"
-    args = dict(epsilons=[1.0, math.inf], delta=1e-5, seeds=2, optimizer="adam", seed=7)
-    result = _dpprobe("probe", digits_store, "--epsilons", "1,inf", "--delta", "1e-5",
-                      "--seeds", "2", "--optimizer", "adam", "--seed", "7", "--out", str(out),
-                      "--quiet")
+    args = dict(epsilons=[math.inf], delta=1e-5, seeds=2, optimizer="adam")
+    result = _dpprobe("probe", digits_store, "--epsilons", "inf", "--delta", "1e-5",
+                      "--seeds", "2", "--optimizer", "adam", "--out", str(out), "--quiet")
     assert result.returncode == 0, result.stderr
     fresh = json.loads(out.read_text())["runs"]
     here = run_probe(digits_store, quiet=True, **args)["runs"]
@@ -114,7 +114,8 @@ def test_demo_on_digits(tmp_path, capsys):
 
 
 def test_probe_streamed_equals_in_memory_and_writes_csv_and_plot(digits_store, tmp_path):
-    common = ["probe", digits_store, "--epsilons", "2,inf", "--seeds", "2", "--seed", "5",
+    # Without noise the two drivers must agree (with noise: test_engine, same keys).
+    common = ["probe", digits_store, "--epsilons", "inf", "--seeds", "2",
               "--optimizer", "adam", "--steps", "3", "--lr", "0.01", "--quiet"]
     assert cli.main([*common, "--in-memory", "--out", str(tmp_path / "a.json")]) == 0
     assert cli.main([*common, "--stream", "--out", str(tmp_path / "b.json"),
@@ -125,17 +126,24 @@ def test_probe_streamed_equals_in_memory_and_writes_csv_and_plot(digits_store, t
     for ra, rb in zip(a["runs"], b["runs"], strict=True):
         assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1 / 359 + 1e-9)
     lines = (tmp_path / "b.csv").read_text().splitlines()
-    assert lines[0].startswith("epsilon,epsilon_spent,delta") and len(lines) == 5
+    assert lines[0].startswith("epsilon,epsilon_spent,delta") and len(lines) == 3
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_probe_poisson_mode_records_the_sampled_mechanism(digits_store, tmp_path):
-    out = tmp_path / "p.json"
+    out, diagnostics = tmp_path / "p.json", tmp_path / "diag.json"
     assert cli.main(["probe", digits_store, "--epsilons", "4", "--seeds", "1", "-q", "0.25",
                      "--steps", "8", "--optimizer", "momentum", "--lr", "1",
-                     "--physical-batch-size", "64", "--out", str(out), "--quiet"]) == 0
+                     "--physical-batch-size", "64", "--out", str(out), "--quiet",
+                     "--diagnostics", str(diagnostics)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["sampling_probability"] == 0.25
     assert run["dp_event"]["event"]["type"] == "PoissonSampledDpEvent"
     assert run["epsilon_spent"] <= 4.0 + 1e-9
-    assert abs(run["mean_batch_size"] - 0.25 * 1438) < 5 * math.sqrt(1438 * 0.25 * 0.75 / 8)
+    # The sampled batch sizes are private: only in the local diagnostics file.
+    assert "batch_size" not in out.read_text().replace("physical_batch_size", "")
+    local = json.loads(diagnostics.read_text())
+    assert local["warning"].startswith("PRIVATE")
+    sizes = local["runs"][0]["batch_sizes"]
+    assert len(sizes) == 8
+    assert abs(np.mean(sizes) - 0.25 * 1438) < 5 * math.sqrt(1438 * 0.25 * 0.75 / 8)

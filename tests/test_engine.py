@@ -12,7 +12,7 @@ import pytest
 
 import accounting
 import probe
-from tests.conftest import random_problem
+from tests.conftest import fixed_keys, random_problem
 
 
 def _runs(epsilons, steps, lr, q=1.0, delta=1e-5):
@@ -30,7 +30,7 @@ def test_streamed_chunks_equal_in_memory(rng, views):
     features, labels, _ = random_problem(rng, n=203, d=10, c=4, views=views)
     spec = probe.ProbeSpec(4, optimizer="adam", normalization="l2")
     runs = _runs([0.5, 4.0, math.inf], steps=4, lr=0.05) + _runs([1.0], steps=2, lr=0.1)
-    keys = probe.make_keys(len(runs), seed=5)
+    keys = fixed_keys(len(runs), 5)
     memory = probe.train_probe(features, labels, runs, keys, spec)
 
     def chunks():
@@ -59,7 +59,7 @@ def test_streaming_from_a_zarr_store_equals_in_memory(tmp_path, rng):
     writer.finalize()
     spec = probe.ProbeSpec(3, optimizer="momentum")
     runs = _runs([2.0], steps=3, lr=0.5)
-    keys = probe.make_keys(1, seed=2)
+    keys = fixed_keys(1, 2)
     streamed = probe.train_probe_streaming(
         lambda: extract.iter_split_chunks(str(tmp_path / "s.zarr"), "train"), runs, keys, spec,
         num_examples=150, dim=6,
@@ -90,7 +90,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
         s = accounting.calibrate_noise_multiplier(eps, 1e-5, steps=3)
         runs.append(probe.RunSpec(accounting.DpPlan(s, 3, clip_norm=1.0 if s else math.inf), 0.1))
     spec = probe.ProbeSpec(5, optimizer="adam")
-    keys = probe.make_keys(3, seed=4)
+    keys = jax.random.split(jax.random.key(4), 3)
     mesh = jax.make_mesh((4,), ("data",))
     sharded = probe.train_probe(x, y, runs, keys, spec, mesh=mesh)
     single = probe.train_probe(x, y, runs, keys, spec)
@@ -134,7 +134,7 @@ def test_poisson_with_q_one_is_full_batch(rng):
     features, labels, _ = random_problem(rng, n=90, d=6, c=3)
     spec = probe.ProbeSpec(3, optimizer="momentum")
     runs = _runs([1.0, math.inf], steps=3, lr=0.3)
-    keys = probe.make_keys(2, seed=9)
+    keys = fixed_keys(2, 9)
     poisson = probe.train_probe_poisson(features, labels, runs, keys, spec,
                                         physical_batch_size=32)
     full = probe.train_probe(features, labels, runs, keys, spec)
@@ -154,7 +154,7 @@ def test_sign_sgd_equals_one_dp_adam_step_from_zero(rng, loss):
     """Mehta et al. App. E.3: Adam's first step from zero is g / (|g| + eps) ~ sign(g)."""
     features, labels, _ = random_problem(rng, n=300, d=20, c=4)
     runs = _runs([1.0, 4.0, 16.0], steps=1, lr=1e-3)
-    keys = probe.make_keys(3, seed=1)
+    keys = fixed_keys(3, 1)
 
     def train(optimizer, lr=1e-3):
         spec = probe.ProbeSpec(4, optimizer=optimizer, loss=loss)

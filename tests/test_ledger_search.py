@@ -71,7 +71,7 @@ def test_fit_linear_scaling_is_the_line_through_two_points():
 def test_noiseless_oracle_recovers_a_planted_line():
     alpha, b = 400.0, 0.5  # with 801 trials a stage, per-trial epsilons are ~0.0023 and ~0.0048
 
-    def oracle(trials, plans):
+    def oracle(stage, trials, plans):
         # The best r at a trial's epsilon is the planted line; read epsilon off the plan.
         scores = []
         for trial, plan in zip(trials, plans, strict=True):
@@ -93,21 +93,33 @@ def test_noiseless_oracle_recovers_a_planted_line():
     assert ledger.epsilon(1e-5) < 2.0
 
 
-def test_search_total_epsilon_is_at_most_the_request(digits_store):
+@pytest.mark.parametrize("selection", ["train", "holdout"])
+def test_search_total_epsilon_is_at_most_the_request(digits_store, selection):
+    """Every mechanism, the private selection included, is in the ledger, and dp_accounting
+    composing the same events independently (per disjoint part) gives the requested total."""
     result = search.linear_scaling_search(
         digits_store, 2.0, 1e-5, trials=3, r_range=(1, 100), steps_choices=(5, 10),
-        normalization="group", groups=27, seed=0, quiet=True,
+        normalization="group", groups=27, selection=selection, seed=0, quiet=True,
     )
     ledger = result["ledger"]
-    assert ledger["num_mechanisms"] == 7  # 2 stages x 3 trials + the final run
+    # 2 stages x (3 trials + their noisy counts) + the final run
+    assert ledger["num_mechanisms"] == 9
+    assert sum(e["role"] == "selection" for e in ledger["entries"]) == 2
     assert ledger["epsilon"] <= 2.0
     assert ledger["epsilon"] == pytest.approx(2.0, abs=1e-6)  # the final run gets the rest
-    # dp_accounting composing the same events independently agrees.
-    acc = pld.PLDAccountant()
-    for entry in ledger["entries"]:
-        acc.compose(dp_accounting.GaussianDpEvent(entry["noise_multiplier"]), entry["steps"])
-    assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-3)
-    assert result["validation"]["num_examples"] == round(0.1 * 1438)
+    parts = {"train": ["all"], "holdout": ["train part", "validation part"]}[selection]
+    assert ledger["parts"] == parts
+    for part in parts:
+        acc = pld.PLDAccountant(
+            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+        for entry in ledger["entries"]:
+            if entry["data"] in ("all", part):
+                acc.compose(dp_accounting.GaussianDpEvent(entry["noise_multiplier"]),
+                            entry["steps"])
+        assert acc.get_epsilon(1e-5) <= 2.0 + 1e-3
+        assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-3)
+    assert result["selection"]["num_scored"] == {"train": 1438, "holdout": round(0.1 * 1438)}[
+        selection]
     assert result["privacy"]["epsilon_total"] == ledger["epsilon"]
     assert 0.5 < result["final"]["test_accuracy"] <= 1.0
     assert result["chosen"]["learning_rate"] * result["chosen"]["steps"] == pytest.approx(
@@ -121,6 +133,7 @@ def test_tune_cli_writes_results_with_the_ledger(digits_store, tmp_path, capsys)
                      "--groups", "27", "--seed", "1", "--out", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "privacy ledger" in printed and "basic composition" in printed
+    assert "selection: noisy correct counts" in printed
     results = json.loads(out.read_text())
     assert results["ledger"]["epsilon"] <= 1.0
     assert {"epsilon", "delta", "noise_multiplier", "test_accuracy"} <= set(results["runs"][0])
@@ -136,8 +149,8 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     seen = []
     original = probe.make_keys
 
-    def recording(count, seed=None):
-        keys = original(count, seed)
+    def recording(count):
+        keys = original(count)
         seen.extend(tuple(int(v) for v in row) for row in jax.random.key_data(keys))
         return keys
 

@@ -10,7 +10,7 @@ import pytest
 
 import accounting
 import probe
-from tests.conftest import random_problem
+from tests.conftest import fixed_keys, random_problem
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_sweep_equals_each_run_alone(rng, optimizer):
     features, labels, _ = random_problem(rng, n=128, d=16, c=4)
     spec = probe.ProbeSpec(4, optimizer=optimizer)
     runs = _runs([0.5, 2.0, math.inf], steps=3, lr=0.05) + _runs([1.0], steps=1, lr=0.2)
-    keys = probe.make_keys(len(runs), seed=11)
+    keys = fixed_keys(len(runs), 11)
     swept = probe.train_probe(features, labels, runs, keys, spec)
     for i, run in enumerate(runs):
         alone = probe.train_probe(features, labels, [run], keys[i:i + 1], spec)
@@ -70,7 +70,7 @@ def test_not_waiting_gives_the_same_result(rng):
     features = features.astype(np.float16)
     spec = probe.ProbeSpec(4, optimizer="adam")
     runs = _runs([0.5, 2.0, math.inf], steps=3, lr=0.05, clip=7.0)
-    keys = probe.make_keys(len(runs), seed=3)
+    keys = fixed_keys(len(runs), 3)
     pending = probe.train_probe(features, labels, runs, keys, spec, wait=False)
     assert pending.clipped_fraction is None  # not collected yet
     assert pending.wait() is pending
@@ -118,18 +118,13 @@ def test_runs_with_fewer_steps_stop_updating(rng):
 
 
 def test_bad_inputs_are_rejected_with_clear_errors(rng):
+    """Only public metadata (shapes, dtypes, counts) is checked: see test_privacy for rows with
+    NaN features or labels out of range, which become null rows instead of errors."""
     features, labels, _ = random_problem(rng, n=16, d=4, c=3)
     spec = probe.ProbeSpec(3)
     runs = _runs([1.0], 1, 0.1)
-    bad = features.copy()
-    bad[3, 1] = np.nan
-    with pytest.raises(ValueError, match="NaN or Inf in 1 rows"):
-        probe.train_probe(bad, labels, runs, probe.make_keys(1), spec)
-    pending = probe.train_probe(bad, labels, runs, probe.make_keys(1), spec, wait=False)
-    with pytest.raises(ValueError, match="NaN or Inf in 1 rows"):
-        pending.wait()  # not waited for: the check is raised when the result is collected
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
-        probe.train_probe(features, labels + 5, runs, probe.make_keys(1), spec)
+    with pytest.raises(ValueError, match="labels must be a 1-D integer array"):
+        probe.train_probe(features, labels.astype(float), runs, probe.make_keys(1), spec)
     with pytest.raises(ValueError, match="16 feature rows but 15 labels"):
         probe.train_probe(features, labels[:-1], runs, probe.make_keys(1), spec)
     with pytest.raises(ValueError, match="one key per run"):

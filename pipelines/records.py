@@ -1,0 +1,77 @@
+"""What a job's results may hold: DP outputs and public inputs, never statistics of private data.
+
+Published (results JSON, CSV, plots, stdout):
+  * DP outputs: the noised models and what is computed from them on public data (test metrics),
+    noisy selection scores, and everything derived from those;
+  * public inputs: the job's arguments, the privacy parameters and accounting, the store's
+    description that does not depend on the private records: backbone, weights identity,
+    preprocessing, the declared class list, shapes, dtype, the dataset size N (public under
+    zero-out neighbours), timestamps.
+Never published: fingerprints of the data, clipping counts, sampled batch sizes, anything the
+noise or the batches could be replayed from (seeds of a mechanism), label-derived shapes. Such
+statistics go to the local diagnostics file (`write_diagnostics`), which must not be shared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+
+__all__ = [
+    "DIAGNOSTICS_WARNING",
+    "VERSION",
+    "declared_num_classes",
+    "now",
+    "public_split_attrs",
+    "randomness",
+]
+
+try:
+    VERSION = importlib.metadata.version("dpprobe")
+except importlib.metadata.PackageNotFoundError:  # a source checkout that is not installed
+    VERSION = "0.1.0"
+
+DIAGNOSTICS_WARNING = ("PRIVATE: exact statistics of the private training data (not DP). For "
+                       "local debugging only; never share or publish this file.")
+
+# The split attributes that describe a store without depending on its private records.
+_PUBLIC_SPLIT_KEYS = ("split", "num_examples", "feature_shape", "feature_dim", "views", "dtype",
+                      "num_classes", "backbone", "preprocessing", "created", "completed",
+                      "complete")
+_PUBLIC_DATASET_KEYS = ("name", "spec", "split", "num_examples", "num_classes", "class_names")
+
+
+def now() -> str:
+    """UTC time, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def public_split_attrs(attrs: dict) -> dict:
+    """A split's attributes without what depends on its records (the data fingerprint)."""
+    out = {k: attrs[k] for k in _PUBLIC_SPLIT_KEYS if k in attrs}
+    dataset = attrs.get("dataset") or {}
+    out["dataset"] = {k: dataset[k] for k in _PUBLIC_DATASET_KEYS if k in dataset}
+    return out
+
+
+def declared_num_classes(*split_attrs: dict) -> int:
+    """The class count the store declares (a public input fixed at extraction), never one read
+    off the private labels; every split must declare the same."""
+    declared = {attrs.get("num_classes") for attrs in split_attrs}
+    if len(declared) != 1 or not isinstance(next(iter(declared)), int):
+        raise ValueError(f"the store's splits must declare one class count (num_classes), got "
+                         f"{sorted(map(str, declared))}; re-extract with a declared class list")
+    (count,) = declared
+    if count < 2:
+        raise ValueError(f"a classifier needs at least 2 classes, the store declares {count}")
+    return count
+
+
+def randomness(seed: int | None, drives: str) -> dict:
+    """How a job drew its randomness; the seed itself is never written."""
+    return {
+        "noise_keys": "os-entropy",
+        "sampling": "os-entropy",
+        "seed": "given" if seed is not None else "none",
+        "seed_drives": (f"only {drives}, never a mechanism" if seed is not None else None),
+    }

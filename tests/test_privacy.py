@@ -1,0 +1,300 @@
+"""What the guarantee needs: every published leaf is a DP output or a public input, every
+example's contribution stays within C on every trainer path, and the noise is secret and has no
+hard float32 support."""
+
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import accounting
+import probe
+from pipelines import cli
+
+# --------------------------------------------------------------------------------------------
+# Neighbour test: a job on D and on D minus one row; only DP outputs may differ.
+# --------------------------------------------------------------------------------------------
+
+# Leaves allowed to differ: DP outputs (functions of the noised models and noisy scores),
+# timestamps, and the dataset size N (public under zero-out neighbours; removing a row changes
+# it, replacing a row by a null record does not).
+ALLOWED = [
+    r"runs\[\*\]\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\]|learning_rate)",
+    r"summary\[\*\]\.test_(top5_)?accuracy_(mean|std)",
+    r"stages\[\*\]\.(best_r|trials\[\*\]\.(score|r|learning_rate))",
+    r"line\.(alpha|b|r_star|fallback_used)",
+    r"chosen\.(r|learning_rate)",
+    r"final\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\])",
+    r"ledger\.entries\[\*\]\.(r|learning_rate)",
+    r"(created|wall_seconds|provenance\.(train|test)\.(created|completed))",
+    r"(num_train|provenance\.train\.(num_examples|dataset\.num_examples))",
+    r"selection\.(num_scored|num_trained)",
+]
+
+
+def _differing_leaves(a, b, path=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            sub = f"{path}.{key}" if path else key
+            if key not in a or key not in b:
+                yield sub
+            else:
+                yield from _differing_leaves(a[key], b[key], sub)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for item_a, item_b in zip(a, b, strict=True):
+            yield from _differing_leaves(item_a, item_b, f"{path}[*]")
+    elif a != b:
+        yield path
+
+
+def _store(directory, features, labels, test_features, test_labels, monkeypatch):
+    """emb.zarr in `directory` (same relative paths for D and D', so public inputs match)."""
+    directory.mkdir()
+    monkeypatch.chdir(directory)
+    names = np.array(["a", "b", "c", "d"])
+    np.savez("emb.npz", features=features, labels=labels, class_names=names)
+    np.savez("test.npz", features=test_features, labels=test_labels, class_names=names)
+    for split, source in (("train", "emb.npz"), ("test", "test.npz")):
+        assert cli.main(["extract", "--backbone", "none", "--data", f"npz:{source}",
+                         "--split", split, "--out", "emb.zarr", "--dtype", "float32",
+                         "--quiet"]) == 0
+
+
+@pytest.fixture(scope="module")
+def neighbours():
+    """D: 240 rows, 4 classes; the removed row is the only one of class 3 and has a huge norm
+    (so it is clipped), i.e. it moves every exact statistic an earlier version published."""
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(240, 16)).astype(np.float32)
+    labels = rng.integers(0, 3, size=240)
+    features[17] *= 1e3
+    labels[17] = 3
+    test_features = rng.normal(size=(80, 16)).astype(np.float32)
+    test_labels = rng.integers(0, 4, size=80)
+    keep = np.arange(240) != 17
+    return ((features, labels), (features[keep], labels[keep]), (test_features, test_labels))
+
+
+@pytest.mark.parametrize("job", [
+    ["probe", "emb.zarr", "--epsilons", "1,4", "--seeds", "2", "--optimizer", "momentum",
+     "--steps", "5", "--lr", "0.5"],
+    ["probe", "emb.zarr", "--epsilons", "2", "--seeds", "2", "-q", "0.3", "--steps", "4",
+     "--optimizer", "sgd", "--lr", "1", "--physical-batch-size", "32"],
+    ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
+     "--r-max", "30", "--seed", "3"],
+], ids=["probe-full-batch", "probe-poisson", "tune"])
+def test_job_on_neighbouring_datasets_differs_only_in_dp_outputs(job, neighbours, tmp_path,
+                                                                 monkeypatch):
+    (d, d_minus), test = neighbours[:2], neighbours[2]
+    outputs = []
+    for name, (features, labels) in (("D", d), ("D_minus_one_row", d_minus)):
+        _store(tmp_path / name, features, labels, *test, monkeypatch)
+        assert cli.main([*job, "--delta", "1e-4", "--out", "results.json", "--quiet"]) == 0
+        outputs.append(json.loads((tmp_path / name / "results.json").read_text()))
+    differing = sorted(set(_differing_leaves(*outputs)))
+    assert differing, "the two runs should differ somewhere (the noise, at least)"
+    leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
+    assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
+
+
+# --------------------------------------------------------------------------------------------
+# Leave-one-out sensitivity, on every trainer path.
+# --------------------------------------------------------------------------------------------
+
+
+def _adversarial_rows(rng, views, dtype):
+    """Rows built to break clipping: huge norms, nearly antipodal large views, overflow."""
+    dim = 6
+    base = rng.normal(size=(16, views, dim))
+    scales = [1.0, 1e3, 1e4, 3e4, 1e18, 1e20] if dtype == np.float32 else [1.0, 3e3, 6e4]
+    rows = []
+    for scale in scales:
+        row = rng.normal(size=(views, dim))
+        if views > 1:  # antipodal views: their gradients cancel in the view average
+            row[1::2] = -row[0::2][: len(row[1::2])] * (1 + 1e-3)
+        rows.append(row / np.linalg.norm(row[0]) * scale)
+    features = np.concatenate([base, np.stack(rows)]).astype(dtype)
+    features = np.where(np.isfinite(features), features, np.finfo(dtype).max)
+    labels = np.arange(len(features)) % 3
+    return (features[:, 0] if views == 1 else features), labels, 16
+
+
+def _clipped_sum(trainer, features, labels, clips, spec, rows=None):
+    """The clipped sum a trainer privatizes, read off one noiseless SGD step from zero init:
+    params_1 = params_0 - sum / N."""
+    runs = [probe.RunSpec(accounting.DpPlan(0.0, 1, clip_norm=c), 1.0) for c in clips]
+    keys = probe.make_keys(len(runs))
+    n = len(labels)
+    if trainer == "in-memory":
+        result = probe.train_probe(features, labels, runs, keys, spec)
+    elif trainer == "sharded":
+        result = probe.train_probe(features, labels, runs, keys, spec,
+                                   mesh=probe.make_data_mesh(1))
+    elif trainer == "streamed":
+        def chunks():
+            for start in range(0, n, 5):
+                yield features[start:start + 5], labels[start:start + 5]
+        result = probe.train_probe_streaming(chunks, runs, keys, spec, num_examples=n,
+                                             dim=features.shape[-1], rows_per_chunk=5)
+    else:
+        runs = [probe.RunSpec(accounting.DpPlan(0.0, 1, 1.0, c), 1.0) for c in clips]
+        result = probe.train_probe_poisson(features, labels, runs, keys, spec,
+                                           physical_batch_size=7)
+    w = -np.asarray(result.params["w"], np.float64) * n
+    b = (spec.initial_bias - np.asarray(result.params["b"], np.float64)) * n
+    return np.concatenate([w.reshape(len(clips), -1), b], axis=1)
+
+
+@pytest.mark.parametrize("trainer", ["in-memory", "sharded", "streamed", "poisson"])
+@pytest.mark.parametrize("views,dtype", [(1, np.float32), (1, np.float16), (2, np.float32),
+                                         (4, np.float32), (2, np.float16)])
+def test_leave_one_out_moves_the_clipped_sum_by_at_most_c(trainer, views, dtype):
+    """Removing any one example, or replacing it by a null record (a label outside the class
+    set), moves every run's clipped sum by at most its C (1 + 1e-6); a sweep of 3 clip norms."""
+    rng = np.random.default_rng(views)
+    features, labels, first_adversarial = _adversarial_rows(rng, views, dtype)
+    clips = [0.5, 1.0, 2.0]
+    spec = probe.ProbeSpec(3, optimizer="sgd")
+    full = _clipped_sum(trainer, features, labels, clips, spec)
+    assert np.isfinite(full).all()
+    for row in [0, *range(first_adversarial, len(labels))]:
+        keep = np.arange(len(labels)) != row
+        removed = _clipped_sum(trainer, features[keep], labels[keep], clips, spec)
+        nulled_labels = labels.copy()
+        nulled_labels[row] = -1
+        nulled = _clipped_sum(trainer, features, nulled_labels, clips, spec)
+        for other in (removed, nulled):
+            moved = np.linalg.norm(full - other, axis=1)
+            assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+
+def test_rows_with_nan_features_are_null_records(rng):
+    """A row with NaN features contributes nothing (no NaN model, no error): it is the null
+    record of zero-out neighbours."""
+    features = rng.normal(size=(20, 5)).astype(np.float32)
+    labels = np.arange(20) % 3
+    spec = probe.ProbeSpec(3, optimizer="sgd")
+    bad = features.copy()
+    bad[4, 2] = np.nan
+    bad[9] = np.inf
+    nulled_labels = labels.copy()
+    nulled_labels[[4, 9]] = -1
+    with_nan = _clipped_sum("in-memory", bad, labels, [1.0], spec)
+    expected = _clipped_sum("in-memory", features, nulled_labels, [1.0], spec)
+    np.testing.assert_allclose(with_nan, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_clipper_keeps_antipodal_views_within_c_at_random_params(rng):
+    """At random (non-zero) parameters, with cancelling views: the closed form's contribution,
+    recomputed exactly in float64 from the per-view gradients, is at most C."""
+    params = {"w": rng.normal(size=(1, 6, 3)).astype(np.float32) * 1e-6,
+              "b": rng.normal(size=(1, 3)).astype(np.float32)}
+    for scale in (1e3, 1e4, 3e4):
+        x = rng.normal(size=(1, 2, 6))
+        x[0, 1] = -x[0, 0] * (1 + 1e-4)
+        x = (x / np.linalg.norm(x[0, 0]) * scale).astype(np.float32)
+        onehot = jax.nn.one_hot(jnp.array([1]), 3)
+        sums, _ = probe.clipped_grad_sum(params, x, onehot, jnp.array([1.0]), loss="softmax")
+        contribution = np.concatenate([np.asarray(sums["w"], np.float64).ravel(),
+                                       np.asarray(sums["b"], np.float64).ravel()])
+        assert np.linalg.norm(contribution) <= 1.0 + 1e-6, scale
+
+
+def test_every_matmul_of_the_clipped_sum_runs_at_highest_precision(rng):
+    """TF32 or bf16 passes (GPUs, TPUs) would break the bound: every dot is HIGHEST."""
+    onehot = jax.nn.one_hot(jnp.zeros(4, int), 3)
+    params = {"w": jnp.zeros((2, 5, 3)), "b": jnp.zeros((2, 3))}
+    for shape in ((4, 5), (4, 3, 5)):
+        jaxpr = jax.make_jaxpr(lambda p, x: probe.clipped_grad_sum(
+            p, x, onehot, jnp.ones(2), loss="softmax"))(params, np.zeros(shape, np.float32))
+        dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert dots
+        for eqn in dots:
+            precision = eqn.params["precision"]
+            assert precision is not None and all(
+                p == jax.lax.Precision.HIGHEST for p in precision), precision
+
+
+# --------------------------------------------------------------------------------------------
+# Randomness: secret keys, no seeded noise, no hard support.
+# --------------------------------------------------------------------------------------------
+
+
+def _leaves(tree, path=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{path}.{key}")
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _leaves(value, f"{path}[*]")
+    else:
+        yield path, tree
+
+
+def test_same_seed_draws_different_noise_and_the_seed_is_never_written(digits_store, tmp_path):
+    outputs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.json"
+        model = tmp_path / f"{name}.npz"
+        assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2",
+                         "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
+                         "--groups", "27", "--seed", "12345", "--out", str(out),
+                         "--model", str(model), "--quiet"]) == 0
+        outputs.append((json.loads(out.read_text()), np.load(model)["w"]))
+    (a, w_a), (b, w_b) = outputs
+    # Same seed, same r proposals of stage 0 (the seed drives only them) ...
+    assert [t["r"] for t in a["stages"][0]["trials"]] == [t["r"] for t in b["stages"][0]["trials"]]
+    # ... but fresh noise: different scores and a different final model.
+    assert [t["score"] for t in a["stages"][0]["trials"]] != [
+        t["score"] for t in b["stages"][0]["trials"]]
+    assert not np.array_equal(w_a, w_b)
+    for path, value in _leaves(a):
+        assert value != 12345 and "12345" not in str(value), path
+    assert a["privacy"]["noise_keys"] == "os-entropy" and a["privacy"]["seed"] == "given"
+
+
+def test_probe_has_no_seed_option(digits_store):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["probe", digits_store, "--seed", "1"])
+    assert exit_info.value.code == 2
+
+
+def test_inf_is_opt_in_and_labelled(digits_store, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["probe", digits_store, "--seeds", "1", "--out", str(out), "--quiet"]) == 0
+    results = json.loads(out.read_text())
+    assert all(math.isfinite(r["epsilon"]) for r in results["runs"])  # the default sweep
+    table = capsys.readouterr().out
+    assert "inf" not in table.split("\n")[2]
+    assert cli.main(["probe", digits_store, "--epsilons", "1,inf", "--seeds", "2", "--out",
+                     str(out), "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "non-private, no guarantee" in table and "seeds composed" in table
+    results = json.loads(out.read_text())
+    reference = [r for r in results["runs"] if r["epsilon"] == "inf"]
+    assert reference and all(r["guarantee"].startswith("none") for r in reference)
+    row = next(r for r in results["summary"] if r["epsilon"] == 1.0)
+    # The mean over 2 seeds costs the composition of the 2 runs.
+    assert row["epsilon_row"] == pytest.approx(
+        accounting.gdp_epsilon(math.sqrt(2) * accounting.gdp_mu(1.0, 1e-5), 1e-5), rel=1e-6)
+
+
+def test_gaussian_noise_reaches_past_the_float32_support():
+    """The extreme 53-bit uniforms map to about +-8.3 sigma: no endpoint at -5.42 / 5.22."""
+    for key in range(3):
+        draws = np.asarray(jax.jit(probe.gaussian_noise, static_argnums=1)(
+            jax.random.key(key), 10_000_000))
+        # A hard endpoint with mass 2^-23 piles up ~1.2 draws per 1e7 on one value.
+        assert (draws == draws.max()).sum() == 1 and (draws == draws.min()).sum() == 1
+        assert abs(draws.mean()) < 6 / math.sqrt(1e7) and abs(draws.std() - 1) < 1e-3
+    from probe.mechanism import _normal_from_words
+
+    with jax.enable_x64(True):
+        extremes = np.asarray(_normal_from_words(jnp.array([0, 1, 2**64 - 2, 2**64 - 1],
+                                                           jnp.uint64)))
+    assert extremes[0] > 8.2 and extremes[1] < -8.2
+    assert abs(extremes[2]) < 1e-12 and abs(extremes[3]) < 1e-12
