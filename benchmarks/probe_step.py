@@ -1,8 +1,11 @@
 """One full-batch probe step on 50k x 768 features, 10 classes, side by side:
 
-  dp-closed-form   ours: closed-form per-example clipping + Gaussian noise + Adam
+  dp-closed-form   ours: closed-form per-example clipping (norm bounds that hold under float32
+                   rounding, HIGHEST precision, null rows) + the mechanism's noise (53-bit
+                   float64 sampler, `probe.noisy_mean`) + Adam
   non-private      jax.grad of the mean loss + Adam (the floor)
   dp-vmap-grad     per-example gradients by jax.vmap(jax.grad), clipped, summed, noised + Adam
+and the noise alone: our float64 sampler vs float32 `jax.random.normal` (hard support).
 
 Prints median wall time per step over repeats and ratios to the non-private step.
 Run: .venv/bin/python benchmarks/probe_step.py [--n 50000 --d 768 --classes 10 --repeats 7]
@@ -60,10 +63,12 @@ def main():
 
     def closed_form_grads(params, key):
         stacked = jax.tree.map(lambda p: p[None], params)
+        # As in the trainers: the features were checked once per program (zero_nonfinite_rows,
+        # timed below), so each step skips that pass.
         sums, _ = probe.clipped_grad_sum(stacked, features, onehot, jnp.array([clip]),
-                                         loss="softmax")
-        sums = jax.tree.map(lambda s: s[0], sums)
-        return jax.tree.map(lambda s, z: (s + z) / n, sums, noise(key, sums))
+                                         loss="softmax", finite_rows=True)
+        grads = probe.noisy_mean(sums, jnp.array([sigma * clip]), key[None], 0, n)
+        return jax.tree.map(lambda g: g[0], grads)
 
     @jax.jit
     def dp_closed_form(params, state, key):
@@ -101,14 +106,31 @@ def main():
     # Same inputs: the two privatized gradients agree (up to float rounding).
     a = jax.jit(closed_form_grads)(params, key)
     b = jax.jit(vmap_grads)(params, key)
-    agree = all(bool(np.allclose(a[k], b[k], rtol=1e-4, atol=1e-9)) for k in ("w", "b"))
+    # Same noise in both? No: ours is the product's sampler, so compare without noise.
+    agree = all(bool(np.allclose(a[k], b[k], rtol=1e-4, atol=2 * sigma * clip / n * 6))
+                for k in ("w", "b"))
 
+    size = d * c + c
+    f64_noise = jax.jit(lambda key: probe.gaussian_noise(key, size))
+    f32_noise = jax.jit(lambda key: jax.random.normal(key, (size,)))
+    mask = jnp.ones(n)
+    zero_rows = jax.jit(lambda x: probe.zero_nonfinite_rows(x, mask))
+    zero_rows_f16 = jax.jit(lambda x: probe.zero_nonfinite_rows(x.astype(jnp.float32), mask))
+    cast_f16 = jax.jit(lambda x: x.astype(jnp.float32))
+    features16 = features.astype(jnp.float16)
     rows = [
         ("non-private full-batch step", _time(lambda: non_private(params, state), args.repeats)),
         ("DP step, closed-form clipping (ours)",
          _time(lambda: dp_closed_form(params, state, key), args.repeats)),
         ("DP step, vmap(grad) clipping", _time(lambda: dp_vmap_grad(params, state, key),
                                                args.repeats)),
+        ("noise only: float64 sampler (ours)", _time(lambda: f64_noise(key), args.repeats)),
+        ("noise only: float32 jax.random.normal", _time(lambda: f32_noise(key), args.repeats)),
+        ("once per program: zero non-finite rows", _time(lambda: zero_rows(features),
+                                                         args.repeats)),
+        ("  same, fused with the float16 cast", _time(lambda: zero_rows_f16(features16),
+                                                      args.repeats)),
+        ("  the float16 cast alone", _time(lambda: cast_f16(features16), args.repeats)),
     ]
     base = rows[0][1][0]
     print(f"probe step on {n} x {d} features, {c} classes, float32, "

@@ -9,6 +9,7 @@ from probe.clipping import (
     linear_logits,
     per_example_grad_norms,
     residuals,
+    zero_nonfinite_rows,
 )
 from probe.evaluation import evaluate, evaluate_chunks
 from probe.mechanism import gaussian_noise, make_keys
@@ -63,4 +64,5 @@ __all__ = [
     "train_probe",
     "train_probe_poisson",
     "train_probe_streaming",
+    "zero_nonfinite_rows",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "linear_logits",
     "per_example_grad_norms",
     "residuals",
+    "zero_nonfinite_rows",
 ]
 
 Loss = Literal["softmax", "sigmoid"]
@@ -82,6 +83,16 @@ def example_losses(logits: jax.Array, onehot: jax.Array, loss: Loss) -> jax.Arra
 def feature_gram(features: jax.Array) -> jax.Array:
     """Per-example Gram matrix of the views, (N, K, K); for K = 1 it is ||x_i||^2."""
     return jnp.einsum("nvd,nwd->nvw", features, features, precision=_HIGHEST)
+
+
+def zero_nonfinite_rows(features: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Features with every row (example) that holds a NaN or Inf set to zero, and the mask
+    zeroed there: such rows become null records. The trainers call it once per program (it is a
+    pass over the features, fused with the float16 -> float32 cast), then `clipped_grad_sum`
+    with `finite_rows=True`."""
+    finite = jnp.isfinite(features.reshape(features.shape[0], -1)).all(axis=1)
+    shape = (-1,) + (1,) * (features.ndim - 1)
+    return jnp.where(finite.reshape(shape), features, 0.0), mask * finite
 
 
 def _as_views(features: jax.Array) -> jax.Array:
@@ -142,6 +153,7 @@ def clipped_grad_sum(
     loss: Loss,
     mask: jax.Array | None = None,
     gram: jax.Array | None = None,
+    finite_rows: bool = False,
 ) -> tuple[dict, jax.Array]:
     """Sum over examples of per-example gradients clipped to `clip_norm`, per config.
 
@@ -154,12 +166,15 @@ def clipped_grad_sum(
       loss: "softmax" or "sigmoid".
       mask: optional (N,) 0/1 weights; masked rows contribute nothing (padding).
       gram: optional precomputed `feature_gram(features)` (it does not change across steps).
+      finite_rows: the caller guarantees every row of `features` is finite (it ran
+        `zero_nonfinite_rows`), which saves a pass over the features here.
 
     Returns:
       ({"w": (P, d, C), "b": (P, C)} clipped sums, (P,) number of examples that were clipped).
 
     DP contract: rows of `features` are distinct individuals; each contributes at most
-    `clip_norm` in L2 norm to the returned sum of its config.
+    `clip_norm` in L2 norm to the returned sum of its config (a row whose norm is not finite
+    contributes nothing), for any input values.
     """
     features = _as_views(features).astype(jnp.promote_types(features.dtype, jnp.float32))
     views = features.shape[1]
@@ -170,8 +185,9 @@ def clipped_grad_sum(
     # Rows whose norm is NaN or inf (non-finite features or residuals, or an overflow) contribute
     # nothing: factor 0, and their features and residuals are zeroed (NaN * 0 would be NaN).
     valid = jnp.isfinite(norms)
-    row_finite = jnp.isfinite(jnp.diagonal(gram, axis1=1, axis2=2)).all(axis=1)  # (N,)
-    features = jnp.where(row_finite[:, None, None], features, 0.0)
+    if not finite_rows:
+        row_finite = jnp.isfinite(jnp.diagonal(gram, axis1=1, axis2=2)).all(axis=1)  # (N,)
+        features = jnp.where(row_finite[:, None, None], features, 0.0)
     # min(1, C / ||g||), written so that C = inf and ||g|| = 0 both give exactly 1.
     scale = jnp.minimum(1.0, clip_norm[None, :] / jnp.maximum(norms, jnp.finfo(norms.dtype).tiny))
     scale = jnp.where(valid, scale, 0.0)

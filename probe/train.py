@@ -34,7 +34,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from accounting import DpPlan
-from probe.clipping import LOSSES, Loss, clipped_grad_sum, feature_gram
+from probe.clipping import (
+    LOSSES,
+    Loss,
+    clipped_grad_sum,
+    feature_gram,
+    zero_nonfinite_rows,
+)
 from probe.executables import cached_call
 from probe.mechanism import gaussian_noise
 from probe.normalization import NORMALIZATIONS, normalize_features
@@ -253,14 +259,15 @@ def _gram(features):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
-    """Step 0 of every run (rows with non-finite features contribute nothing, see clipping)."""
-    features = features.astype(jnp.float32)  # a float16 cache stays float16 in memory
+    """Step 0 of every run (rows with non-finite features are null rows: they add nothing)."""
+    # A float16 cache stays float16 in memory; the cast and the zeroing fuse into one pass.
+    features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
     state = _initial_state(spec, runs.lr.shape[0], features.shape[-1])
     gram = _gram(features)
 
     def sum_fn(params, clip):
         return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram)
+                                gram=gram, finite_rows=True)
 
     sums, num_clipped = _shared_start_sums(spec, runs, features.shape[-1], sum_fn)
     return _privatize_and_update(spec, runs, state, sums, num_clipped, 0, num_examples,
@@ -269,12 +276,13 @@ def _first_step(features, onehot, mask, num_examples, runs: _Runs, *, spec):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _more_steps(state, start, stop, features, onehot, mask, num_examples, runs: _Runs, *, spec):
-    features = features.astype(jnp.float32)
+    features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
     gram = _gram(features)  # O(N d), loop-invariant: computed once per block of steps
 
     def body(step, state):
         sums, num_clipped = clipped_grad_sum(
-            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram
+            state.params, features, onehot, runs.clip, loss=spec.loss, mask=mask, gram=gram,
+            finite_rows=True,
         )
         return _privatize_and_update(spec, runs, state, sums, num_clipped, step, num_examples,
                                      num_examples)
@@ -493,10 +501,13 @@ def _onehot_masked(labels, mask, num_classes):
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _chunk_sums(params, features, labels, mask, clip, *, spec):
     """Clipped sums of one (padded) row chunk, after per-example normalization."""
+    # Normalize first: a finite but huge row can normalize to NaN, which the zeroing catches.
     features = normalize_features(features.astype(jnp.float32), spec.normalization,
                                   groups=spec.groups)
+    features, mask = zero_nonfinite_rows(features, mask)
     onehot, mask = _onehot_masked(labels, mask, spec.num_classes)
-    return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask)
+    return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
+                            finite_rows=True)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))

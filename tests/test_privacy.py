@@ -188,6 +188,22 @@ def test_rows_with_nan_features_are_null_records(rng):
     np.testing.assert_allclose(with_nan, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("trainer", ["in-memory", "streamed", "poisson"])
+def test_rows_that_normalize_to_nan_are_null_records(trainer):
+    """A finite row near float32's largest value overflows group normalization (NaN): it must
+    not poison the sum, and removing it moves the sum by at most C."""
+    rng = np.random.default_rng(1)
+    features = rng.normal(size=(12, 6)).astype(np.float32)
+    features[3] = 3e38
+    labels = np.arange(12) % 3
+    spec = probe.ProbeSpec(3, optimizer="sgd", normalization="group", groups=2)
+    full = _clipped_sum(trainer, features, labels, [1.0], spec)
+    keep = np.arange(12) != 3
+    removed = _clipped_sum(trainer, features[keep], labels[keep], [1.0], spec)
+    assert np.isfinite(full).all()
+    assert np.linalg.norm(full - removed) <= 1.0 + 1e-6
+
+
 def test_clipper_keeps_antipodal_views_within_c_at_random_params(rng):
     """At random (non-zero) parameters, with cancelling views: the closed form's contribution,
     recomputed exactly in float64 from the per-view gradients, is at most C."""
