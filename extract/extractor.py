@@ -298,8 +298,8 @@ def _first_embedding_dim(backbone: Backbone, split: ImageSplit) -> int:
     image = split.images([0])[0]
     tensor = backbone.transform(image)
     try:
-        return int(backbone.forward(tensor[None]).shape[1])
-    except RuntimeError as err:
+        return int(backbone.forward(tensor[None].contiguous()).shape[1])
+    except (RuntimeError, AssertionError) as err:  # timm asserts on patch-size mismatches
         raise ValueError(
             f"backbone {backbone.name} cannot embed images preprocessed to "
             f"{tuple(tensor.shape)} (--resize/--crop): {str(err).strip().splitlines()[0]}"

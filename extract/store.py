@@ -255,8 +255,11 @@ def _creation_lock(store):
 
 def _open_root(store, mode: str) -> zarr.Group:
     _check_url_backend(store)
-    if _is_local(store) and mode == "r" and not os.path.isdir(store):
-        raise FileNotFoundError(f"no feature store at {store}")
+    if _is_local(store) and mode == "r":
+        if not os.path.isdir(store):
+            raise FileNotFoundError(f"no feature store at {store}")
+        if not os.path.exists(os.path.join(store, "zarr.json")):
+            raise ValueError(f"{store} is not a dpprobe feature store (it has no zarr.json)")
     try:
         return _zarr().open_group(store, mode=mode, zarr_format=3)
     except FileNotFoundError as err:

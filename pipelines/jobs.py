@@ -18,7 +18,7 @@ import numpy as np
 
 import accounting
 import extract
-from pipelines import outputs, reporting
+from pipelines import preflight, reporting
 
 __all__ = [
     "account",
@@ -92,7 +92,7 @@ def run_extract(
     """
     extract.check_out_path(out)
     if ray:
-        outputs.require_module("ray", "--ray", "pip install 'dpprobe[ray]'  (or: pip install ray)")
+        preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
     options = dict(
         backbone=backbone, data=data, out=out, split=split, data_dir=data_dir, weights=weights,
         random_init=random_init, seed=seed, resize=resize, crop=crop, batch_size=batch_size,
@@ -239,8 +239,8 @@ def run_probe(
     Returns:
       The results dict (also written to `out` as JSON when given).
     """
-    outputs.check_probe_job(epsilons=epsilons, steps=steps, learning_rates=learning_rates,
-                            seeds=seeds, devices=devices, out=out, csv=csv, plot=plot)
+    preflight.check_probe_job(store, epsilons=epsilons, steps=steps, seeds=seeds, devices=devices,
+                              learning_rates=learning_rates, out=out, csv=csv, plot=plot)
     start = time.perf_counter()
     _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability)
 
@@ -557,7 +557,7 @@ def demo_data() -> str:
 def run_demo(out_dir: str = "runs/demo", *, data: str | None = None, seeds: int = 3,
              progress: bool = True) -> dict:
     """Extract the embedded default data with ScatterNet, sweep epsilons, write results.json."""
-    outputs.check_demo_job(out_dir, seeds=seeds)
+    preflight.check_demo_job(out_dir, seeds=seeds)
     data = data or demo_data()
     out = Path(out_dir)
     store = str(out / f"{data}-scatternet.zarr")
@@ -589,7 +589,7 @@ def run_demo(out_dir: str = "runs/demo", *, data: str | None = None, seeds: int 
 def run_tune(store: str, *, epsilon: float, delta: float, out: str | None = None,
              model: str | None = None, **kwargs) -> dict:
     """`linear_scaling_search` on a store; writes results JSON (and the model as npz)."""
-    outputs.check_tune_job(out=out, model=model)
+    preflight.check_tune_job(store, out=out, model=model)
     from pipelines.search import linear_scaling_search
 
     results = linear_scaling_search(store, epsilon, delta, **kwargs)
@@ -656,13 +656,13 @@ def verify(store: str, *, data: str | None = None, data_dir: str | None = None,
     extra_problems = []
     if data:
         summary = extract.store_summary(store)
-        recorded = {name: attrs for name, attrs in summary["splits"].items()}
+        recorded = summary["splits"]
         precomputed = any((a.get("backbone") or {}).get("name") == "none"
                           for a in recorded.values())
         kind, _ = extract.parse_data_spec(data)
         single = kind in ("npz", "imagefolder")
         num_classes = next((len(a["class_names"]) for a in recorded.values()
-                            if a.get("class_names")), None)
+                            if a.get("class_names") and kind == "npz"), None)
         splits = extract.open_source(data, data_dir=data_dir, split=None,
                                      precomputed=precomputed, num_classes=num_classes)
         if single:

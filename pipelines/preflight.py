@@ -1,4 +1,5 @@
-"""Checks a job makes before any long work: its output paths, its devices, optional packages.
+"""Checks a job makes before any long work: its output paths, its store's consistency, its
+devices, optional packages.
 
 dpprobe never deletes or changes a file it did not create, and never loses a finished job to an
 output path it cannot write: every output path is checked when the job starts. An output may
@@ -62,7 +63,7 @@ def _check_output_file(option: str, path: str) -> None:
         if os.path.getsize(path) and not _written_by_dpprobe(path):
             raise ValueError(f"{option} {path} exists and was not written by dpprobe; choose "
                              "another path (dpprobe never replaces a file it did not create)")
-    _check_folder_writable(option, os.path.dirname(os.path.abspath(path)))
+    _check_folder_writable(option, os.path.dirname(path) or ".")
 
 
 def _check_folder_writable(option: str, folder: str) -> None:
@@ -71,7 +72,7 @@ def _check_folder_writable(option: str, folder: str) -> None:
     read-only mounts and root all answer truly."""
     existing = folder
     while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+        existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
         raise ValueError(f"{option}: {existing} is not a folder, so {folder} cannot be created")
     try:
@@ -105,11 +106,28 @@ def _written_by_dpprobe(path: str) -> bool:
     return False
 
 
-def check_probe_job(*, epsilons: Sequence[float], steps: Sequence[int],
+def check_store_splits_agree(store) -> None:
+    """Refuse a local store whose train and test splits come from different jobs (backbone,
+    weights, preprocessing, feature dim, class list). Reads only the splits' metadata; other
+    damage is found when the store is read."""
+    import extract
+
+    attrs = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
+    if all(attrs.values()):
+        differ = extract.store.identity_differences(attrs["train"], attrs["test"])
+        if differ:
+            raise ValueError(f"{store}: train and test were extracted with a different "
+                             f"{', '.join(differ)}; one store holds one job (re-extract one "
+                             "split, or use another store)")
+
+
+def check_probe_job(store, *, epsilons: Sequence[float], steps: Sequence[int],
                     learning_rates: Sequence[float] | None, seeds: int, devices: int | None,
                     out=None, csv=None, plot=None) -> None:
-    """What `run_probe` can check before reading its store: outputs, devices, grid size."""
+    """What `run_probe` can check before reading its store: outputs, devices, grid size, and
+    that the store's splits agree."""
     check_output_paths(**{"--out": out, "--csv": csv, "--plot": plot})
+    check_store_splits_agree(store)
     runs = len(epsilons) * len(steps) * len(learning_rates or [None]) * seeds
     if runs > MAX_RUNS:
         raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x --seeds); "
@@ -131,9 +149,10 @@ def check_probe_job(*, epsilons: Sequence[float], steps: Sequence[int],
 MAX_RUNS = 100_000
 
 
-def check_tune_job(*, out=None, model=None) -> None:
-    """What `run_tune` can check before its search: the output paths."""
+def check_tune_job(store, *, out=None, model=None) -> None:
+    """What `run_tune` can check before its search: the output paths, the store's splits."""
     check_output_paths(**{"--out": out, "--model": model})
+    check_store_splits_agree(store)
 
 
 def check_demo_job(out_dir, *, seeds: int) -> None:
@@ -143,5 +162,5 @@ def check_demo_job(out_dir, *, seeds: int) -> None:
     out_dir = os.fspath(out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--out {out_dir} is an existing file; the demo needs a folder")
-    _check_folder_writable("--out", os.path.abspath(out_dir))
+    _check_folder_writable("--out", out_dir)
     check_output_paths(**{"--out": os.path.join(out_dir, "results.json")})
