@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fcntl
 import hashlib
 import importlib
@@ -213,6 +214,11 @@ class _SplitLock:
                     f"{store}/{split} is being written by {holder} (lock {self.path}); wait "
                     "for it to finish: one writer per split (shards of one job may share it)"
                 ) from None
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    handle.close()
+                    raise
+                # A filesystem without flock (some network mounts): write unlocked, as before.
             handle.seek(0)
             handle.truncate()
             handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
@@ -224,7 +230,7 @@ class _SplitLock:
         """Whether no other process holds the lock (tries to take it exclusively)."""
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # held by another process, or a filesystem without flock: not alone
             return False
         return True
 

@@ -801,3 +801,13 @@ def test_the_readme_example_for_embeddings_works_as_written(world, capsys):
     argv = match.group(1).split()[1:]
     assert "--out" in argv
     assert cli.main(argv + ["--quiet"]) == 0
+
+
+def test_hidden_folders_are_not_classes(world, capsys):
+    _png(world / "imgs/train/.ipynb_checkpoints/0.png", np.random.default_rng(3))
+    _png(world / "imgs/train/ant/.thumbs/0.png", np.random.default_rng(3))
+    assert cli.main(extract_images("imagefolder:imgs/train")) == 0
+    import extract
+
+    attrs = extract.split_attrs("img.zarr", "train")
+    assert attrs["class_names"] == ["ant", "bee", "cat"] and attrs["num_examples"] == 9
