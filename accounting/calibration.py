@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 
 from accounting.gaussian import gaussian_noise_multiplier
@@ -67,9 +69,24 @@ def calibrate_noise_multiplier(
     _check_met(epsilon, delta, steps, 1.0, "pld", full_batch_sigma)
     if sampling_probability == 1.0 and accountant == "pld":
         return full_batch_sigma
-    if accountant == "pld" and sampling_probability < 1.0:
-        _refuse_below_floor(epsilon, delta, steps, sampling_probability)
-    return _search(epsilon, delta, steps, sampling_probability, accountant, full_batch_sigma)
+    with _quiet_rdp_orders():
+        if accountant == "pld" and sampling_probability < 1.0:
+            _refuse_below_floor(epsilon, delta, steps, sampling_probability)
+        return _search(epsilon, delta, steps, sampling_probability, accountant,
+                       full_batch_sigma)
+
+
+@contextlib.contextmanager
+def _quiet_rdp_orders():
+    """Silence dp_accounting's per-order RDP warnings ("failed to converge ... Excluding this
+    order"): the order is excluded, the bound stays valid, and a search would print dozens."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def check_tractable(noise_multiplier: float, sampling_probability: float,

@@ -811,3 +811,20 @@ def test_hidden_folders_are_not_classes(world, capsys):
 
     attrs = extract.split_attrs("img.zarr", "train")
     assert attrs["class_names"] == ["ant", "bee", "cat"] and attrs["num_examples"] == 9
+
+
+@pytest.mark.parametrize("argv,setup,match", [
+    (["account", "--epsilon", "1000", "-q", "0.5"], None, r"epsilon=1000 with q=0.5"),
+    # A fresh `dpprobe probe` reads the store in a forked child process (`SplitPrefetch`).
+    (probe(), _rm(TRAIN_CHUNK), r"emb.zarr/train/features: chunk 1 \(file c/1/0\) is missing"),
+    (probe(), lambda w: write(w / TRAIN_CHUNK, os.urandom(300)), r"train/features: chunk 1"),
+], ids=["account-absurd-epsilon", "probe-deleted-chunk", "probe-random-chunk"])
+def test_one_line_in_a_fresh_process(world, argv, setup, match):
+    if setup is not None:
+        setup(world)
+    before = snapshot(world)
+    done = _run(argv, world)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(match, lines[0]), done.stderr
+    assert snapshot(world) == before
