@@ -11,9 +11,12 @@ so the pipeline runs fully offline. Images keep their channels (grayscale stays 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,22 +139,31 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
         kwargs["img_size"] = crop  # ViT-style models resample position embeddings on load
     pretrained = not random_init
     torch.manual_seed(seed)
+    missing: list[str] = []
     try:
-        try:
-            model = timm.create_model(name, pretrained=pretrained, **kwargs)
-        except TypeError as err:
-            if "img_size" not in str(err):
-                raise
-            kwargs.pop("img_size")  # convolutional nets take any input size
-            model = timm.create_model(name, pretrained=pretrained, **kwargs)
-    except (OSError, RuntimeError, ValueError) as err:
+        with _missing_keys_of_timm_load(missing):
+            try:
+                model = timm.create_model(name, pretrained=pretrained, **kwargs)
+            except TypeError as err:
+                if "img_size" not in str(err):
+                    raise
+                kwargs.pop("img_size")  # convolutional nets take any input size
+                model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except Exception as err:  # noqa: BLE001 - safetensors, pickle, shape errors alike
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if weights is None and pretrained:
             raise RuntimeError(
-                f"could not load pretrained weights for {name!r} from the hub ({err}). "
+                f"could not load pretrained weights for {name!r} from the hub ({first}). "
                 "Offline? Pass --weights PATH to a local .safetensors/.pth file, "
                 "or --random-init for a test run."
             ) from err
-        raise RuntimeError(f"could not load weights for {name!r} from {weights}: {err}") from err
+        raise ValueError(f"--weights {weights}: could not load it into {name!r} "
+                         f"({type(err).__name__}: {first})") from err
+    if missing:
+        # timm loads non-strictly (the classifier is dropped): a file of another architecture
+        # would load nothing at all. Refuse any parameter of the model the file lacks.
+        raise ValueError(f"--weights {weights} does not fit {name!r}: it lacks {len(missing)} of "
+                         f"the model's parameters (e.g. {missing[0]}); nothing was loaded")
     model = model.eval().to(device)
     for param in model.parameters():
         param.requires_grad_(False)
@@ -183,6 +195,35 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
         "transform": repr(tf),
     }
     return Backbone(name, model, transform, provenance, preprocessing, device)
+
+
+class _MissingKeys(logging.Handler):
+    def __init__(self, found: list[str]):
+        super().__init__(logging.INFO)
+        self.found = found
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.match(r"Missing keys \((.*)\) discovered", record.getMessage())
+        if match:
+            self.found.extend(key.strip() for key in match.group(1).split(","))
+
+
+@contextlib.contextmanager
+def _missing_keys_of_timm_load(found: list[str]):
+    """Collect the model keys a timm pretrained load did not find in the checkpoint (timm
+    only logs them, at INFO, when it loads non-strictly). Its key lists are not printed: a
+    refused load says what is wrong in one line."""
+    logger = logging.getLogger("timm.models._builder")
+    handler, level, propagate = _MissingKeys(found), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 class _Scattering(torch.nn.Module):

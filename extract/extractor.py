@@ -77,6 +77,16 @@ class _Rows(torch.utils.data.Dataset):
                  augment: Sequence[str], seed: int):
         self.split, self.rows, self.transform = split, rows, transform
         self.views, self.augment, self.seed = views, tuple(augment), seed
+        self.shape = tuple(transform(split.images([0])[0]).shape)  # every image must match
+
+    def _tensor(self, image, row: int):
+        tensor = self.transform(image)
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(
+                f"image {self.split.describe(row)} ({image.size[0]}x{image.size[1]} "
+                f"{image.mode}) preprocesses to {tuple(tensor.shape)}, the first image to "
+                f"{self.shape}: pass --resize R --crop S so that every image gets one size")
+        return tensor
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -85,9 +95,9 @@ class _Rows(torch.utils.data.Dataset):
         row = int(self.rows[i])
         image = self.split.images([row])[0]
         if self.views is None:
-            return self.transform(image), row
-        tensors = [self.transform(augment_image(image, self.augment, self.seed, row, v)
-                                  if self.augment else image) for v in range(self.views)]
+            return self._tensor(image, row), row
+        tensors = [self._tensor(augment_image(image, self.augment, self.seed, row, v)
+                                if self.augment else image, row) for v in range(self.views)]
         return torch.stack(tensors), row
 
 
@@ -213,6 +223,9 @@ def extract_split(
         raise ValueError(f"views must be >= 1, got {views}")
     if augment and views is None:
         raise ValueError("augmentations need --views K (K augmented views per example)")
+    if views is not None and views > 1 and not augment:
+        raise ValueError(f"--views {views} without --augment would store {views} identical "
+                         "views; add --augment flip,crop")
     if name == "test":  # the test split is never augmented
         views, augment = None, ()
     if isinstance(split, PrecomputedSplit):
@@ -221,12 +234,14 @@ def extract_split(
         if views is not None:
             raise ValueError("precomputed embeddings cannot be given views")
         feature_shape = tuple(split.features.shape[1:])
+        if dtype == "float16":
+            _check_float16_range(split)
         backbone_provenance = {"name": "none", "weights_source": "precomputed embeddings"}
         preprocessing = {"kind": "none (precomputed)"}
     else:
         if backbone is None:
             raise ValueError("images need a backbone")
-        dim = embed_images(backbone, split, [0]).shape[1]
+        dim = _first_embedding_dim(backbone, split)
         feature_shape = (dim,) if views is None else (views, dim)
         amp = _resolve_amp(amp, backbone.device)
         backbone_provenance = backbone.provenance
@@ -247,7 +262,52 @@ def extract_split(
         },
         rows_per_chunk=rows_per_chunk,
         overwrite=overwrite,
+        shard=shard is not None,
     )
+    try:
+        pending, complete = _fill(writer, split, backbone, name, shard, create_only, progress,
+                                  batch_size=batch_size, num_workers=num_workers, amp=amp,
+                                  channels_last=channels_last, compile=compile, views=views,
+                                  augment=augment, seed=augment_seed)
+    except BaseException:
+        writer.abandon()  # removes a split it created only if no chunk of it is finished
+        raise
+    writer.close()
+    return ExtractReport(
+        split=name,
+        num_examples=len(split),
+        feature_shape=feature_shape,
+        chunks_written=len(pending),
+        num_chunks=writer.num_chunks,
+        complete=complete,
+        resumed=writer.resumed,
+        shard=shard,
+    )
+
+
+def _check_float16_range(split: PrecomputedSplit) -> None:
+    largest = float(np.abs(split.features).max()) if split.features.size else 0.0
+    if largest > float(np.finfo(np.float16).max):
+        raise ValueError(f"{split.dataset}: features reach |x| = {largest:.4g}, beyond float16 "
+                         "(65504); extract with --dtype float32")
+
+
+def _first_embedding_dim(backbone: Backbone, split: ImageSplit) -> int:
+    """The embedding size, from image 0; a backbone that cannot take the preprocessed image
+    size (e.g. a crop smaller than a ViT's patch) is refused with the size it got."""
+    image = split.images([0])[0]
+    tensor = backbone.transform(image)
+    try:
+        return int(backbone.forward(tensor[None].contiguous()).shape[1])
+    except (RuntimeError, AssertionError) as err:  # timm asserts on patch-size mismatches
+        raise ValueError(
+            f"backbone {backbone.name} cannot embed images preprocessed to "
+            f"{tuple(tensor.shape)} (--resize/--crop): {str(err).strip().splitlines()[0]}"
+        ) from err
+
+
+def _fill(writer, split, backbone, name, shard, create_only, progress, **options):
+    """Extract the chunks this process owns; returns (chunks written, split complete)."""
     owned = set(shard_chunks(writer.num_chunks, shard))
     pending = [] if create_only else [c for c in writer.pending_chunks() if c in owned]
     total = int(sum(np.subtract(*writer.chunk_rows(c)[::-1]) for c in pending))
@@ -261,20 +321,8 @@ def extract_split(
                 writer.write_chunk(chunk, split.features[start:stop], split.labels[start:stop])
                 bar.update(stop - start)
         elif pending:
-            _run_backbone(split, backbone, writer, pending, bar, batch_size=batch_size,
-                          num_workers=num_workers, amp=amp, channels_last=channels_last,
-                          compile=compile, views=views, augment=augment, seed=augment_seed)
-    complete = False if create_only else writer.finalize()
-    return ExtractReport(
-        split=name,
-        num_examples=len(split),
-        feature_shape=feature_shape,
-        chunks_written=len(pending),
-        num_chunks=writer.num_chunks,
-        complete=complete,
-        resumed=writer.resumed,
-        shard=shard,
-    )
+            _run_backbone(split, backbone, writer, pending, bar, **options)
+    return pending, False if create_only else writer.finalize()
 
 
 def _run_backbone(split, backbone, writer, pending, bar, *, batch_size, num_workers, amp,

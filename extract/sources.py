@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import io
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -59,18 +60,24 @@ class ImageSplit:
     array: np.ndarray | None = None
     load: Callable[[int], object] | None = None
     spec: str = ""
+    files: Sequence | None = None  # where image i comes from, to name it in errors
 
     def __post_init__(self):
         self.labels = np.asarray(self.labels, dtype=np.int32)
         if self.labels.ndim != 1:
-            raise ValueError(f"labels must be 1-D, got shape {self.labels.shape}")
+            raise ValueError(f"{self.dataset}: labels must be 1-D, got shape {self.labels.shape}")
+        if len(self.labels) == 0:
+            raise ValueError(f"{self.dataset}: the {self.split} split holds no examples")
         if self.array is not None and len(self.array) != len(self.labels):
-            raise ValueError(f"{len(self.array)} images but {len(self.labels)} labels")
-        if self.labels.size and (self.labels.min() < 0 or self.labels.max() >= self.num_classes):
-            raise ValueError(
-                f"labels must lie in [0, {self.num_classes}), "
-                f"got [{self.labels.min()}, {self.labels.max()}]"
-            )
+            raise ValueError(f"{self.dataset}: {len(self.array)} images but "
+                             f"{len(self.labels)} labels")
+        _check_label_range(self.dataset, self.labels, self.class_names)
+
+    def describe(self, i: int) -> str:
+        """Where example i comes from (its file, or its row)."""
+        if self.files is not None:
+            return str(self.files[i])
+        return f"{self.spec or self.dataset} {self.split} row {i}"
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -84,7 +91,14 @@ class ImageSplit:
 
         if self.array is not None:
             return [Image.fromarray(self.array[i]) for i in indices]
-        return [self.load(int(i)) for i in indices]
+        images = []
+        for i in indices:
+            try:
+                images.append(self.load(int(i)))
+            except (OSError, ValueError, SyntaxError) as err:  # PIL's errors for bad files
+                raise ValueError(f"cannot read image {self.describe(int(i))}: "
+                                 f"{_first_line(err)}") from err
+        return images
 
     def provenance(self) -> dict:
         return {
@@ -110,6 +124,9 @@ class PrecomputedSplit:
     fingerprint: str
     spec: str = ""
 
+    def __post_init__(self):
+        _check_label_range(self.dataset, np.asarray(self.labels), self.class_names)
+
     def __len__(self) -> int:
         return len(self.labels)
 
@@ -118,6 +135,21 @@ class PrecomputedSplit:
         return len(self.class_names)
 
     provenance = ImageSplit.provenance
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -> None:
+    """Labels must lie in the declared class set [0, K)."""
+    if not class_names:
+        raise ValueError(f"{source}: no classes declared")
+    if labels.size and (labels.min() < 0 or labels.max() >= len(class_names)):
+        raise ValueError(
+            f"{source}: labels must lie in [0, {len(class_names)}) (the declared classes), "
+            f"got [{labels.min()}, {labels.max()}]")
 
 
 def parse_data_spec(spec: str) -> tuple[str, str | None]:
@@ -139,6 +171,7 @@ def open_source(
     split: str | None = None,
     data_dir: str | os.PathLike | None = None,
     precomputed: bool = False,
+    num_classes: int | None = None,
 ) -> dict[str, ImageSplit | PrecomputedSplit]:
     """Open the splits of a data source.
 
@@ -148,11 +181,16 @@ def open_source(
         ("train" or "test"); for multi-split sources, restrict to that split ("all" = both).
       data_dir: override Fashion-MNIST's directory.
       precomputed: read `features` (not `images`) from an npz (`--backbone none`).
+      num_classes: the declared class count K, for sources without class names (an npz
+        without `class_names`); must agree with the source's own names when it has them.
+        The class list is a public input: it is never inferred from the labels.
 
     Returns:
       {split name: split}.
     """
     kind, path = parse_data_spec(spec)
+    if num_classes is not None and num_classes < 1:
+        raise ValueError(f"--num-classes must be >= 1, got {num_classes}")
     if precomputed and kind != "npz":
         raise ValueError("--backbone none needs an npz:PATH source holding features and labels")
     if kind == "fashion-mnist":
@@ -166,16 +204,25 @@ def open_source(
         if split == "all":
             raise ValueError(f"{kind} sources hold one split; name it with --split train|test")
         if kind == "npz":
-            one = _npz_features(Path(path), name) if precomputed else _npz_images(Path(path), name)
+            one = (_npz_features(Path(path), name, num_classes) if precomputed
+                   else _npz_images(Path(path), name, num_classes))
         else:
             one = _imagefolder(Path(path), name)
+        _check_declared(one, num_classes, spec)
         one.spec = spec
         return {name: one}
     for one in splits.values():
+        _check_declared(one, num_classes, spec)
         one.spec = spec
     if split and split != "all":
         return {split: splits[split]}
     return splits
+
+
+def _check_declared(split, num_classes: int | None, spec: str) -> None:
+    if num_classes is not None and num_classes != split.num_classes:
+        raise ValueError(f"--num-classes {num_classes} disagrees with {spec}, which names "
+                         f"{split.num_classes} classes")
 
 
 def _sha256(*arrays: np.ndarray) -> str:
@@ -188,8 +235,11 @@ def _sha256(*arrays: np.ndarray) -> str:
 
 
 def _read_idx(path: Path, expected_sha256: str | None) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:
+        raise ValueError(f"{path} is not a readable gzipped IDX file ({_first_line(err)})") from err
     if expected_sha256 is not None:
         actual = hashlib.sha256(raw).hexdigest()
         if actual != expected_sha256:
@@ -197,8 +247,12 @@ def _read_idx(path: Path, expected_sha256: str | None) -> np.ndarray:
                 f"{path}: sha256 of the decompressed bytes is {actual}, expected "
                 f"{expected_sha256}; the file is corrupt or not Fashion-MNIST"
             )
+    if len(raw) < 4 or raw[:3] != b"\0\0\x08" or not 1 <= raw[3] <= 4:
+        raise ValueError(f"{path} is not an IDX file of uint8 data")
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if len(raw) != 4 + 4 * ndim + int(np.prod(dims)):
+        raise ValueError(f"{path}: IDX header says {dims}, which does not match its length")
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -254,20 +308,44 @@ def _digits() -> dict[str, ImageSplit]:
 def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     if not path.exists():
         raise FileNotFoundError(f"npz file {path} does not exist")
-    with np.load(path, allow_pickle=False) as data:
+    if not path.is_file():
+        raise ValueError(f"npz:{path} is not a file")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as err:  # noqa: BLE001 - zip, pickle and format errors alike
+        raise ValueError(f"{path} is not a readable .npz file ({type(err).__name__}: "
+                         f"{_first_line(err)})") from err
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} is a single .npy array, not an .npz archive holding "
+                         f"{', '.join(keys)} (save it with np.savez)")
+    with data:
         missing = [k for k in keys if k not in data.files]
         if missing:
             raise ValueError(f"{path} lacks arrays {missing}; it holds {data.files}")
-        return {k: data[k] for k in keys + tuple(k for k in ("class_names",) if k in data.files)}
+        wanted = keys + tuple(k for k in ("class_names",) if k in data.files)
+        try:
+            return {k: data[k] for k in wanted}
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"{path}: an array cannot be read ({type(err).__name__}: "
+                             f"{_first_line(err)})") from err
 
 
-def _class_names(data: dict, labels: np.ndarray) -> list[str]:
+def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
+    """The declared class list: the npz's `class_names`, else `--num-classes K` (never
+    inferred from the labels: the class set is a public input)."""
     if "class_names" in data:
-        return [str(c) for c in data["class_names"]]
-    return [str(c) for c in range(int(labels.max()) + 1 if labels.size else 0)]
+        names = np.asarray(data["class_names"])
+        if names.ndim != 1 or names.size == 0:
+            raise ValueError(f"{path}: class_names must be a non-empty 1-D array, "
+                             f"got shape {names.shape}")
+        return [str(c) for c in names]
+    if num_classes is None:
+        raise ValueError(f"{path} has no class_names: declare the classes with --num-classes K "
+                         "(labels must lie in [0, K))")
+    return [str(c) for c in range(num_classes)]
 
 
-def _npz_images(path: Path, split: str) -> ImageSplit:
+def _npz_images(path: Path, split: str, num_classes: int | None = None) -> ImageSplit:
     data = _load_npz(path, ("images", "labels"))
     images, labels = data["images"], np.asarray(data["labels"])
     if images.ndim == 4 and images.shape[-1] == 1:
@@ -282,17 +360,21 @@ def _npz_images(path: Path, split: str) -> ImageSplit:
                              f"[{images.min()}, {images.max()}]")
         images = np.round(images * 255.0).astype(np.uint8)
     _check_labels(path, labels, len(images))
+    class_names = _class_names(path, data, num_classes)
+    _check_label_range(path, labels, class_names)
+    if images.shape[0] == 0 or min(images.shape[1:3]) < 1:
+        raise ValueError(f"{path}: images have shape {images.shape}; need at least one image")
     return ImageSplit(
         dataset=f"npz:{path.name}",
         split=split,
         labels=labels,
-        class_names=_class_names(data, labels),
+        class_names=class_names,
         fingerprint=_sha256(images, labels.astype(np.int32)),
         array=images,
     )
 
 
-def _npz_features(path: Path, split: str) -> PrecomputedSplit:
+def _npz_features(path: Path, split: str, num_classes: int | None = None) -> PrecomputedSplit:
     data = _load_npz(path, ("features", "labels"))
     features, labels = data["features"], np.asarray(data["labels"])
     if features.ndim not in (2, 3) or not np.issubdtype(features.dtype, np.floating):
@@ -300,15 +382,22 @@ def _npz_features(path: Path, split: str) -> PrecomputedSplit:
             f"{path}: features must be float (N, d) or (N, views, d), got "
             f"{features.dtype} {features.shape}"
         )
+    if features.shape[0] == 0 or min(features.shape[1:]) < 1:
+        raise ValueError(f"{path}: features have shape {features.shape}; need N >= 1 rows of "
+                         "at least one value")
     _check_labels(path, labels, len(features))
-    if not np.isfinite(features).all():
-        raise ValueError(f"{path}: features contain NaN or Inf")
+    bad = ~np.isfinite(features.reshape(len(features), -1)).all(axis=1)
+    if bad.any():
+        raise ValueError(f"{path}: features contain NaN or Inf ({int(bad.sum())} rows, the "
+                         f"first is row {int(np.flatnonzero(bad)[0])})")
+    class_names = _class_names(path, data, num_classes)
+    _check_label_range(path, labels, class_names)
     return PrecomputedSplit(
         dataset=f"npz:{path.name}",
         split=split,
         features=features,
         labels=labels.astype(np.int32),
-        class_names=_class_names(data, labels),
+        class_names=class_names,
         fingerprint=_sha256(features, labels.astype(np.int32)),
     )
 
@@ -317,31 +406,48 @@ def _check_labels(path, labels: np.ndarray, count: int) -> None:
     if labels.ndim != 1 or len(labels) != count:
         raise ValueError(f"{path}: labels must be (N,) with N={count}, got {labels.shape}")
     if not np.issubdtype(labels.dtype, np.integer) or (labels.size and labels.min() < 0):
-        raise ValueError(f"{path}: labels must be non-negative integers")
+        raise ValueError(f"{path}: labels must be non-negative integers, got {labels.dtype}"
+                         + (f" with minimum {labels.min()}" if labels.size and np.issubdtype(
+                             labels.dtype, np.number) else ""))
 
 
 def _imagefolder(root: Path, split: str) -> ImageSplit:
+    """ROOT/CLASS/IMAGE. Hidden folders (.git, .ipynb_checkpoints) are not classes; a class
+    folder without images is refused (the class list is the folder names, so it would declare
+    a class no example has). Every image's header is checked here, before anything is written.
+    """
+    from PIL import Image
+
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise ValueError(f"{root} has no class sub-folders (expected ROOT/CLASS/IMAGE)")
     files, labels = [], []
     for index, name in enumerate(classes):
-        for file in sorted((root / name).rglob("*")):
-            if file.is_file() and file.suffix.lower() in IMAGE_EXTENSIONS:
-                files.append(file)
-                labels.append(index)
-    if not files:
-        raise ValueError(f"{root} holds no images with extensions {IMAGE_EXTENSIONS}")
+        found = [file for file in sorted((root / name).rglob("*"))
+                 if file.is_file() and file.suffix.lower() in IMAGE_EXTENSIONS
+                 and not any(part.startswith(".") for part in file.relative_to(root).parts)]
+        if not found:
+            raise ValueError(f"class folder {root / name} holds no images with extensions "
+                             f"{IMAGE_EXTENSIONS}; remove it or add its images")
+        files += found
+        labels += [index] * len(found)
     digest = hashlib.sha256()
     for file, label in zip(files, labels, strict=True):
+        try:
+            content = file.read_bytes()
+        except OSError as err:
+            raise ValueError(f"cannot read image {file}: {err.strerror}") from err
+        try:
+            with Image.open(io.BytesIO(content)) as image:
+                image.verify()
+        except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
+            raise ValueError(f"{file} is not a readable image ({_first_line(err)})") from err
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
-        digest.update(hashlib.sha256(file.read_bytes()).digest())
+        digest.update(hashlib.sha256(content).digest())
 
     def load(i: int):
-        from PIL import Image
-
         with Image.open(files[i]) as image:
             image.load()
             return image.convert("RGB") if image.mode not in ("L", "RGB") else image.copy()
@@ -353,6 +459,7 @@ def _imagefolder(root: Path, split: str) -> ImageSplit:
         class_names=classes,
         fingerprint=digest.hexdigest(),
         load=load,
+        files=files,
     )
 
 
@@ -368,9 +475,11 @@ def _cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
         label_key, meta_file, names_key = b"fine_labels", "meta", b"fine_label_names"
     class_names = None
     if (root / meta_file).exists():
-        with open(root / meta_file, "rb") as f:
-            meta = pickle.load(f, encoding="bytes")  # noqa: S301 - trusted local dataset files
-        class_names = [n.decode() for n in meta[names_key]]
+        meta = _unpickle(root / meta_file, (names_key,))
+        try:
+            class_names = [n.decode() for n in meta[names_key]]
+        except (TypeError, AttributeError) as err:
+            raise ValueError(f"{root / meta_file}: {names_key!r} is not a list of names") from err
     splits = {}
     for split, names in parts.items():
         images, labels = [], []
@@ -378,13 +487,23 @@ def _cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
             file = root / name
             if not file.exists():
                 raise FileNotFoundError(f"CIFAR batch {file} is missing")
-            with open(file, "rb") as f:
-                batch = pickle.load(f, encoding="bytes")  # noqa: S301
-            images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
-            labels.extend(batch[label_key])
+            batch = _unpickle(file, (b"data", label_key))
+            try:
+                data = np.asarray(batch[b"data"], np.uint8)
+                images.append(data.reshape(-1, 3, 32, 32))
+                batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images "
+                                 f"({_first_line(err)})") from err
+            if len(batch_labels) != len(images[-1]):
+                raise ValueError(f"{file}: {len(images[-1])} images but "
+                                 f"{len(batch_labels)} labels")
+            labels.extend(batch_labels.tolist())
         array = np.concatenate(images).transpose(0, 2, 3, 1).copy()
-        labels = np.asarray(labels, np.int32)
+        labels = np.asarray(labels, np.int64)
         names_out = class_names or [str(c) for c in range(10 if kind == "cifar10" else 100)]
+        _check_label_range(root / names[0], labels, names_out)
+        labels = labels.astype(np.int32)
         splits[split] = ImageSplit(
             dataset=kind,
             split=split,
@@ -396,6 +515,20 @@ def _cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
     return splits
 
 
+def _unpickle(file: Path, keys: tuple) -> dict:
+    """A CIFAR python-pickle file (trusted local dataset files), refused by name if it is not
+    a dict holding `keys`."""
+    try:
+        with open(file, "rb") as f:
+            value = pickle.load(f, encoding="bytes")  # noqa: S301
+    except Exception as err:  # noqa: BLE001 - unpickling raises anything for a bad file
+        raise ValueError(f"{file} is not a readable CIFAR pickle ({type(err).__name__}: "
+                         f"{_first_line(err)})") from err
+    if not isinstance(value, dict) or any(k not in value for k in keys):
+        raise ValueError(f"{file} is not a CIFAR batch (expected a dict with keys {keys})")
+    return value
+
+
 def from_torch_dataset(
     dataset,
     *,
@@ -403,13 +536,16 @@ def from_torch_dataset(
     class_names: Sequence[str] | None = None,
     name: str | None = None,
     fingerprint: str | None = None,
+    num_classes: int | None = None,
 ) -> ImageSplit:
     """Wrap any torch `Dataset` of (image, label) pairs as a split (Python API).
 
     Images may be PIL images, uint8 arrays or CHW tensors. Labels come from
     `dataset.targets` when present, else from one pass over the dataset. Without a given
     `fingerprint`, the recorded one hashes the dataset's type, length and labels only (say so
-    by passing a content hash if you have one).
+    by passing a content hash if you have one). The class list comes from `class_names`, the
+    dataset's `classes`, or `num_classes` (names "0".."K-1"); it is never inferred from the
+    labels, and labels outside it are refused.
     """
     targets = getattr(dataset, "targets", None)
     if targets is None:
@@ -428,8 +564,15 @@ def from_torch_dataset(
             return TF.to_pil_image(image)
         return Image.fromarray(np.asarray(image))
 
-    classes = list(class_names or getattr(dataset, "classes", None) or
-                   [str(c) for c in range(int(labels.max()) + 1 if labels.size else 0)])
+    classes = list(class_names or getattr(dataset, "classes", None) or [])
+    if not classes:
+        if num_classes is None:
+            raise ValueError(f"{type(dataset).__name__} has no `classes`: declare them with "
+                             "class_names=[...] or num_classes=K")
+        classes = [str(c) for c in range(num_classes)]
+    elif num_classes is not None and num_classes != len(classes):
+        raise ValueError(f"num_classes={num_classes} disagrees with the {len(classes)} class "
+                         "names")
     if fingerprint is None:
         fingerprint = "labels-only:" + _sha256(
             np.frombuffer(f"{type(dataset).__qualname__}:{len(dataset)}".encode(), np.uint8),

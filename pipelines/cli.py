@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,17 @@ dataset size N is public), computed from the DpEvent of what ran, with the PLD a
 """
 
 
+# Most steps of one run: beyond, counters overflow int32 and a run would never end anyway.
+MAX_STEPS = 10_000_000
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block): `dpprobe probe: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _floats(text: str) -> list[float]:
     try:
         values = [math.inf if v.strip().lower() in ("inf", "infinity") else float(v)
@@ -28,17 +40,73 @@ def _floats(text: str) -> list[float]:
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
     if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    if any(math.isnan(v) for v in values):
+        raise argparse.ArgumentTypeError(f"nan is not a value, got {text!r}")
     return values
 
 
-def _ints(text: str) -> list[int]:
+def _positive_floats(text: str) -> list[float]:
+    values = _floats(text)
+    if any(not (0 < v < math.inf) for v in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers > 0, got {text!r}")
+    return values
+
+
+def _number(low: float | None = None, high: float | None = None, *, low_open=True,
+            high_open=False, finite=True):
+    """An argparse type: a float within (low, high] (by default), finite unless told."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+        if math.isnan(value) or (finite and math.isinf(value)):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if too_low or too_high:
+            if high is None:
+                bounds = f"{'>' if low_open else '>='} {low:g}"
+            else:
+                bounds = (f"in {'(' if low_open else '['}{low:g}, {high:g}"
+                          f"{')' if high_open else ']'}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _int(low: int = 1, high: int | None = None):
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from err
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+def _ints(text: str, low: int = 1, high: int = MAX_STEPS) -> list[int]:
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from err
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    bad = [v for v in values if not low <= v <= high]
+    if bad:
+        raise argparse.ArgumentTypeError(f"each must be in [{low}, {high}], got {bad[0]}")
+    return values
 
 
 def _add_extract(sub) -> None:
@@ -67,21 +135,21 @@ def _add_extract(sub) -> None:
                    help="local .safetensors/.pth weights file for the timm model (no hub)")
     p.add_argument("--random-init", action="store_true",
                    help="random weights (seeded by --seed); for tests only")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
-    p.add_argument("--resize", type=int, default=None,
+    p.add_argument("--seed", type=_int(0), default=0, help="seed of --random-init (default 0)")
+    p.add_argument("--resize", type=_int(1), default=None,
                    help="resize the short side to R before cropping (Mehta et al.: 384)")
-    p.add_argument("--crop", type=int, default=None,
+    p.add_argument("--crop", type=_int(1), default=None,
                    help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
                    "position embeddings")
-    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--batch-size", type=_int(1), default=256, help="images per forward pass")
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                    help="feature dtype in the store (default float16)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--rows-per-chunk", type=int, default=None,
+    p.add_argument("--rows-per-chunk", type=_int(1), default=None,
                    help="rows per Zarr chunk (default: ~8 MiB chunks)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing split written by a different job")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_int(0), default=None,
                    help="DataLoader worker processes (default: none on CPU, where the "
                    "backbone uses every core; up to 8 on GPU)")
     p.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default="auto",
@@ -95,14 +163,18 @@ def _add_extract(sub) -> None:
                    help="run the shards as Ray tasks (one per GPU) on a Ray cluster")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
-    p.add_argument("--ray-shards", type=int, default=None,
+    p.add_argument("--ray-shards", type=_int(1), default=None,
                    help="number of shards with --ray (default: one per GPU, else per CPU)")
-    p.add_argument("--views", type=int, default=None,
+    p.add_argument("--views", type=_int(1), default=None,
                    help="store K augmented views per example, shape (N, K, d), for "
                    "augmentation multiplicity in the probe (train split only)")
     p.add_argument("--augment", type=_names, default=(),
                    help="augmentations of the views: flip,crop (De et al.)")
-    p.add_argument("--augment-seed", type=int, default=0, help="seed of the augmentations")
+    p.add_argument("--augment-seed", type=_int(0), default=0,
+                   help="seed of the augmentations")
+    p.add_argument("--num-classes", type=_int(1), default=None, metavar="K",
+                   help="declare K classes for a source without class names (an npz without "
+                   "class_names); labels must lie in [0, K). Never inferred from the labels")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -144,32 +216,34 @@ def _add_model_options(p) -> None:
     """Loss, clipping and feature normalization: shared by `probe` and `tune`."""
     p.add_argument("--loss", choices=("softmax", "sigmoid"), default="softmax",
                    help="softmax cross-entropy, or one-vs-all sigmoid (bias init -10)")
-    p.add_argument("--clip-norm", type=float, default=1.0, help="per-example clip norm C")
+    p.add_argument("--clip-norm", type=_number(0), default=1.0, help="per-example clip norm C")
     p.add_argument("--normalize", choices=("none", "l2", "group"), default="none",
                    help="per-example feature normalization (costs no privacy)")
-    p.add_argument("--groups", type=int, default=1, help="groups of --normalize group")
+    p.add_argument("--groups", type=_int(1), default=None,
+                   help="groups of --normalize group (default 1)")
 
 
 def _add_probe_options(p) -> None:
-    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--seeds", type=int, default=3,
+    p.add_argument("--delta", type=_number(0, 1, high_open=True), default=1e-5,
+                   help="target delta (default 1e-5)")
+    p.add_argument("--seeds", type=_int(1), default=3,
                    help="independent runs per config, each with fresh noise (default 3)")
     p.add_argument("--optimizer", choices=("adam", "sgd", "momentum", "sign", "lamb"),
                    default="adam", help="update rule on the privatized gradient (default adam)")
     p.add_argument("--steps", type=_ints, default=[1],
                    help="full-batch steps T, comma-separated to sweep (default 1)")
-    p.add_argument("--lr", type=_floats, default=None,
+    p.add_argument("--lr", type=_positive_floats, default=None,
                    help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
                    "sgd and momentum 1)")
     _add_model_options(p)
-    p.add_argument("--bias-init", type=float, default=None,
+    p.add_argument("--bias-init", type=_number(finite=True), default=None,
                    help="initial bias (default 0 for softmax, -10 for sigmoid)")
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
                    help="privacy accountant (default pld, tight)")
-    p.add_argument("--sampling-probability", "-q", type=float, default=1.0,
+    p.add_argument("--sampling-probability", "-q", type=_number(0, 1), default=1.0,
                    help="Poisson sampling rate q; q < 1 trains masked DP-SGD on Poisson-"
                    "sampled minibatches (Beltran et al.) instead of full batch (default 1)")
-    p.add_argument("--physical-batch-size", type=int, default=256,
+    p.add_argument("--physical-batch-size", type=_int(1), default=256,
                    help="rows per compiled kernel call with q < 1 (default 256)")
     stream = p.add_mutually_exclusive_group()
     stream.add_argument("--stream", dest="stream", action="store_true", default=None,
@@ -177,7 +251,7 @@ def _add_probe_options(p) -> None:
                         "it exceeds a quarter of RAM as float32)")
     stream.add_argument("--in-memory", dest="stream", action="store_false",
                         help="load the train split into memory")
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=_int(1), default=None,
                    help="shard rows over this many local devices (data parallel)")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--csv", default=None, help="write one CSV row per run here")
@@ -216,21 +290,24 @@ def _add_tune(sub) -> None:
         epilog=EPILOG,
     )
     p.add_argument("store", help="feature store written by `dpprobe extract`")
-    p.add_argument("--epsilon", type=float, required=True, help="total epsilon, tuning included")
-    p.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
-    p.add_argument("--eps0", type=float, default=None,
+    p.add_argument("--epsilon", type=_number(0), required=True,
+                   help="total epsilon, tuning included")
+    p.add_argument("--delta", type=_number(0, 1, high_open=True), default=1e-5,
+                   help="delta (default 1e-5)")
+    p.add_argument("--eps0", type=_number(0), default=None,
                    help="budget of the first search stage (default epsilon/20)")
-    p.add_argument("--eps1", type=float, default=None,
+    p.add_argument("--eps1", type=_number(0), default=None,
                    help="budget of the second search stage (default epsilon/10)")
-    p.add_argument("--trials", type=int, default=5, help="trials per stage (default 5)")
+    p.add_argument("--trials", type=_int(1), default=5, help="trials per stage (default 5)")
     p.add_argument("--search", choices=("random", "grid"), default="random",
                    help="random (log-uniform) or grid search over r (default random)")
-    p.add_argument("--r-min", type=float, default=1.0, help="smallest r of stage 0 (default 1)")
-    p.add_argument("--r-max", type=float, default=1000.0,
+    p.add_argument("--r-min", type=_number(0), default=1.0,
+                   help="smallest r of stage 0 (default 1)")
+    p.add_argument("--r-max", type=_number(0), default=1000.0,
                    help="largest r of stage 0 (default 1000)")
     p.add_argument("--steps-choices", type=_ints, default=[25, 50, 100],
                    help="T values r is decomposed over, lr = r / T (default 25,50,100)")
-    p.add_argument("--final-steps", type=int, default=None,
+    p.add_argument("--final-steps", type=_int(1, MAX_STEPS), default=None,
                    help="T of the final run (default: the largest --steps-choices)")
     p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
                    default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
@@ -239,10 +316,10 @@ def _add_tune(sub) -> None:
                    help="how trials are scored, privately: noisy correct counts on the training "
                    "data, paid from --eps-select (train, default), or on a held-out part of train "
                    "that composes in parallel (holdout)")
-    p.add_argument("--eps-select", type=float, default=None,
+    p.add_argument("--eps-select", type=_number(0), default=None,
                    help="budget of the noisy selection counts with --selection train "
                    "(default epsilon/20)")
-    p.add_argument("--validation-fraction", type=float, default=0.1,
+    p.add_argument("--validation-fraction", type=_number(0, 1, high_open=True), default=0.1,
                    help="share of train held out with --selection holdout (default 0.1)")
     p.add_argument("--public-validation", default=None, metavar="npz:PATH",
                    help="score trials exactly on this PUBLIC validation set (features in the "
@@ -263,12 +340,15 @@ def _add_account(sub) -> None:
         epilog=EPILOG,
     )
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--epsilon", type=float, help="target epsilon: print sigma")
-    group.add_argument("--noise-multiplier", "--sigma", type=float, dest="noise_multiplier",
-                       help="noise multiplier: print epsilon")
-    p.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
-    p.add_argument("--steps", type=int, default=1, help="number of steps T (default 1)")
-    p.add_argument("--sampling-probability", "-q", type=float, default=1.0,
+    group.add_argument("--epsilon", type=_number(0, finite=False),
+                       help="target epsilon: print sigma")
+    group.add_argument("--noise-multiplier", "--sigma", type=_number(0, low_open=False),
+                       dest="noise_multiplier", help="noise multiplier: print epsilon")
+    p.add_argument("--delta", type=_number(0, 1, high_open=True), default=1e-5,
+                   help="delta (default 1e-5)")
+    p.add_argument("--steps", type=_int(1, MAX_STEPS), default=1,
+                   help="number of steps T (default 1)")
+    p.add_argument("--sampling-probability", "-q", type=_number(0, 1), default=1.0,
                    help="Poisson sampling rate q (default 1: full batch)")
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -286,12 +366,12 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--data", choices=("fashion-mnist", "digits"), default=None,
                    help="force a dataset (default: fashion-mnist if installed, else digits)")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=_int(1), default=3)
     p.add_argument("--quiet", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dpprobe",
         description="Differentially private transfer learning on images: extract frozen-"
         "backbone features once into a Zarr cache, then train DP linear probes on it.",
@@ -319,7 +399,7 @@ def _probe_kwargs(args) -> dict:
         "clip_norm": args.clip_norm,
         "accountant": args.accountant,
         "normalization": args.normalize,
-        "groups": args.groups,
+        "groups": args.groups or 1,
         "bias_init": args.bias_init,
         "sampling_probability": args.sampling_probability,
         "physical_batch_size": args.physical_batch_size,
@@ -389,6 +469,7 @@ def _run(args) -> int:
             views=args.views,
             augment=args.augment,
             augment_seed=args.augment_seed,
+            num_classes=args.num_classes,
             ray=args.ray,
             ray_address=args.ray_address,
             ray_shards=args.ray_shards,
@@ -437,7 +518,7 @@ def _run(args) -> int:
             loss=args.loss,
             clip_norm=args.clip_norm,
             normalization=args.normalize,
-            groups=args.groups,
+            groups=args.groups or 1,
             selection="public" if args.public_validation else args.selection,
             eps_select=args.eps_select,
             validation_fraction=args.validation_fraction,
@@ -474,21 +555,82 @@ def _run(args) -> int:
     raise AssertionError(args.command)
 
 
+def _check_combinations(args) -> None:
+    """Options that only mean something together: refuse them apart, never ignore them."""
+    command = args.command
+    if command == "extract":
+        if args.views is not None and args.views > 1 and not args.augment:
+            raise ValueError(f"--views {args.views} without --augment would store identical "
+                             "views; add --augment flip,crop")
+        if args.augment and args.views is None:
+            raise ValueError("--augment needs --views K (K augmented views per example)")
+        if args.ray and args.shard is not None:
+            raise ValueError("--ray launches the shards itself; drop --shard")
+        if (args.ray_shards is not None or args.ray_address) and not args.ray:
+            raise ValueError("--ray-shards/--ray-address need --ray")
+        if args.weights is not None and args.random_init:
+            raise ValueError("--weights and --random-init exclude each other")
+    if command in ("probe", "tune"):
+        if args.groups is not None and args.normalize != "group":
+            raise ValueError(f"--groups {args.groups} needs --normalize group "
+                             f"(got --normalize {args.normalize})")
+    if command == "tune":
+        if args.r_min >= args.r_max:
+            raise ValueError(f"--r-min ({args.r_min:g}) must be below --r-max ({args.r_max:g})")
+
+
+def _quiet_closed_stdout() -> None:
+    """The reader of our stdout went away (`dpprobe info STORE | head`): stop writing, quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+# Exit status when stdout's reader has gone: as if killed by SIGPIPE (128 + 13), like `yes`.
+EXIT_CLOSED_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return _run(args)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:
-        # Bad input: a clear one-line error, no traceback (set DPPROBE_DEBUG=1 for one).
-        if os.environ.get("DPPROBE_DEBUG"):
-            raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, --version, or a one-line usage error (status 2)
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        _check_combinations(args)
+        code = _run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _quiet_closed_stdout()
+        return EXIT_CLOSED_PIPE
     except KeyboardInterrupt:
         print(f"dpprobe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        # Bad input: a clear one-line error, no traceback (set DPPROBE_DEBUG=1 for one).
+        if os.environ.get("DPPROBE_DEBUG"):
+            raise
+        print(f"dpprobe {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The message of an error, on one line, naming the file of an OS error."""
+    if isinstance(err, KeyError) and err.args:
+        text = str(err.args[0])
+    elif isinstance(err, OSError) and err.filename is not None and err.strerror:
+        text = f"{err.filename}: {err.strerror}"
+    elif isinstance(err, MemoryError):
+        text = "out of memory; use fewer runs (--seeds, --epsilons, --steps, --lr) or --stream"
+    elif isinstance(err, (ValueError, FileNotFoundError, RuntimeError)):
+        text = str(err)
+    else:  # not an anticipated input error: say what it is
+        text = f"unexpected {type(err).__name__}: {err} (DPPROBE_DEBUG=1 shows the traceback)"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines) if len(lines) <= 3 else lines[0]
 
 
 def entry() -> None:
@@ -500,13 +642,18 @@ def entry() -> None:
     leaves with `os._exit`. If a non-daemon thread is still alive, the normal exit joins it.
     """
     code = main()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_closed_stdout()
+        code = EXIT_CLOSED_PIPE
     sys.stderr.flush()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate()
            if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
+    with contextlib.suppress(BrokenPipeError):
+        sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import accounting
 import extract
-from pipelines import records, reporting
+from pipelines import preflight, records, reporting
 
 __all__ = [
     "account",
@@ -73,20 +73,27 @@ def run_extract(
     ray: bool = False,
     ray_address: str | None = None,
     ray_shards: int | None = None,
+    num_classes: int | None = None,
 ) -> list:
     """Extract embeddings of a data source into the feature store `out`.
 
     Sources with their own splits (fashion-mnist, digits, cifar) write both unless `split`
     names one; single-split sources (npz, imagefolder) write the split named by `split`
     (default "train") into a new or existing store. `shard=(k, n)` extracts one shard;
-    `ray=True` runs the shards as Ray tasks (see `run_extract_ray`).
+    `ray=True` runs the shards as Ray tasks (see `run_extract_ray`). `num_classes` declares
+    the class count of a source without class names (an npz without `class_names`).
+
+    `out` must be a new path or a dpprobe store: anything else is refused before any work.
     """
+    extract.check_out_path(out)
+    if ray:
+        preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
     options = dict(
         backbone=backbone, data=data, out=out, split=split, data_dir=data_dir, weights=weights,
         random_init=random_init, seed=seed, resize=resize, crop=crop, batch_size=batch_size,
         dtype=dtype, device=device, rows_per_chunk=rows_per_chunk, num_workers=num_workers,
         amp=amp, channels_last=channels_last, compile=compile, views=views,
-        augment=tuple(augment), augment_seed=augment_seed,
+        augment=tuple(augment), augment_seed=augment_seed, num_classes=num_classes,
     )
     if ray:
         if shard is not None:
@@ -101,7 +108,8 @@ def _extract_local(options: dict, *, shard=None, overwrite=False, progress=True,
     """Open the data and the backbone, then extract every split (or create it, empty)."""
     precomputed = options["backbone"] == "none"
     splits = extract.open_source(options["data"], split=options["split"],
-                                 data_dir=options["data_dir"], precomputed=precomputed)
+                                 data_dir=options["data_dir"], precomputed=precomputed,
+                                 num_classes=options.get("num_classes"))
     model = None
     if not precomputed:
         model = extract.create_backbone(
@@ -231,6 +239,9 @@ def run_probe(
     Returns:
       The results dict (also written to `out` as JSON when given).
     """
+    preflight.check_probe_job(store, epsilons=epsilons, steps=steps, seeds=seeds, devices=devices,
+                              learning_rates=learning_rates, out=out, csv=csv, plot=plot,
+                              diagnostics=diagnostics)
     start = time.perf_counter()
     _check_sweep_args(epsilons, delta, seeds, steps, clip_norm, sampling_probability)
 
@@ -432,6 +443,7 @@ def _write_diagnostics(path, grid, result, train_attrs) -> None:
     batch_sizes = result.batch_sizes
     reporting.write_json(path, {
         "warning": records.DIAGNOSTICS_WARNING,
+        "dpprobe_version": VERSION,
         "created": records.now(),
         "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
         "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
@@ -505,6 +517,8 @@ def probe_table(results: dict) -> str:
         ("test acc % (mean ± std)", "acc"),
         ("top-5 %", "top5"),
     ]
+    if (results.get("probe") or {}).get("num_classes", 6) <= 5:
+        columns.pop()  # top-5 of at most 5 classes is always 100%: not shown
     privacy = results["privacy"]
     header = (
         f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
@@ -542,6 +556,7 @@ def account(
             sampling_probability=sampling_probability,
             accountant=accountant,
         )
+    accounting.calibration.check_tractable(noise_multiplier, sampling_probability, accountant)
     plan = accounting.DpPlan(noise_multiplier, steps, sampling_probability)
     return {
         "target_epsilon": epsilon,
@@ -574,6 +589,7 @@ def demo_data() -> str:
 def run_demo(out_dir: str = "runs/demo", *, data: str | None = None, seeds: int = 3,
              progress: bool = True) -> dict:
     """Extract the embedded default data with ScatterNet, sweep epsilons, write results.json."""
+    preflight.check_demo_job(out_dir, seeds=seeds)
     data = data or demo_data()
     out = Path(out_dir)
     store = str(out / f"{data}-scatternet.zarr")
@@ -605,6 +621,7 @@ def run_demo(out_dir: str = "runs/demo", *, data: str | None = None, seeds: int 
 def run_tune(store: str, *, epsilon: float, delta: float, out: str | None = None,
              model: str | None = None, **kwargs) -> dict:
     """`linear_scaling_search` on a store; writes results JSON (and the model as npz)."""
+    preflight.check_tune_job(store, out=out, model=model)
     from pipelines.search import linear_scaling_search
 
     results = linear_scaling_search(store, epsilon, delta, **kwargs)
@@ -640,8 +657,9 @@ def tune_report(results: dict) -> str:
                  + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else ""))
     lines.append(f"final run: lr = {chosen['learning_rate']:.4g}, T = {chosen['steps']}, "
                  f"noise multiplier = {chosen['noise_multiplier']:.4g} -> test accuracy "
-                 f"{100 * final['test_accuracy']:.2f}% (top-5 "
-                 f"{100 * final['test_top5_accuracy']:.2f}%)")
+                 f"{100 * final['test_accuracy']:.2f}%"
+                 + (f" (top-5 {100 * final['test_top5_accuracy']:.2f}%)"
+                    if results["probe"]["num_classes"] > 5 else ""))
     privacy = results["privacy"]
     lines.append(f"selection: {results['selection']['scoring']}")
     lines.append(f"total epsilon (tuning and selection included) = "
@@ -663,11 +681,41 @@ def tune_report(results: dict) -> str:
 
 def verify(store: str, *, data: str | None = None, data_dir: str | None = None,
            progress: bool = True) -> extract.VerifyReport:
-    """`extract.verify_store`, optionally re-fingerprinting the source data."""
+    """`extract.verify_store`, optionally re-fingerprinting the source data.
+
+    A source with its own splits (fashion-mnist, digits, cifar) is compared split by split. A
+    single-split source (npz, imagefolder) is compared with the split it was extracted into:
+    the one that recorded this data spec, else the one whose fingerprint it matches.
+    """
     fingerprints = None
+    extra_problems = []
     if data:
-        splits = extract.open_source(data, data_dir=data_dir, split=None)
-        fingerprints = {name: one.fingerprint for name, one in splits.items()}
+        summary = extract.store_summary(store)
+        recorded = summary["splits"]
+        precomputed = any((a.get("backbone") or {}).get("name") == "none"
+                          for a in recorded.values())
+        kind, _ = extract.parse_data_spec(data)
+        single = kind in ("npz", "imagefolder")
+        num_classes = next((len(a["class_names"]) for a in recorded.values()
+                            if a.get("class_names") and kind == "npz"), None)
+        splits = extract.open_source(data, data_dir=data_dir, split=None,
+                                     precomputed=precomputed, num_classes=num_classes)
+        if single:
+            (one,) = splits.values()
+            spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec")
+                          == data]
+            print_match = [n for n, a in recorded.items()
+                           if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
+            target = (print_match or spec_match or [None])[0]
+            if target is None:
+                extra_problems.append(f"--data {data} matches no split of the store (its "
+                                      f"fingerprint {one.fingerprint} is recorded by none of "
+                                      f"{sorted(recorded)})")
+                fingerprints = {}
+            else:
+                fingerprints = {target: one.fingerprint}
+        else:
+            fingerprints = {name: one.fingerprint for name, one in splits.items()}
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -681,10 +729,12 @@ def verify(store: str, *, data: str | None = None, data_dir: str | None = None,
             bar.update(1)
 
     try:
-        return extract.verify_store(store, fingerprints=fingerprints, progress=tick)
+        report = extract.verify_store(store, fingerprints=fingerprints, progress=tick)
     finally:
         if bar is not None:
             bar.close()
+    report.problems.extend(extra_problems)
+    return report
 
 
 def store_info(store: str) -> str:
@@ -699,14 +749,19 @@ def store_info(store: str) -> str:
             f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
             f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
             f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
-            + (f", sha256 {backbone['weights_sha256'][:16]}..." if backbone.get("weights_sha256")
-               else "") + ")"
+            + (f", seed {backbone['seed']}" if backbone.get("seed") is not None else "")
+            + (f", file {backbone['weights_file']}" if backbone.get("weights_file") else "")
+            + (f", sha256 {backbone['weights_sha256']}" if backbone.get("weights_sha256")
+               else "")
+            + (f", tag {backbone['tag']}" if backbone.get("tag") else "") + ")"
             + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
                                                       "torch_version") if backbone.get(k)),
             "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
                                               if k != "transform" and v not in (None, [], ())),
             f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
             f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
+            "  classes: " + ", ".join(str(c) for c in (attrs.get("class_names")
+                                                        or dataset.get("class_names") or [])),
             f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
         ]
     return "\n".join(lines)

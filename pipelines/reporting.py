@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "accuracy_error_bars",
+    "atomic_write_bytes",
     "atomic_write_text",
     "plot_accuracy",
     "format_epsilon",
@@ -27,18 +29,39 @@ __all__ = [
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically (temp file in the same directory, then rename)."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically (temp file in the same directory, then rename), with
+    the permissions of a file the user creates (0666 minus the umask; mkstemp's are 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux), else by setting it back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _json_default(value):
@@ -155,10 +178,10 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
                          key=lambda r: r["epsilon"])
         if private:
             ticks.update(r["epsilon"] for r in private)
+            means = [100 * r["test_accuracy_mean"] for r in private]
+            stds = [100 * r["test_accuracy_std"] for r in private]
             ax.errorbar(
-                [r["epsilon"] for r in private],
-                [100 * r["test_accuracy_mean"] for r in private],
-                yerr=[100 * r["test_accuracy_std"] for r in private],
+                [r["epsilon"] for r in private], means, yerr=accuracy_error_bars(means, stds),
                 marker="o", capsize=3, label=label, color=color,
             )
         for r in rows:
@@ -176,10 +199,13 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    # The Software tag lets a later run recognize (and replace) its own plot, and only that.
+    fig.savefig(buffer, format="png", metadata={"Software": "dpprobe"})
     plt.close(fig)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def accuracy_error_bars(means: Sequence[float], stds: Sequence[float]) -> np.ndarray:
+    """Asymmetric (2, n) error bars of mean +- std, clipped to accuracies in [0, 100]."""
+    means, stds = np.asarray(means, float), np.asarray(stds, float)
+    return np.stack([np.minimum(stds, means), np.minimum(stds, 100.0 - means)])

@@ -290,6 +290,9 @@ def linear_scaling_search(
     x, y, train_attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, test_attrs = extract.load_split(store, "test", dtype=None)
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
+    if delta >= 1.0 / len(y) and not quiet:
+        print(f"tune: warning: delta={delta:g} >= 1/N = {1 / len(y):.3g}; a meaningful "
+              "guarantee usually needs delta << 1/N", file=sys.stderr)
     rng = np.random.default_rng(seed)  # data-independent choices only
     training_data, scored_data = "all", "all"
     if selection == "holdout":
@@ -302,6 +305,10 @@ def linear_scaling_search(
                             load_public_validation(public_validation, x.shape[-1]))
     else:
         train_x, train_y, score_x, score_y = x, y, x, y
+    if len(score_y) < 1000 and not quiet:
+        print(f"tune: warning: trials are scored on only {len(score_y)} examples; their "
+              "accuracies are coarse (noisy counts add more), so the choice of r may be poor",
+              file=sys.stderr)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
                            normalization=normalization, groups=groups)
     budget = budget_split(epsilon, delta, eps0, eps1, eps_select)

@@ -33,7 +33,9 @@ def _counts(params, features, labels, mask, *, num_classes, top_k, normalization
     true_logit = jnp.einsum("npc,nc->np", logits, onehot)[..., None]
     lower_index = jnp.arange(num_classes) < labels[:, None, None]
     rank = jnp.sum((logits > true_logit) | ((logits == true_logit) & lower_index), axis=-1)
-    valid = mask[:, None] > 0
+    # A prediction with a NaN or Inf logit is wrong: NaN compares false with everything, so
+    # its rank would be 0 (a "hit") without this.
+    valid = (mask[:, None] > 0) & jnp.all(jnp.isfinite(logits), axis=-1)
     top1, topk = (rank == 0) & valid, (rank < top_k) & valid
     onehot = onehot * mask[:, None]
     per_class = jnp.einsum("np,nc->pc", top1.astype(jnp.float32), onehot)
@@ -61,7 +63,7 @@ def evaluate_chunks(
 
     Returns:
       {"top1": (P,), f"top{top_k}": (P,), "per_class": (P, C)} as fractions in [0, 1]; a class
-      with no examples gets NaN.
+      with no examples gets NaN. A prediction with any NaN or Inf logit counts as wrong.
     """
     num_classes = int(params["w"].shape[-1])
     kwargs = dict(num_classes=num_classes, top_k=min(top_k, num_classes),

@@ -30,9 +30,9 @@ def test_account_both_directions(capsys):
 
 def test_account_rejects_impossible_requests(capsys):
     assert cli.main(["account", "--epsilon", "-1"]) == 2
-    assert "epsilon must be > 0" in capsys.readouterr().err
+    assert "--epsilon: must be > 0, got -1" in capsys.readouterr().err
     assert cli.main(["account", "--epsilon", "1", "--delta", "2"]) == 2
-    assert "delta must be in (0, 1)" in capsys.readouterr().err
+    assert "--delta: must be in (0, 1), got 2" in capsys.readouterr().err
 
 
 def test_probe_writes_results_json(digits_store, tmp_path, capsys):
@@ -94,7 +94,8 @@ def test_extract_cli_and_single_split_sources(tmp_path, rng):
     store = str(tmp_path / "s.zarr")
     for split in ("train", "test"):
         assert cli.main(["extract", "--backbone", "scatternet", "--data",
-                         f"npz:{tmp_path / 'a.npz'}", "--split", split, "--out", store,
+                         f"npz:{tmp_path / 'a.npz'}", "--num-classes", "3", "--split", split,
+                         "--out", store,
                          "--quiet"]) == 0
     from extract import store_summary
 

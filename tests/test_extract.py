@@ -173,7 +173,9 @@ def test_npz_and_imagefolder_sources(tmp_path, rng):
 
     images = rng.integers(0, 256, size=(5, 12, 12, 3), dtype=np.uint8)
     np.savez(tmp_path / "d.npz", images=images, labels=np.array([0, 1, 2, 1, 0]))
-    split = extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test")["test"]
+    with pytest.raises(ValueError, match="--num-classes"):  # the class set is declared
+        extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test")
+    split = extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test", num_classes=3)["test"]
     assert split.split == "test" and split.num_classes == 3
     np.testing.assert_array_equal(np.asarray(split.images([2])[0]), images[2])
     for cls in ("cat", "dog"):
@@ -185,7 +187,7 @@ def test_npz_and_imagefolder_sources(tmp_path, rng):
     np.testing.assert_array_equal(np.asarray(folder.images([3])[0]), images[1])
     np.savez(tmp_path / "bad.npz", images=images, labels=np.array([0, 1]))
     with pytest.raises(ValueError, match="labels must be"):
-        extract.open_source(f"npz:{tmp_path / 'bad.npz'}")
+        extract.open_source(f"npz:{tmp_path / 'bad.npz'}", num_classes=3)
     with pytest.raises(ValueError, match="unknown data source"):
         extract.open_source("mnist")
 
@@ -194,7 +196,8 @@ def test_precomputed_embeddings_build_a_store(tmp_path, rng):
     features = rng.normal(size=(40, 6)).astype(np.float32)
     labels = rng.integers(0, 3, size=40)
     np.savez(tmp_path / "emb.npz", features=features, labels=labels)
-    split = extract.open_source(f"npz:{tmp_path / 'emb.npz'}", precomputed=True)["train"]
+    split = extract.open_source(f"npz:{tmp_path / 'emb.npz'}", precomputed=True,
+                                num_classes=3)["train"]
     store = str(tmp_path / "s.zarr")
     extract.extract_split(split, None, store, dtype="float32", progress=False)
     loaded, loaded_labels, attrs = extract.load_split(store, "train")

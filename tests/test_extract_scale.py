@@ -204,7 +204,9 @@ def test_torch_dataset_through_the_python_api(tmp_path):
         def __getitem__(self, i):
             return torch.full((1, 8, 8), i / 12.0), i % 3
 
-    split = extract.from_torch_dataset(Squares(), name="squares")
+    with pytest.raises(ValueError, match="num_classes=K"):  # the class set is declared
+        extract.from_torch_dataset(Squares(), name="squares")
+    split = extract.from_torch_dataset(Squares(), name="squares", num_classes=3)
     assert split.labels.tolist() == [i % 3 for i in range(12)]
     backbone = extract.create_backbone("scatternet", device="cpu")
     store = str(tmp_path / "t.zarr")
