@@ -312,7 +312,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--optimizer", choices=("momentum", "sgd", "adam", "sign", "lamb"),
                    default="momentum", help="update rule (default momentum 0.9, as Panda et al.)")
     _add_model_options(p)
-    p.add_argument("--selection", choices=("train", "holdout"), default="train",
+    p.add_argument("--selection", choices=("train", "holdout"), default=None,
                    help="how trials are scored, privately: noisy correct counts on the training "
                    "data, paid from --eps-select (train, default), or on a held-out part of train "
                    "that composes in parallel (holdout)")
@@ -368,6 +368,16 @@ def _add_demo(sub) -> None:
                    help="force a dataset (default: fashion-mnist if installed, else digits)")
     p.add_argument("--seeds", type=_int(1), default=3)
     p.add_argument("--quiet", action="store_true")
+
+
+def _selection(args) -> str:
+    """tune's selection: "public" with --public-validation, which --selection cannot change."""
+    if args.public_validation is None:
+        return args.selection or "train"
+    if args.selection is not None:
+        raise ValueError(f"--public-validation scores trials exactly on public data; it does not "
+                         f"combine with --selection {args.selection}")
+    return "public"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,7 +529,7 @@ def _run(args) -> int:
             clip_norm=args.clip_norm,
             normalization=args.normalize,
             groups=args.groups or 1,
-            selection="public" if args.public_validation else args.selection,
+            selection=_selection(args),
             eps_select=args.eps_select,
             validation_fraction=args.validation_fraction,
             public_validation=args.public_validation,

@@ -458,7 +458,10 @@ def _plot_title(results: dict) -> str:
     backbone = results["provenance"]["train"].get("backbone", {}).get("name", "?")
     dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
     return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
-            f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()})")
+            f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
+            f"zero-out)\nx: epsilon per run; each point (a mean over seeds) costs the epsilon "
+            f"beside it; all points together: epsilon "
+            f"{reporting.format_epsilon(results['ledger']['epsilon'])}")
 
 
 def _too_big_for_memory(num_bytes: int) -> bool:

@@ -184,6 +184,10 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
                 [r["epsilon"] for r in private], means, yerr=accuracy_error_bars(means, stds),
                 marker="o", capsize=3, label=label, color=color,
             )
+            for r, mean in zip(private, means, strict=True):
+                if r.get("epsilon_row") is not None:  # what this point (a mean) costs
+                    ax.annotate(f"{r['epsilon_row']:.3g}", (r["epsilon"], mean), fontsize=7,
+                                xytext=(3, -10), textcoords="offset points", color=color)
         for r in rows:
             if not math.isfinite(r["epsilon"]):
                 ax.axhline(100 * r["test_accuracy_mean"], linestyle="--", color=color,

@@ -18,7 +18,8 @@ Every function here works on a stack of P configs at once: `params["w"]` is (P, 
 `params["b"]` is (P, C), so one matmul serves every config of a sweep.
 
 Rounding. The clipping factor is computed from an *upper bound* of each norm that holds whatever
-the float32 rounding: with B = ((1/K) sum_v sqrt(||x_v||^2 + 1) ||r_v||)^2 (the triangle bound,
+the float32 rounding (residuals enter scaled by their largest entry, so that no square of a tiny
+residual flushes to zero): with B = ((1/K) sum_v sqrt(||x_v||^2 + 1) ||r_v||)^2 (the triangle bound,
 all terms positive), the computed squared norm S' satisfies |S' - S| <= gamma B with
 gamma = 2 (d + C + K^2 + 8) 2^-24 (Higham's bound for sums and dot products of n float32 terms,
 doubled), so sqrt(S' + gamma B) >= ||g_i||. For K = 1, S = B and the bound is a relative
@@ -104,27 +105,35 @@ def _as_views(features: jax.Array) -> jax.Array:
 
 
 def _residuals_and_norms(params, features, onehot, loss, gram):
-    """Residuals (N, V, P, C) and per-example squared gradient norms (N, P): an upper bound that
-    holds under float32 rounding (module docstring); NaN or inf where the row is not finite."""
+    """Residuals (N, V, P, C) and per-example gradient norms (N, P): an upper bound that holds
+    under float32 rounding (module docstring); NaN or inf where the row is not finite.
+
+    The residuals enter scaled by their largest entry m (per example and config): a squared
+    residual below ~1e-19 would flush to zero on CPUs and GPUs and hide an example of norm
+    up to ~1e19, while r / m lies in [-1, 1] and the norm is m times the scaled one.
+    """
     views, dim = features.shape[1], features.shape[2]
     res = residuals(linear_logits(params, features), onehot[:, None, None, :], loss)
     if gram is None:
         gram = feature_gram(features)
     gamma = 2.0 * (dim + res.shape[-1] + views * views + 8) * _F32_UNIT_ROUNDOFF
-    if views == 1:  # Plain examples: (||x||^2 + 1) ||r||^2, a product of positive terms.
-        sq_norms = (gram[:, 0, 0, None] + 1.0) * jnp.sum(jnp.square(res[:, 0]), axis=-1)
-        return res, sq_norms * (1.0 + gamma)
-    res_gram = jnp.einsum("nvpc,nwpc->npvw", res, res, precision=_HIGHEST)
+    peak = jnp.max(jnp.abs(res), axis=(1, 3))  # (N, P)
+    scaled = res / jnp.maximum(peak, jnp.finfo(res.dtype).tiny)[:, None, :, None]
+    if views == 1:  # Plain examples: sqrt(||x||^2 + 1) ||r||, a product of positive terms.
+        res_norms = jnp.sqrt(jnp.sum(jnp.square(scaled[:, 0]), axis=-1))
+        bound = jnp.sqrt((gram[:, 0, 0, None] + 1.0) * (1.0 + gamma)) * res_norms
+        return res, peak * bound
+    res_gram = jnp.einsum("nvpc,nwpc->npvw", scaled, scaled, precision=_HIGHEST)
     sq_norms = jnp.einsum("nvw,npvw->np", gram + 1.0, res_gram, precision=_HIGHEST) / views**2
     feature_norms = jnp.sqrt(jnp.diagonal(gram, axis1=1, axis2=2) + 1.0)  # (N, V)
-    res_norms = jnp.sqrt(jnp.diagonal(res_gram, axis1=2, axis2=3))  # (N, P, V)
-    triangle = jnp.einsum("nv,npv->np", feature_norms, res_norms, precision=_HIGHEST) / views
+    scaled_norms = jnp.sqrt(jnp.diagonal(res_gram, axis1=2, axis2=3))  # (N, P, V)
+    triangle = jnp.einsum("nv,npv->np", feature_norms, scaled_norms, precision=_HIGHEST) / views
     bound = jnp.maximum(sq_norms, 0.0) + gamma * jnp.square(triangle)
     # Floor at (triangle / 4)^2: the final sum adds the per-view terms x_v (s r_v) / K, of total
     # size s * triangle; the floor keeps them below 4 C, so the float32 rounding of that sum
     # stays ~1e-7 C instead of growing with a cancelling example's terms (up to C / sqrt(gamma)).
     # It clips harder only examples whose view gradients cancel by more than 3/4.
-    return res, jnp.maximum(bound, jnp.square(triangle / 4.0))
+    return res, peak * jnp.sqrt(jnp.maximum(bound, jnp.square(triangle / 4.0)))
 
 
 def per_example_grad_norms(
@@ -140,8 +149,7 @@ def per_example_grad_norms(
     These are the norms the clipping uses: upper bounds, at most a relative ~gamma above the
     exact value (module docstring)."""
     features = _as_views(features)
-    _, sq_norms = _residuals_and_norms(params, features, onehot, loss, gram)
-    return jnp.sqrt(sq_norms)
+    return _residuals_and_norms(params, features, onehot, loss, gram)[1]
 
 
 def clipped_grad_sum(
@@ -180,8 +188,7 @@ def clipped_grad_sum(
     views = features.shape[1]
     if gram is None:
         gram = feature_gram(features)
-    res, sq_norms = _residuals_and_norms(params, features, onehot, loss, gram)
-    norms = jnp.sqrt(sq_norms)
+    res, norms = _residuals_and_norms(params, features, onehot, loss, gram)
     # Rows whose norm is NaN or inf (non-finite features or residuals, or an overflow) contribute
     # nothing: factor 0, and their features and residuals are zeroed (NaN * 0 would be NaN).
     valid = jnp.isfinite(norms)

@@ -424,7 +424,7 @@ def train_probe(
       wait: return when training is done, with NumPy arrays. False returns as soon as the
         work is dispatched (JAX runs it asynchronously), so that the caller can prepare its
         next program (e.g. `evaluate_chunks(result.params, ...)`) meanwhile; then call
-        `result.wait()`, which also raises if the features held NaN or Inf.
+        `result.wait()`.
 
     Returns:
       TrainResult with params {"w": (P, d, C), "b": (P, C)}.

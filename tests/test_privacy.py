@@ -220,6 +220,25 @@ def test_clipper_keeps_antipodal_views_within_c_at_random_params(rng):
         assert np.linalg.norm(contribution) <= 1.0 + 1e-6, scale
 
 
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("views", [1, 2])
+def test_tiny_residuals_do_not_flush_the_norm_to_zero(loss, views):
+    """At parameters where a row's residual is ~1e-20 (its square flushes to zero in float32),
+    a feature norm near 1.8e19 must still be clipped: the contribution stays within C."""
+    for gap in (46.0, 50.0, 60.0):
+        first = gap if loss == "sigmoid" else 0.0  # the true class's residual is tiny too
+        params = {"w": jnp.zeros((1, 4, 3), jnp.float32),
+                  "b": jnp.array([[first, -gap, -gap]], jnp.float32)}
+        x = np.zeros((1, views, 4), np.float32)
+        x[0, :, 0] = 1.8e19
+        for clip in (0.1, 1.0):
+            sums, _ = probe.clipped_grad_sum(params, x, jax.nn.one_hot(jnp.array([0]), 3),
+                                             jnp.array([clip]), loss=loss)
+            contribution = np.concatenate([np.asarray(sums["w"], np.float64).ravel(),
+                                           np.asarray(sums["b"], np.float64).ravel()])
+            assert np.linalg.norm(contribution) <= clip * (1 + 1e-6), (gap, clip)
+
+
 def test_every_matmul_of_the_clipped_sum_runs_at_highest_precision(rng):
     """TF32 or bf16 passes (GPUs, TPUs) would break the bound: every dot is HIGHEST."""
     onehot = jax.nn.one_hot(jnp.zeros(4, int), 3)
