@@ -529,8 +529,12 @@ def probe_table(results: dict) -> str:
         f"N_train={results['num_train']}, N_test={results['num_test']}"
     )
     ledger = results["ledger"]
-    footer = (f"all {ledger['num_mechanisms']} runs together (e.g. picking the best): epsilon = "
-              f"{reporting.format_epsilon(ledger['epsilon'])} at delta={privacy['delta']:g}")
+    private = sum(1 for e in ledger["entries"] if e["role"] == "private")
+    footer = (f"all {private} private runs together (e.g. picking the best): epsilon = "
+              f"{reporting.format_epsilon(ledger['epsilon_by_role'].get('private', 0.0))} at "
+              f"delta={privacy['delta']:g}")
+    if private < ledger["num_mechanisms"]:
+        footer += "; the non-private reference has no guarantee"
     return header + "\n" + reporting.format_table(rows, columns) + "\n" + footer
 
 

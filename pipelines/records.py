@@ -71,7 +71,7 @@ def randomness(seed: int | None, drives: str) -> dict:
     """How a job drew its randomness; the seed itself is never written."""
     return {
         "noise_keys": "os-entropy",
-        "sampling": "os-entropy",
+        "batch_sampling_randomness": "os-entropy",
         "seed": "given" if seed is not None else "none",
         "seed_drives": (f"only {drives}, never a mechanism" if seed is not None else None),
     }

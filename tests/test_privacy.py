@@ -307,6 +307,8 @@ def test_inf_is_opt_in_and_labelled(digits_store, tmp_path, capsys):
                      str(out), "--quiet"]) == 0
     table = capsys.readouterr().out
     assert "non-private, no guarantee" in table and "seeds composed" in table
+    assert "full batch (q = 1)" in table.splitlines()[0]
+    assert "all 2 private runs together" in table
     results = json.loads(out.read_text())
     reference = [r for r in results["runs"] if r["epsilon"] == "inf"]
     assert reference and all(r["guarantee"].startswith("none") for r in reference)
