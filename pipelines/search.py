@@ -284,7 +284,7 @@ def linear_scaling_search(
         eps_select = epsilon / 20 if eps_select is None else eps_select
     elif eps_select is not None:
         raise ValueError(f"eps_select applies to selection 'train', not {selection!r}")
-    budget_split(epsilon, delta, eps0, eps1, eps_select)  # fail fast on an impossible split
+    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)  # fails fast if impossible
 
     # Load the store; choose what trains and what scores.
     x, y, train_attrs = extract.load_split(store, "train", dtype=None)
@@ -311,7 +311,6 @@ def linear_scaling_search(
               file=sys.stderr)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
                            normalization=normalization, groups=groups)
-    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)
     # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
     mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
     count_sigma = math.sqrt(2 * trials) / mu_count if selection != "public" else 0.0
