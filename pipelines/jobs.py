@@ -460,8 +460,8 @@ def _plot_title(results: dict) -> str:
     return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
             f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
             f"zero-out)\nx: epsilon per run; each point (a mean over seeds) costs the epsilon "
-            f"beside it; all points together: epsilon "
-            f"{reporting.format_epsilon(results['ledger']['epsilon'])}")
+            f"beside it; all private points together: epsilon "
+            f"{reporting.format_epsilon(results['ledger']['epsilon_by_role'].get('private', 0.0))}")
 
 
 def _too_big_for_memory(num_bytes: int) -> bool:
