@@ -459,8 +459,8 @@ def _plot_title(results: dict) -> str:
     dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
     return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
             f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
-            f"zero-out)\nx: epsilon per run; each point (a mean over seeds) costs the epsilon "
-            f"beside it; all private points together: epsilon "
+            f"zero-out)\nx: epsilon per run; beside each point: its epsilon (seeds composed)"
+            f"\nall private points together: epsilon "
             f"{reporting.format_epsilon(results['ledger']['epsilon_by_role'].get('private', 0.0))}")
 
 

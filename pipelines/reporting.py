@@ -193,6 +193,7 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
                 ax.axhline(100 * r["test_accuracy_mean"], linestyle="--", color=color,
                            alpha=0.7, label=f"non-private ({label})")
     ax.set_xscale("log")
+    ax.margins(x=0.1)  # room for the epsilon labels beside the last points
     if ticks:
         ax.set_xticks(sorted(ticks), [f"{t:g}" for t in sorted(ticks)])
         ax.minorticks_off()
