@@ -18,7 +18,7 @@ from probe.clipping import linear_logits
 from probe.executables import cached_call
 from probe.normalization import normalize_features
 
-__all__ = ["evaluate", "evaluate_chunks"]
+__all__ = ["count_totals", "evaluate", "evaluate_chunks"]
 
 
 @functools.partial(jax.jit, static_argnames=("num_classes", "top_k", "normalization", "groups"))
@@ -34,8 +34,10 @@ def _counts(params, features, labels, mask, *, num_classes, top_k, normalization
     lower_index = jnp.arange(num_classes) < labels[:, None, None]
     rank = jnp.sum((logits > true_logit) | ((logits == true_logit) & lower_index), axis=-1)
     # A prediction with a NaN or Inf logit is wrong: NaN compares false with everything, so
-    # its rank would be 0 (a "hit") without this.
-    valid = (mask[:, None] > 0) & jnp.all(jnp.isfinite(logits), axis=-1)
+    # its rank would be 0 (a "hit") without this. A label outside [0, C) is never a hit either
+    # (`probe.selection` relies on it: a null record must count 0).
+    in_range = (labels >= 0) & (labels < num_classes)
+    valid = (mask[:, None] > 0) & in_range[:, None] & jnp.all(jnp.isfinite(logits), axis=-1)
     top1, topk = (rank == 0) & valid, (rank < top_k) & valid
     onehot = onehot * mask[:, None]
     per_class = jnp.einsum("np,nc->pc", top1.astype(jnp.float32), onehot)
@@ -66,6 +68,24 @@ def evaluate_chunks(
       with no examples gets NaN. A prediction with any NaN or Inf logit counts as wrong.
     """
     num_classes = int(params["w"].shape[-1])
+    top1, topk, per_class, class_counts = count_totals(
+        params, chunks, top_k=min(top_k, num_classes), normalization=normalization,
+        groups=groups, block_rows=block_rows)
+    n = class_counts.sum()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_class = per_class / class_counts[None, :]
+    return {"top1": top1 / n, f"top{top_k}": topk / n, "per_class": per_class}
+
+
+def count_totals(params: dict, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *,
+                 top_k: int = 5, normalization: str = "none", groups: int = 1,
+                 block_rows: int | None = None) -> list[np.ndarray]:
+    """Exact counts of each stacked run over (features, labels) chunks: [top-1 hits (P,),
+    top-k hits (P,), per-class hits (P, C), examples per class (C,)] (float64).
+
+    Rows are cut into fixed blocks (the last padded and masked), one compiled kernel for all.
+    """
+    num_classes = int(params["w"].shape[-1])
     kwargs = dict(num_classes=num_classes, top_k=min(top_k, num_classes),
                   normalization=normalization, groups=groups)
     params = jax.device_put(params)  # once, not once per block
@@ -89,11 +109,7 @@ def evaluate_chunks(
                 t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:
         raise ValueError("no examples to evaluate")
-    top1, topk, per_class, class_counts = totals
-    n = class_counts.sum()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_class = per_class / class_counts[None, :]
-    return {"top1": top1 / n, f"top{top_k}": topk / n, "per_class": per_class}
+    return totals
 
 
 def evaluate(params: dict, features, labels, *, top_k: int = 5, normalization: str = "none",

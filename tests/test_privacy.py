@@ -172,6 +172,22 @@ def test_leave_one_out_moves_the_clipped_sum_by_at_most_c(trainer, views, dtype)
             assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
 
 
+def test_selection_counts_never_count_null_records(rng):
+    """The selection counts have sensitivity 1 only if a null record (NaN features, a label
+    outside the class set) never counts as correct, whatever the model predicts."""
+    features = rng.normal(size=(30, 4)).astype(np.float32)
+    labels = np.arange(30) % 3
+    params = {"w": rng.normal(size=(2, 4, 3)).astype(np.float32), "b": np.zeros((2, 3), np.float32)}
+    base = probe.correct_counts(params, features, labels)
+    nulled, bad = labels.copy(), features.copy()
+    nulled[[1, 2]] = [-1, 7]
+    bad[[1, 2]] = np.nan
+    for x, y in ((features, nulled), (bad, labels)):
+        counts = probe.correct_counts(params, x, y)
+        hits = probe.correct_counts(params, features[[1, 2]], labels[[1, 2]])
+        np.testing.assert_array_equal(counts, base - hits)
+
+
 def test_rows_with_nan_features_are_null_records(rng):
     """A row with NaN features contributes nothing (no NaN model, no error): it is the null
     record of zero-out neighbours."""
