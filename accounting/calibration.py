@@ -114,12 +114,15 @@ def _check_met(epsilon, delta, steps, q, accountant, sigma) -> None:
 def _refuse_below_floor(epsilon, delta, steps, q) -> None:
     """Refuse at once a Poisson-sampled PLD target that needs sigma below the floor: RDP's
     epsilon at the floor bounds PLD's from above, so a target above it is out of reach."""
-    floor = MIN_SAMPLED_PLD_NOISE_MULTIPLIER
-    if epsilon > DpPlan(floor, steps, q).epsilon(delta, "rdp"):
-        raise ValueError(
-            f"epsilon={epsilon:g} with q={q:g} and {steps} step(s) needs a noise multiplier "
-            f"below {floor:g}, where the PLD accountant takes minutes and gigabytes (and the "
-            "guarantee means little); use a smaller epsilon, or --accountant rdp")
+    if epsilon > DpPlan(MIN_SAMPLED_PLD_NOISE_MULTIPLIER, steps, q).epsilon(delta, "rdp"):
+        raise _below_floor(epsilon, q, steps)
+
+
+def _below_floor(epsilon, q, steps) -> ValueError:
+    return ValueError(
+        f"epsilon={epsilon:g} with q={q:g} and {steps} step(s) needs a noise multiplier below "
+        f"{MIN_SAMPLED_PLD_NOISE_MULTIPLIER:g}, where the PLD accountant takes minutes and "
+        "gigabytes (and the guarantee means little); use a smaller epsilon, or --accountant rdp")
 
 
 def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
@@ -147,11 +150,7 @@ def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
         if lo < math.log(floor):
             if floor == 1e-4:
                 return math.exp(hi)
-            raise ValueError(
-                f"epsilon={epsilon:g} with q={q:g} and {steps} step(s) needs a noise "
-                f"multiplier below {floor:g}, where the PLD accountant takes minutes and "
-                "gigabytes (and the guarantee means little); use a smaller epsilon, or "
-                "--accountant rdp")
+            raise _below_floor(epsilon, q, steps)
     root = optimize.brentq(excess, lo, hi, xtol=_SEARCH_RTOL, rtol=_SEARCH_RTOL)
     # Return a point on the private side of the root.
     for candidate in (root, root + _SEARCH_RTOL, root + 10 * _SEARCH_RTOL, hi):

@@ -5,7 +5,8 @@ datasets are neighbours when one record of one is replaced by a null record, who
 zero, in the other. The dataset size N is public: the trainers divide by N (or by the expected
 batch size qN), as Mehta et al. (2023) and Panda et al. (2023) do. Each example's clipped
 gradient changes the noisy sum by at most `clip_norm`, the noise std is
-`noise_multiplier * clip_norm`; for these sums the privacy curves equal those of add/remove-one.
+`noise_multiplier * clip_norm`. dp_accounting gives these events the same curves under
+add/remove-one, but dpprobe claims zero-out only: the jobs publish N.
 """
 
 from __future__ import annotations
