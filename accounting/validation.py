@@ -1,0 +1,32 @@
+"""Checks of the public privacy parameters, written once: every job, plan and calibration uses
+these, so that the same bad value gives the same message wherever it enters."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_delta", "check_epsilon", "check_steps"]
+
+
+def check_epsilon(epsilon: float, *, allow_inf: bool = True) -> float:
+    """`epsilon` if it is > 0 (inf, the non-private reference, only if `allow_inf`)."""
+    epsilon = float(epsilon)
+    if math.isnan(epsilon) or not epsilon > 0 or (math.isinf(epsilon) and not allow_inf):
+        suffix = " (or inf for non-private)" if allow_inf else " and finite"
+        raise ValueError(f"epsilon must be > 0{suffix}, got {epsilon}")
+    return epsilon
+
+
+def check_delta(delta: float) -> float:
+    """`delta` if it is in (0, 1)."""
+    delta = float(delta)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return delta
+
+
+def check_steps(steps: int) -> int:
+    """`steps` if it is an integer >= 1."""
+    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps}")
+    return int(steps)
