@@ -1,6 +1,16 @@
-"""dpprobe's DP linear probe in JAX: closed-form per-example clipping, Gaussian noise on the
-clipped sum, optax optimizers as post-processing, many configs in one compiled program."""
+"""dpprobe's DP linear probe in JAX, on one DP mechanism that every trainer shares.
 
+  * `probe.mechanism`: secret keys, the Gaussian noise, `gaussian_privatizer` (an optax
+    transformation for any pytree of clipped sums) and `privatized_optimizer`;
+  * `probe.batching`: Poisson batch selection (jax_privacy) and the pad-and-mask helper;
+  * `probe.clipping`: closed-form per-example clipping of linear models;
+  * `probe.step`: the DP step the trainers share; `probe.train` (in memory, sharded with
+    `probe.sharding`), `probe.streaming`, `probe.poisson`: the trainers;
+  * `probe.specs`: `ProbeSpec`, `RunSpec` (privacy: the `DpPlan`), `PerformanceFlags` (speed
+    knobs that never change epsilon), `TrainResult`.
+"""
+
+from probe.batching import pad_rows, poisson_batches
 from probe.clipping import (
     LOSSES,
     clipped_grad_sum,
@@ -12,35 +22,36 @@ from probe.clipping import (
     zero_nonfinite_rows,
 )
 from probe.evaluation import evaluate, evaluate_chunks
-from probe.mechanism import gaussian_noise, make_keys
+from probe.mechanism import (
+    add_noise,
+    gaussian_noise,
+    gaussian_privatizer,
+    make_keys,
+    noise_stddev,
+    privatized_optimizer,
+)
 from probe.normalization import NORMALIZATIONS, normalize_features
 from probe.optimizers import DEFAULT_LEARNING_RATES, OPTIMIZERS, make_optimizer
+from probe.poisson import train_probe_poisson
 from probe.selection import correct_counts, noisy_correct_counts
-from probe.train import (
-    ProbeSpec,
-    RunSpec,
-    TrainResult,
-    apply_update,
-    init_params,
-    make_data_mesh,
-    noisy_mean,
-    prefetch,
-    prepare_features,
-    shard_rows,
-    train_probe,
-    train_probe_poisson,
-    train_probe_streaming,
-)
+from probe.sharding import make_data_mesh, shard_rows
+from probe.specs import FEATURE_DTYPES, Params, PerformanceFlags, ProbeSpec, RunSpec, TrainResult
+from probe.step import init_params
+from probe.streaming import train_probe_streaming
+from probe.train import prepare_features, prepare_inputs, train_probe
 
 __all__ = [
     "DEFAULT_LEARNING_RATES",
+    "FEATURE_DTYPES",
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
+    "Params",
+    "PerformanceFlags",
     "ProbeSpec",
     "RunSpec",
     "TrainResult",
-    "apply_update",
+    "add_noise",
     "clipped_grad_sum",
     "correct_counts",
     "evaluate",
@@ -48,17 +59,21 @@ __all__ = [
     "example_losses",
     "feature_gram",
     "gaussian_noise",
+    "gaussian_privatizer",
     "init_params",
     "linear_logits",
     "make_data_mesh",
     "make_keys",
     "make_optimizer",
     "noisy_correct_counts",
-    "noisy_mean",
+    "noise_stddev",
     "normalize_features",
+    "pad_rows",
     "per_example_grad_norms",
-    "prefetch",
+    "poisson_batches",
     "prepare_features",
+    "prepare_inputs",
+    "privatized_optimizer",
     "residuals",
     "shard_rows",
     "train_probe",

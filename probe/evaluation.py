@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probe.batching import pad_rows
 from probe.clipping import linear_logits
-from probe.executables import cached_call
 from probe.normalization import normalize_features
 
 __all__ = ["count_totals", "evaluate", "evaluate_chunks"]
@@ -96,15 +96,9 @@ def count_totals(params: dict, chunks: Iterable[tuple[np.ndarray, np.ndarray]], 
             num_blocks = max(1, math.ceil(len(labels) / 8192))
             block_rows = max(1, math.ceil(len(labels) / num_blocks))
         for start in range(0, len(labels), block_rows):
-            x, y = features[start:start + block_rows], labels[start:start + block_rows]
-            mask = np.zeros((block_rows,), np.float32)
-            mask[: len(y)] = 1.0
-            pad = block_rows - len(y)
-            if pad:
-                x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-                y = np.concatenate([y, np.zeros(pad, np.int32)])
-            counts = [np.asarray(c, np.float64)
-                      for c in cached_call(_counts, params, x, y, mask, **kwargs)]
+            x, y, mask = pad_rows(features[start:start + block_rows],
+                                  labels[start:start + block_rows], rows=block_rows)
+            counts = [np.asarray(c, np.float64) for c in _counts(params, x, y, mask, **kwargs)]
             totals = counts if totals is None else [
                 t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:

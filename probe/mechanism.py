@@ -1,4 +1,16 @@
-"""The randomness of the Gaussian mechanism: secret noise keys and the noise itself.
+"""The Gaussian mechanism that every dpprobe trainer shares: secret keys, the noise, and its
+addition to any pytree of clipped sums as an optax transformation.
+
+A trainer computes, per step, the sum over its (sampled) examples of per-example gradients
+clipped to C (`probe.clipped_grad_sum` in closed form for linear models; any per-example
+clipper for other models, e.g. `jax_privacy.clipped_grad`), then
+
+    tx = optax.chain(gaussian_privatizer(noise_stddev(plan), key),   # + N(0, (sigma C)^2 I)
+                     optax.scale(1 / denominator),                    # the noisy mean
+                     optimizer, optax.scale(-learning_rate))          # post-processing
+
+(`privatized_optimizer`). Only the first link touches the private sum; every later link
+is post-processing, so the optimizer costs no privacy.
 
 Hand-written because the libraries' samplers have a hard support: `jax.random.normal` in
 float32 (also what jax_privacy's `noise_addition` draws) inverts a 23-bit uniform, so its draws
@@ -15,12 +27,22 @@ the key data, so every host adds the same noise once.
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
 
-__all__ = ["gaussian_noise", "make_keys"]
+__all__ = [
+    "add_noise",
+    "gaussian_noise",
+    "gaussian_privatizer",
+    "make_keys",
+    "noise_stddev",
+    "privatized_optimizer",
+]
 
 
 def make_keys(count: int) -> jax.Array:
@@ -54,3 +76,63 @@ def _normal_from_words(words: jax.Array) -> jax.Array:
     sign = jnp.where((words & 1) == 1, 1.0, -1.0)
     u = ((words >> 12).astype(jnp.float64) + 0.5) * 2.0**-53
     return sign * jax.scipy.special.ndtri(u)
+
+
+def noise_stddev(plan) -> float:
+    """The noise std of one step of `plan` (an `accounting.DpPlan`): sigma * C, and exactly 0
+    for a non-private plan (sigma = 0, where C may be inf)."""
+    if plan.noise_multiplier == 0:
+        return 0.0
+    return float(plan.noise_multiplier) * float(plan.clip_norm)
+
+
+def add_noise(tree: Any, stddev: jax.Array, key: jax.Array) -> Any:
+    """`tree` + N(0, stddev^2 I) over all of its coordinates (float32 leaves), one draw of
+    `gaussian_noise(key, size)` for the whole tree (it compiles faster than one per leaf)."""
+    flat, unravel = ravel_pytree(tree)
+    return unravel(flat + stddev * gaussian_noise(key, flat.size))
+
+
+class PrivatizerState(NamedTuple):
+    """The step count: the noise of step t is drawn from `fold_in(key, t)`."""
+
+    count: jax.Array
+
+
+def gaussian_privatizer(stddev, key: jax.Array) -> optax.GradientTransformation:
+    """An optax transformation that adds N(0, stddev^2 I) to a sum of clipped gradients.
+
+    The same interface as `jax_privacy.noise_addition.gaussian_privatizer`, with this module's
+    sampler (no hard float32 support) and no default key: `key` must be secret
+    (`make_keys`). Step t uses `fold_in(key, t)`, so the noise of a step does not depend on
+    how the sum was computed (in memory, streamed, sharded): the trainers agree exactly.
+
+    Formal guarantee: if the input's L2 sensitivity is C (every example clipped to C, zero-out
+    neighbours) and stddev = sigma C, each update is the Gaussian mechanism of noise
+    multiplier sigma, independent across steps.
+    """
+
+    def init(params):
+        del params
+        return PrivatizerState(jnp.zeros((), jnp.int32))
+
+    def update(sum_of_clipped_grads, state, params=None):
+        del params
+        noisy = add_noise(sum_of_clipped_grads, stddev, jax.random.fold_in(key, state.count))
+        return noisy, PrivatizerState(state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def privatized_optimizer(optimizer: optax.GradientTransformation, *, stddev, key: jax.Array,
+                         denominator, learning_rate) -> optax.GradientTransformation:
+    """The whole DP update of one run as one optax transformation of the clipped sum:
+    noise (`gaussian_privatizer`), division by `denominator` (N full batch, the expected batch
+    size q N with Poisson sampling), then `optimizer` and the learning rate (post-processing).
+    Its updates are added to the parameters (`optax.apply_updates`)."""
+    return optax.chain(
+        gaussian_privatizer(stddev, key),
+        optax.scale(1.0 / denominator),
+        optimizer,
+        optax.scale(-learning_rate),
+    )

@@ -41,7 +41,7 @@ def make_optimizer(
       b1, b2, eps: Adam/LAMB moments; eps defaults to optax's (1e-8 Adam, 1e-6 LAMB).
       weight_decay: decoupled weight decay for LAMB.
     """
-    import optax  # here: a run whose compiled program is cached never imports it (~0.2 s)
+    import optax
 
     if name == "sgd":
         return optax.identity()

@@ -64,24 +64,6 @@ def test_sweep_equals_each_run_alone(rng, optimizer):
         np.testing.assert_allclose(swept.clipped_fraction[i], alone.clipped_fraction[0])
 
 
-def test_not_waiting_gives_the_same_result(rng):
-    """train_probe(wait=False) returns at once; wait() gives what the blocking call gives."""
-    features, labels, _ = random_problem(rng, n=150, d=16, c=4)
-    features = features.astype(np.float16)
-    spec = probe.ProbeSpec(4, optimizer="adam")
-    runs = _runs([0.5, 2.0, math.inf], steps=3, lr=0.05, clip=7.0)
-    keys = fixed_keys(len(runs), 3)
-    pending = probe.train_probe(features, labels, runs, keys, spec, wait=False)
-    assert pending.clipped_fraction is None  # not collected yet
-    assert pending.wait() is pending
-    blocking = probe.train_probe(features, labels, runs, keys, spec)
-    np.testing.assert_array_equal(pending.params["w"], blocking.params["w"])
-    np.testing.assert_array_equal(pending.params["b"], blocking.params["b"])
-    np.testing.assert_array_equal(pending.clipped_fraction, blocking.clipped_fraction)
-    assert 0 < blocking.clipped_fraction[0] < 1
-    assert isinstance(pending.params["w"], np.ndarray)
-
-
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
 def test_non_private_run_is_plain_gradient_descent(rng, loss):
     features, labels, _ = random_problem(rng, n=96, d=8, c=3)
@@ -145,3 +127,31 @@ def test_evaluate_counts_top1_top5_and_per_class():
     assert out["top1"][0] == pytest.approx(0.5)
     assert out["top5"][0] == pytest.approx(1.0)
     np.testing.assert_allclose(out["per_class"][0], [1, 1, np.nan, 0, np.nan, 0])
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_sign_sgd_equals_one_dp_adam_step_from_zero(rng, loss):
+    """Mehta et al. App. E.3: Adam's first step from zero is g / (|g| + eps) ~ sign(g)."""
+    features, labels, _ = random_problem(rng, n=300, d=20, c=4)
+    runs = _runs([1.0, 4.0, 16.0], steps=1, lr=1e-3)
+    keys = fixed_keys(3, 1)
+
+    def train(optimizer, lr=1e-3):
+        spec = probe.ProbeSpec(4, optimizer=optimizer, loss=loss)
+        plans = [probe.RunSpec(r.plan, lr) for r in runs]
+        return probe.train_probe(features, labels, plans, keys, spec).params
+
+    adam, sign, sgd = train("adam"), train("sign"), train("sgd", lr=1.0)
+    bias = probe.ProbeSpec(4, loss=loss).initial_bias
+    grads = {"w": -sgd["w"], "b": bias - sgd["b"]}  # one SGD step with lr 1: -g, same noise
+    for key, start in (("w", 0.0), ("b", bias)):
+        g = grads[key]
+        ulp = 2 * float(np.spacing(np.float32(abs(start) + 1e-3)))  # float32 resolution at b
+        # Exactly Adam's first step from zero ...
+        np.testing.assert_allclose(adam[key] - start, -1e-3 * g / (np.abs(g) + 1e-8),
+                                   rtol=1e-4, atol=ulp)
+        # ... which is sign-SGD wherever the noisy gradient is not within ~1e-5 of zero.
+        clear = np.abs(g) > 1e-5
+        assert clear.mean() > 0.99
+        np.testing.assert_allclose(adam[key][clear], sign[key][clear], rtol=1e-3, atol=ulp)
+        np.testing.assert_allclose(np.abs(sign[key] - start), 1e-3, atol=ulp)

@@ -17,22 +17,35 @@ def _ks_pvalue(samples, std):
     return stats.kstest(samples, stats.norm(scale=std).cdf).pvalue
 
 
-def test_noisy_mean_std_is_sigma_times_clip_over_n():
-    sigma, clip, n = 2.5, 0.7, 100.0
-    sums = {"w": jnp.zeros((1, 50, 10)), "b": jnp.zeros((1, 10))}
-    keys = fixed_keys(1, 1)
-    samples = np.concatenate([
-        np.concatenate([np.ravel(g["w"]), np.ravel(g["b"])])
-        for g in (probe.noisy_mean(sums, jnp.array([sigma * clip]), keys, step, n)
-                  for step in range(8))
-    ])
-    expected = sigma * clip / n
-    assert samples.size == 8 * 510
+def test_privatizer_adds_noise_of_std_sigma_times_c_to_any_pytree():
+    """`gaussian_privatizer` (an optax transformation) on a pytree of several leaves: std
+    sigma * C per coordinate, a fresh draw each step (`fold_in(key, step)`)."""
+    sigma, clip = 2.5, 0.7
+    plan = accounting.DpPlan(sigma, 8, clip_norm=clip)
+    sums = {"w": jnp.zeros((50, 10)), "b": jnp.zeros((10,)), "extra": {"s": jnp.zeros((3, 7))}}
+    privatizer = probe.gaussian_privatizer(probe.noise_stddev(plan), fixed_keys(1, 1)[0])
+    state = privatizer.init(sums)
+    draws = []
+    for _ in range(8):
+        noisy, state = privatizer.update(sums, state)
+        draws.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(noisy)]))
+    samples = np.concatenate(draws)
+    expected = sigma * clip
+    assert samples.size == 8 * 531 and int(state.count) == 8
+    assert len({d[:4].tobytes() for d in draws}) == 8  # every step its own noise
     assert _ks_pvalue(samples, expected) > 1e-3
     # The same test rejects a noise scale off by x0.67 or x1.5.
     assert _ks_pvalue(samples, expected * 0.67) < 1e-6
     assert _ks_pvalue(samples, expected * 1.5) < 1e-6
     assert abs(samples.std() / expected - 1) < 0.05
+
+
+def test_non_private_plan_has_exactly_zero_noise():
+    plan = accounting.DpPlan(0.0, 1, clip_norm=math.inf)
+    assert probe.noise_stddev(plan) == 0.0
+    tree = {"w": jnp.ones((4, 3))}
+    out = probe.add_noise(tree, probe.noise_stddev(plan), probe.make_keys(1)[0])
+    np.testing.assert_array_equal(out["w"], tree["w"])
 
 
 def test_trained_probe_carries_exactly_the_calibrated_noise(rng):

@@ -1,0 +1,92 @@
+"""Masked DP-SGD with Poisson subsampling (Beltran et al. 2024, https://arxiv.org/abs/2411.04205,
+Alg. A1), without recompilation.
+
+Each step, each run's logical batch is Poisson sampled (`probe.poisson_batches`, on
+`jax_privacy.batch_selection`) and cut into physical batches of a fixed size p, the last one
+padded and masked, so one compiled kernel serves every step whatever the sampled sizes. The
+noisy clipped sum is divided by the expected batch size q N (`probe.step`), and each run is
+exactly the Poisson-sampled Gaussian of its `DpPlan`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probe.batching import poisson_batches
+from probe.clipping import clipped_grad_sum
+from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
+from probe.step import dp_update, init_state, result, run_arrays, step_bar
+from probe.train import prepare_inputs
+
+__all__ = ["train_probe_poisson"]
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _batch_sums(params, features, onehot, mask, clip, *, spec):
+    """Per-run clipped sums of one physical batch: features (P, p, [V,] d), mask (P, p)."""
+
+    def one(w, b, x, y, m, c):
+        sums, count = clipped_grad_sum({"w": w[None], "b": b[None]}, x.astype(jnp.float32), y,
+                                       c[None], loss=spec.loss, mask=m, finite_rows=True)
+        return jax.tree.map(lambda s: s[0], sums), count[0]
+
+    return jax.vmap(one)(params["w"], params["b"], features, onehot, mask, clip)
+
+
+_update = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
+_init = jax.jit(init_state, static_argnames=("spec", "dim"))
+
+
+def train_probe_poisson(
+    features,
+    labels,
+    runs: Sequence[RunSpec],
+    keys: jax.Array,
+    spec: ProbeSpec,
+    *,
+    flags: PerformanceFlags | None = None,
+    rng: np.random.Generator | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Masked DP-SGD with Poisson subsampling; runs may have any q in (0, 1].
+
+    Args:
+      features, labels, runs, keys, spec, progress: as for `probe.train_probe`.
+      flags: `physical_batch_size` (p, rows per compiled call) and `feature_dtype` are used.
+      rng: the batch sampler's generator; None (the only private choice) seeds a fresh one from
+        OS entropy. A seeded generator makes the batches public: for tests only.
+
+    Returns:
+      TrainResult whose `batch_sizes` (steps, runs) holds each sampled logical batch size
+      (0 once a run has finished its steps): private, for local debugging only.
+
+    DP contract: as `train_probe`; the batch of each step includes every row independently with
+    probability q, so each run is the Poisson-sampled Gaussian of its `DpPlan`.
+    """
+    flags = flags or PerformanceFlags()
+    feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
+    arrays = run_arrays(runs, keys, len(feats))
+    state = _init(spec, arrays, feats.shape[-1])
+    total = int(arrays.steps.max())
+    batch_sizes = np.zeros((total, len(runs)), np.int64)
+    batches = poisson_batches(len(feats), [r.plan.sampling_probability for r in runs],
+                              arrays.steps, flags.physical_batch_size, rng)
+    with step_bar(total, progress, "probe steps (Poisson)") as bar:
+        for step, batch in enumerate(batches):
+            batch_sizes[step] = batch.sizes
+            sums, num_clipped = None, None
+            for index, batch_mask in zip(batch.index, batch.mask, strict=True):
+                part, part_clipped = _batch_sums(state.params, feats[index], onehot[index],
+                                                 batch_mask * mask[index], arrays.clip,
+                                                 spec=spec)
+                sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+                num_clipped = part_clipped if num_clipped is None else num_clipped + part_clipped
+            state = _update(spec, arrays, state, sums, num_clipped, step,
+                            batch.sizes.astype(np.float32))
+            bar.update(1)
+    return result(state, arrays, batch_sizes)

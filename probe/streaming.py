@@ -1,0 +1,127 @@
+"""Full-batch DP training with the clipped sum accumulated over row chunks streamed from disk.
+
+The full-batch gradient is a sum over examples, so summing per-chunk clipped sums gives the
+in-memory result (up to float summation order); the noise is added once per step, to the total
+(`probe.step.dp_update`). Memory is O(rows_per_chunk (d + P C)), whatever N is. Each chunk is
+its own input boundary: normalized, non-finite rows and labels outside [0, C) nulled, padded
+to a fixed size and masked, inside one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probe.batching import pad_rows
+from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
+from probe.normalization import normalize_features
+from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
+from probe.step import dp_update, init_params, init_state, result, run_arrays, step_bar
+from probe.train import check_full_batch, check_labels
+
+__all__ = ["train_probe_streaming"]
+
+
+def _prefetch(iterable: Iterable, depth: int) -> Iterator:
+    """Iterate `iterable` in a background thread, `depth` items ahead (I/O overlaps compute)."""
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def worker():
+        try:
+            for item in iterable:
+                items.put(item)
+        except BaseException as err:  # re-raised in the consumer
+            items.put(err)
+        items.put(done)
+
+    threading.Thread(target=worker, daemon=True).start()
+    while (item := items.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _padded_chunks(chunks: Iterable, rows: int | None):
+    """Each (features, labels) chunk padded to `rows` rows (default: the first chunk's)."""
+    for features, labels in chunks:
+        labels = check_labels(labels)
+        rows = rows or len(labels)
+        features, labels, mask = pad_rows(np.asarray(features), labels.astype(np.int32),
+                                          rows=rows)
+        yield features, labels, mask
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _chunk_sums(params, features, labels, mask, clip, *, spec):
+    """Clipped sums of one padded chunk. Normalize first: a finite but huge row can normalize
+    to NaN, which the zeroing then catches."""
+    features = normalize_features(features.astype(jnp.float32), spec.normalization,
+                                  groups=spec.groups)
+    features, mask = zero_nonfinite_rows(features, mask)
+    mask = mask * ((labels >= 0) & (labels < spec.num_classes))
+    onehot = jax.nn.one_hot(labels, spec.num_classes, dtype=jnp.float32)
+    return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
+                            finite_rows=True)
+
+
+_update = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
+_init = jax.jit(init_state, static_argnames=("spec", "dim"))
+
+
+def train_probe_streaming(
+    chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
+    runs: Sequence[RunSpec],
+    keys: jax.Array,
+    spec: ProbeSpec,
+    *,
+    num_examples: int,
+    dim: int,
+    flags: PerformanceFlags | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """`probe.train_probe` with the rows streamed in chunks (stores larger than memory).
+
+    Args:
+      chunks: a callable returning a fresh iterable of (features, labels) row chunks (e.g.
+        `extract.iter_split_chunks(store, "train")`); it is called once per step.
+      runs, keys, spec, progress: as for `train_probe`.
+      num_examples: N (public; the chunks must hold exactly N rows in total).
+      dim: feature dim d.
+      flags: `rows_per_chunk` and `prefetch_depth` are used.
+
+    DP contract: as `train_probe`.
+    """
+    flags = flags or PerformanceFlags()
+    check_full_batch(runs)
+    arrays = run_arrays(runs, keys, num_examples)
+    state = _init(spec, arrays, dim)
+    total = int(arrays.steps.max())
+    rows = flags.rows_per_chunk
+    with step_bar(total, progress, "probe steps (streamed)") as bar:
+        for step in range(total):
+            # Step 0: every run sits at the same point, so one sum per distinct clip norm.
+            params, clip = (init_params(len(arrays.unique_clips), dim, spec),
+                            arrays.unique_clips) if step == 0 else (state.params, arrays.clip)
+            sums, num_clipped, seen = None, None, 0
+            for features, labels, mask in _prefetch(_padded_chunks(chunks(), rows),
+                                                    flags.prefetch_depth):
+                rows = rows or len(mask)
+                part, part_clipped = _chunk_sums(params, features, labels, mask, clip, spec=spec)
+                sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+                num_clipped = part_clipped if num_clipped is None else num_clipped + part_clipped
+                seen += int(mask.sum())
+            if seen != num_examples:  # public: the store's row count
+                raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
+            if step == 0:
+                sums = jax.tree.map(lambda s: s[arrays.clip_index], sums)
+                num_clipped = num_clipped[arrays.clip_index]
+            state = _update(spec, arrays, state, sums, num_clipped, step, arrays.denominator)
+            bar.update(1)
+    return result(state, arrays)

@@ -1,0 +1,220 @@
+"""The DP contract, written once and reused by every clipper and every trainer.
+
+Modelled on dp_accounting's abstract `PrivacyAccountantTest`: a subclass says how to run its
+clipper (`ClipperContract.clipped_sum`) or trainer (`TrainerContract.train`), and inherits
+every test. A new trainer (e.g. the full-finetuning path) plugs in by subclassing.
+
+  * leave-one-out: removing any one example, or replacing it by a null record (NaN features,
+    a label outside the class set, a masked row) moves the clipped sum by at most C, on rows
+    built to break clipping (huge norms, overflow, cancelling views, float16);
+  * C = inf and sigma = 0 give the plain (unclipped, noiseless) gradient;
+  * the noise has std sigma C (KS test that rejects a scale off by x0.67 or x1.5);
+  * no recompilation: a second call, and differently sized sampled batches, reuse the programs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import accounting
+import probe
+
+NUM_CLASSES = 3
+
+
+def adversarial_rows(rng, views: int, dtype):
+    """16 ordinary rows, then rows built to break clipping: huge norms, nearly antipodal large
+    views (their gradients cancel in the view average), overflow to the dtype's max."""
+    dim = 6
+    base = rng.normal(size=(16, views, dim))
+    scales = [1.0, 1e3, 1e4, 3e4, 1e18, 1e20] if dtype == np.float32 else [1.0, 3e3, 6e4]
+    rows = []
+    for scale in scales:
+        row = rng.normal(size=(views, dim))
+        if views > 1:
+            row[1::2] = -row[0::2][: len(row[1::2])] * (1 + 1e-3)
+        rows.append(row / np.linalg.norm(row[0]) * scale)
+    features = np.concatenate([base, np.stack(rows)]).astype(dtype)
+    features = np.where(np.isfinite(features), features, np.finfo(dtype).max)
+    labels = np.arange(len(features)) % NUM_CLASSES
+    return (features[:, 0] if views == 1 else features), labels, 16
+
+
+def plain_gradient_sum(features, labels, spec: probe.ProbeSpec) -> np.ndarray:
+    """The reference: sum over examples of jax.vmap(jax.grad) of the probe's loss at init,
+    flattened as (w, b), float64."""
+    params = jax.tree.map(lambda p: p[0], probe.init_params(1, features.shape[-1], spec))
+    x = jnp.asarray(features, jnp.float32)
+
+    def loss(params, x, y):
+        logits = probe.linear_logits(jax.tree.map(lambda p: p[None], params), x[None])[0, 0]
+        return probe.example_losses(logits[None], jax.nn.one_hot(y, NUM_CLASSES)[None],
+                                    spec.loss)[0]
+
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, x, jnp.asarray(labels))
+    return np.concatenate([np.asarray(grads["w"], np.float64).sum(0).ravel(),
+                           np.asarray(grads["b"], np.float64).sum(0)])
+
+
+class ClipperContract:
+    """Subclass and define `clipped_sum(features, labels, clips, mask) -> (P, k) float64`: each
+    clip norm's sum of clipped per-example gradients of the probe loss at zero init."""
+
+    views = (1, 2)
+    dtypes = (np.float32, np.float16)
+    spec = probe.ProbeSpec(NUM_CLASSES, optimizer="sgd")
+
+    def clipped_sum(self, features, labels, clips, mask=None) -> np.ndarray:
+        raise NotImplementedError
+
+    def _cases(self):
+        return [(v, d) for v in self.views for d in self.dtypes]
+
+    @pytest.mark.parametrize("case", range(4))
+    def test_leave_one_out_moves_the_sum_by_at_most_c(self, case):
+        if case >= len(self._cases()):
+            pytest.skip("this clipper supports fewer view/dtype cases")
+        views, dtype = self._cases()[case]
+        features, labels, first = adversarial_rows(np.random.default_rng(case), views, dtype)
+        clips = [0.5, 1.0, 2.0]
+        full = self.clipped_sum(features, labels, clips)
+        assert np.isfinite(full).all()
+        for row in [0, *range(first, len(labels))]:
+            keep = np.arange(len(labels)) != row
+            removed = self.clipped_sum(features[keep], labels[keep], clips)
+            mask = keep.astype(np.float32)
+            masked = self.clipped_sum(features, labels, clips, mask)
+            for other in (removed, masked):
+                moved = np.linalg.norm(full - other, axis=1)
+                assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+    def test_masked_rows_contribute_zero(self, rng):
+        features = rng.normal(size=(12, 6)).astype(np.float32)
+        labels = np.arange(12) % NUM_CLASSES
+        mask = np.ones(12, np.float32)
+        mask[[2, 7]] = 0
+        keep = mask > 0
+        np.testing.assert_allclose(self.clipped_sum(features, labels, [1.0], mask),
+                                   self.clipped_sum(features[keep], labels[keep], [1.0]),
+                                   rtol=1e-5, atol=1e-6)
+
+    def test_infinite_clip_gives_the_plain_gradient(self, rng):
+        features = (rng.normal(size=(20, 6)) * 3).astype(np.float32)
+        labels = np.arange(20) % NUM_CLASSES
+        np.testing.assert_allclose(self.clipped_sum(features, labels, [math.inf])[0],
+                                   plain_gradient_sum(features, labels, self.spec),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def count_compilations(fn) -> int:
+    """How many XLA compilations `fn()` triggers."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(events)
+
+
+class TrainerContract:
+    """Subclass and define `train(features, labels, runs, spec) -> probe.TrainResult` (keys
+    from `probe.make_keys`). `sampled` trainers get plans with `sampling_probability`."""
+
+    sampled = False
+    spec = probe.ProbeSpec(NUM_CLASSES, optimizer="sgd")
+
+    def train(self, features, labels, runs, spec) -> probe.TrainResult:
+        raise NotImplementedError
+
+    def plan(self, sigma, steps, clip, q=1.0) -> accounting.DpPlan:
+        return accounting.DpPlan(sigma, steps, q if self.sampled else 1.0, clip)
+
+    def clipped_sum(self, features, labels, clips, spec=None) -> np.ndarray:
+        """The clipped sum the trainer privatizes, read off one noiseless SGD step (lr 1) from
+        zero init: params_1 = params_0 - sum / N."""
+        spec = spec or self.spec
+        runs = [probe.RunSpec(self.plan(0.0, 1, c), 1.0) for c in clips]
+        result = self.train(features, labels, runs, spec)
+        n = len(labels)
+        w = -np.asarray(result.params["w"], np.float64) * n
+        b = (spec.initial_bias - np.asarray(result.params["b"], np.float64)) * n
+        return np.concatenate([w.reshape(len(clips), -1), b], axis=1)
+
+    @pytest.mark.parametrize("views,dtype", [(1, np.float32), (1, np.float16), (2, np.float32),
+                                             (4, np.float32), (2, np.float16)])
+    def test_leave_one_out_moves_the_clipped_sum_by_at_most_c(self, views, dtype):
+        """Removing any one example, or replacing it by a null record (a label outside the
+        class set), moves every run's clipped sum by at most its C (1 + 1e-6)."""
+        features, labels, first = adversarial_rows(np.random.default_rng(views), views, dtype)
+        clips = [0.5, 1.0, 2.0]
+        full = self.clipped_sum(features, labels, clips)
+        assert np.isfinite(full).all()
+        for row in [0, *range(first, len(labels))]:
+            keep = np.arange(len(labels)) != row
+            removed = self.clipped_sum(features[keep], labels[keep], clips)
+            nulled_labels = labels.copy()
+            nulled_labels[row] = -1
+            nulled = self.clipped_sum(features, nulled_labels, clips)
+            for other in (removed, nulled):
+                moved = np.linalg.norm(full - other, axis=1)
+                assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+    def test_null_records_contribute_nothing(self, rng):
+        """Rows with NaN/Inf features, or that normalize to NaN, are null records: the same sum
+        as with their labels nulled, and no error."""
+        features = rng.normal(size=(20, 6)).astype(np.float32)
+        labels = np.arange(20) % NUM_CLASSES
+        bad = features.copy()
+        bad[4, 2], bad[9], bad[13] = np.nan, np.inf, 3e38  # the last overflows "group"
+        nulled = labels.copy()
+        nulled[[4, 9, 13]] = -1
+        for spec in (self.spec, probe.ProbeSpec(NUM_CLASSES, optimizer="sgd",
+                                                normalization="group", groups=2)):
+            expected = self.clipped_sum(features, nulled, [1.0], spec)
+            np.testing.assert_allclose(self.clipped_sum(bad, labels, [1.0], spec), expected,
+                                       rtol=1e-5, atol=1e-5)
+
+    def test_unclipped_noiseless_step_is_the_plain_gradient(self, rng):
+        features = (rng.normal(size=(24, 6)) * 3).astype(np.float32)
+        labels = np.arange(24) % NUM_CLASSES
+        np.testing.assert_allclose(self.clipped_sum(features, labels, [math.inf])[0],
+                                   plain_gradient_sum(features, labels, self.spec),
+                                   rtol=1e-4, atol=1e-4)
+
+    def test_noise_std_is_sigma_times_c(self):
+        """With zero features the weight gradient is exactly 0, so after one step from zero
+        w = -lr (noise / denominator): its std must be sigma C lr / denominator."""
+        n, d, sigma, clip, lr = 40, 64, 2.0, 0.7, 0.5
+        features = np.zeros((n, d), np.float32)
+        labels = np.arange(n) % NUM_CLASSES
+        q = 0.5 if self.sampled else 1.0
+        runs = [probe.RunSpec(self.plan(sigma, 1, clip, q), lr) for _ in range(4)]
+        result = self.train(features, labels, runs, self.spec)
+        samples = np.asarray(result.params["w"], np.float64).ravel()
+        expected = sigma * clip * lr / (q * n)
+        assert samples.size == 4 * d * NUM_CLASSES
+        assert stats.kstest(samples, stats.norm(scale=expected).cdf).pvalue > 1e-4
+        for wrong in (0.67, 1.5):
+            assert stats.kstest(samples, stats.norm(scale=wrong * expected).cdf).pvalue < 1e-6
+
+    def test_no_recompilation(self, rng):
+        """A second call with other data (and, sampled, other batch sizes) compiles nothing."""
+        features = rng.normal(size=(40, 6)).astype(np.float32)
+        labels = np.arange(40) % NUM_CLASSES
+        runs = [probe.RunSpec(self.plan(1.0, 6, 1.0, 0.3), 0.1) for _ in range(2)]
+        self.train(features, labels, runs, self.spec)
+        again = count_compilations(lambda: self.train(features * 2, labels[::-1].copy(), runs,
+                                                      self.spec))
+        assert again == 0
