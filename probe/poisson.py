@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probe.batching import poisson_batches
-from probe.clipping import clipped_grad_sum
+from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
 from probe.step import dp_update, init_state, result, run_arrays, step_bar
 from probe.train import prepare_inputs
@@ -31,8 +31,9 @@ def _batch_sums(params, features, onehot, mask, clip, *, spec):
     """Per-run clipped sums of one physical batch: features (P, p, [V,] d), mask (P, p)."""
 
     def one(w, b, x, y, m, c):
-        sums, count = clipped_grad_sum({"w": w[None], "b": b[None]}, x.astype(jnp.float32), y,
-                                       c[None], loss=spec.loss, mask=m, finite_rows=True)
+        x, m = zero_nonfinite_rows(x.astype(jnp.float32), m)  # the input boundary
+        sums, count = clipped_grad_sum({"w": w[None], "b": b[None]}, x, y, c[None],
+                                       loss=spec.loss, mask=m, finite_rows=True)
         return jax.tree.map(lambda s: s[0], sums), count[0]
 
     return jax.vmap(one)(params["w"], params["b"], features, onehot, mask, clip)

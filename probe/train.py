@@ -2,9 +2,9 @@
 
 All steps of all configs of a sweep run in a few compiled programs: the first step (shared by
 every config that starts from zero, `probe.step`), then blocks of steps in a `fori_loop`.
-The input boundary (`prepare_inputs`) checks public metadata (shapes, dtypes) and turns every
-row that cannot contribute (non-finite features, a label outside [0, C)) into a null row, so
-the programs see only finite rows and no outcome depends on whether one private row is bad.
+The input boundary checks public metadata only (shapes, dtypes: `prepare_inputs`), and every
+row that cannot contribute (non-finite features, a label outside [0, C)) becomes a null row,
+so no outcome depends on whether one private row is bad.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.clipping import clipped_grad_sum, feature_gram
+from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
 from probe.normalization import normalize_features
 from probe.sharding import shard_rows
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
@@ -43,36 +43,31 @@ def check_labels(labels) -> np.ndarray:
     return labels
 
 
-def prepare_features(features, spec: ProbeSpec, feature_dtype: str | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """(features, finite): shape and dtype checked (public metadata), each example normalized,
-    optionally cast to `feature_dtype`, and every row that is not finite afterwards set to zero
-    with finite = 0 there (a null row). float16 stays float16."""
+def prepare_features(features, spec: ProbeSpec, feature_dtype: str | None = None) -> np.ndarray:
+    """Shape and dtype checked (public metadata), each example normalized, optionally cast to
+    `feature_dtype`; float16 stays float16. The values are not inspected here: each compiled
+    program first turns rows that are not finite into null rows (`zero_nonfinite_rows`, fused
+    with the float32 cast, so it costs no extra pass over the features)."""
     features = np.asarray(features)
     if features.ndim not in (2, 3):
         raise ValueError(f"features must be (N, d) or (N, views, d), got shape {features.shape}")
     if not np.issubdtype(features.dtype, np.floating):
         raise ValueError(f"features must be floating point, got {features.dtype}")
     features = np.asarray(normalize_features(features, spec.normalization, groups=spec.groups))
-    if feature_dtype is not None:
-        features = features.astype(feature_dtype)
-    finite = np.isfinite(features.reshape(len(features), -1)).all(axis=1)
-    shape = (-1,) + (1,) * (features.ndim - 1)
-    features = np.where(finite.reshape(shape), features, np.zeros((), features.dtype))
-    return features, finite.astype(np.float32)
+    return features if feature_dtype is None else features.astype(feature_dtype)
 
 
 def prepare_inputs(features, labels, spec: ProbeSpec, feature_dtype: str | None = None):
-    """(features, one-hot labels (N, C), mask (N,)): `prepare_features`, and a label outside
+    """(features, one-hot labels (N, C), mask (N,)): `prepare_features`; a label outside
     [0, C) gives a masked row (it contributes nothing) rather than an error whose occurrence
     would depend on one private record."""
-    features, finite = prepare_features(features, spec, feature_dtype)
+    features = prepare_features(features, spec, feature_dtype)
     labels = check_labels(labels)
     if len(features) != len(labels):
         raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
     valid = (labels >= 0) & (labels < spec.num_classes)
     onehot = np.eye(spec.num_classes, dtype=np.float32)[np.where(valid, labels, 0)]
-    return features, onehot * valid[:, None], finite * valid
+    return features, onehot * valid[:, None], valid.astype(np.float32)
 
 
 def check_full_batch(runs: Sequence[RunSpec]) -> None:
@@ -81,30 +76,61 @@ def check_full_batch(runs: Sequence[RunSpec]) -> None:
             raise ValueError("this trainer is full batch; use train_probe_poisson for q < 1")
 
 
-def _sum_fn(features, onehot, mask, spec: ProbeSpec):
-    """The clipped-sum function of the (finite) in-memory rows; the Gram matrix is computed
-    once per program (it does not change across steps)."""
-    features = features.astype(jnp.float32)
-    gram = feature_gram(features if features.ndim == 3 else features[:, None, :])
+def _block_sums(params, features, onehot, mask, clip, spec: ProbeSpec):
+    """Clipped sums of raw rows: rows that are not finite become null rows first (the input
+    boundary of every program), then `clipped_grad_sum`."""
+    features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
+    return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
+                            finite_rows=True)
+
+
+def _sum_fn(features, onehot, mask, spec: ProbeSpec, block_rows: int | None):
+    """The clipped-sum function of the in-memory rows, in blocks of `block_rows` rows.
+
+    A step needs two products with the features (logits, then the clipped sum); done block by
+    block, a block is read from memory once and stays in cache for both, and float16 features
+    are widened to float32 one block at a time. The sum over rows is the same (up to float
+    summation order) whatever the blocks.
+    """
+    num_rows = features.shape[0]
+    if not block_rows or block_rows >= num_rows:
+        return lambda params, clip: _block_sums(params, features, onehot, mask, clip, spec)
+    num_blocks, tail = divmod(num_rows, block_rows)
 
     def sum_fn(params, clip):
-        return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram, finite_rows=True)
+        def body(i, total):
+            rows = [jax.lax.dynamic_slice_in_dim(a, i * block_rows, block_rows)
+                    for a in (features, onehot, mask)]
+            return jax.tree.map(jnp.add, total, _block_sums(params, *rows, clip, spec))
+
+        zeros = jax.eval_shape(lambda: _block_sums(params, features[:block_rows],
+                                                   onehot[:block_rows], mask[:block_rows],
+                                                   clip, spec))
+        total = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros)
+        total = jax.lax.fori_loop(0, num_blocks, body, total)
+        if tail:
+            start = num_blocks * block_rows
+            rest = _block_sums(params, features[start:], onehot[start:], mask[start:], clip,
+                               spec)
+            total = jax.tree.map(jnp.add, total, rest)
+        return total
 
     return sum_fn
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _first_step(features, onehot, mask, runs: RunArrays, *, spec):
-    sum_fn = _sum_fn(features, onehot, mask, spec)
+@functools.partial(jax.jit, static_argnames=("spec", "block_rows"))
+def _first_step(features, onehot, mask, runs: RunArrays, *, spec, block_rows):
+    sum_fn = _sum_fn(features, onehot, mask, spec, block_rows)
     state = init_state(spec, runs, features.shape[-1])
     sums, num_clipped = shared_start_sums(spec, runs, features.shape[-1], sum_fn)
     return dp_update(spec, runs, state, sums, num_clipped, 0, runs.denominator)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec):
-    sum_fn = _sum_fn(features, onehot, mask, spec)
+@functools.partial(jax.jit, static_argnames=("spec", "block_rows"),
+                   donate_argnames=("state",))
+def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec,
+                block_rows):
+    sum_fn = _sum_fn(features, onehot, mask, spec, block_rows)
 
     def body(step, state):
         sums, num_clipped = sum_fn(state.params, runs.clip)
@@ -144,13 +170,15 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     arrays = run_arrays(runs, keys, len(feats))
     if flags.mesh is None:  # on the device once, not once per block of steps
         data = jax.device_put((feats, onehot, mask))
-    else:
+        block_rows = flags.resolved_block_rows()
+    else:  # each device sums its own rows; XLA reduces the partial sums
         feats, onehot, mask, padding = shard_rows(flags.mesh, feats, onehot, mask)
-        data = (feats, onehot, mask * padding)
+        data, block_rows = (feats, onehot, mask * padding), None
     total = int(arrays.steps.max())
     with step_bar(total, progress, "probe steps") as bar:
-        state = _first_step(*data, arrays, spec=spec)
+        state = _first_step(*data, arrays, spec=spec, block_rows=block_rows)
         bar.update(1)
         for start, stop in step_blocks(total, bar):
-            state = _more_steps(state, start, stop, *data, arrays, spec=spec)
+            state = _more_steps(state, start, stop, *data, arrays, spec=spec,
+                                   block_rows=block_rows)
         return result(state, arrays)
