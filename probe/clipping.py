@@ -10,7 +10,8 @@ so the per-example gradient is (x_i r_i^T, r_i) and
 The clipped sum is then sum_i s_i g_i = (X^T (s * R), sum_i s_i r_i) with
 s_i = min(1, C / ||g_i||): two matmuls, memory O(N (d + C)).
 
-With K augmented views per example (De et al. 2022, eq. 4) the example's gradient is the mean
+With K augmented views per example (De et al. 2022,
+https://arxiv.org/abs/2204.13650, eq. 4) the example's gradient is the mean
 of its view gradients, g_i = (1/K) sum_v (x_iv r_iv^T, r_iv), whose squared norm is
 (1/K^2) sum_{v,w} (x_iv . x_iw + 1)(r_iv . r_iw): a K x K Gram form, still closed.
 

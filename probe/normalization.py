@@ -20,7 +20,8 @@ def normalize_features(
         (float64 is cast to float32); otherwise the result is float32.
       method: "none"; "l2" (unit L2 norm); "group": split the d features into `groups`
         contiguous groups and standardize each to zero mean, unit variance, as the GroupNorm
-        that Tramer & Boneh (2021) put on ScatterNet features (channel-major layout).
+        that Tramer & Boneh (2021, https://arxiv.org/abs/2011.11660) put on ScatterNet
+        features (channel-major layout).
       groups: number of groups for "group"; must divide d.
       eps: added to the variance / norm for stability.
     """

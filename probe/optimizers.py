@@ -34,9 +34,10 @@ def make_optimizer(
     """The update direction of a named optimizer, learning rate excluded.
 
     Args:
-      name: "sgd" (DP-SGD), "momentum" (DP-SGD with heavy-ball momentum, Panda et al. Alg. 1:
-        v <- rho v + g), "adam" (DP-Adam), "sign" (sign-SGD; a single full-batch Adam step from
-        zero reduces to it, Mehta et al. App. E.3), "lamb" (DP-LAMB, Mehta et al.).
+      name: "sgd" (DP-SGD), "momentum" (DP-SGD with heavy-ball momentum v <- rho v + g,
+        Panda et al. 2022, https://arxiv.org/abs/2212.06470, Alg. 1), "adam" (DP-Adam),
+        "sign" (sign-SGD; a single full-batch Adam step from zero reduces to it, Mehta et al.
+        2022, https://arxiv.org/abs/2205.02973, App. E.3), "lamb" (DP-LAMB, Mehta et al.).
       momentum: rho for "momentum".
       b1, b2, eps: Adam/LAMB moments; eps defaults to optax's (1e-8 Adam, 1e-6 LAMB).
       weight_decay: decoupled weight decay for LAMB.

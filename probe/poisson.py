@@ -1,4 +1,4 @@
-"""Masked DP-SGD with Poisson subsampling (Beltran et al. 2024, https://arxiv.org/abs/2411.04205,
+"""Masked DP-SGD with Poisson subsampling (Beltran et al. 2024, https://arxiv.org/abs/2406.17298,
 Alg. A1), without recompilation.
 
 Each step, each run's logical batch is Poisson sampled (`probe.poisson_batches`, on
