@@ -256,7 +256,8 @@ def main():
 
     print(f"\nprobe step on {n} x {d} features, {c} classes, float32, DP-Adam (sigma {SIGMA}, "
           f"C {CLIP}); {jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} "
-          f"cores; median of {repeats} (Opacus {args.opacus_repeats}); per-step rows "
+          f"cores, load average {os.getloadavg()[1]:.1f} (5 min); median of {repeats} "
+          f"(Opacus {args.opacus_repeats}); per-step rows "
           f"(loop, API): (t(T = 1 + {args.extra_steps}) - t(T = 1)) / {args.extra_steps}")
     print(f"{'step':48s} {'median s':>10s} {'min s':>8s} {'x non-private':>14s}")
     for name, (median, times) in rows:
