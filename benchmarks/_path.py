@@ -7,3 +7,14 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+
+def load_benchmark(name: str):
+    """Another benchmark script of this folder as a module (this folder is off the path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_benchmark_{name}",
+                                                  os.path.join(_HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

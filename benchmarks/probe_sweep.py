@@ -1,17 +1,26 @@
-"""Probe sweeps side by side: dpprobe vs Opacus, DP vs non-private, and an ImageNet-shaped
-out-of-core run.
+"""Probe sweeps side by side: dpprobe vs Opacus (per-sample and ghost clipping), DP vs
+non-private, and an ImageNet-shaped out-of-core run.
 
 On 50k x 768 features, 10 classes, stored in Zarr (float16):
   1. 8 epsilons x 5 seeds, single-step DP-Adam: wall time from `dpprobe probe` start to
-     results.json (cold and warm JAX compilation cache), and the same sweep in-process;
-  2. the same 40 runs with Opacus (a DP nn.Linear, full batch: Poisson sampling with q = 1);
-  3. T = 100 full-batch DP-SGD momentum steps, one run, dpprobe vs Opacus;
-  4. one DP step vs one non-private full-batch step (dpprobe's jitted steps);
+     results.json (cold and warm caches), and the same sweep in process: `pipelines.run_probe`
+     (store to results, as the CLI) and `probe.train_probe` (features in memory, training only);
+  2. the same 40 runs with Opacus, a private nn.Linear, full batch (Poisson sampling, q = 1),
+     in both of its modes: per-sample gradients (grad_sample_mode="hooks") and ghost clipping
+     ("ghost": a linear layer's per-example norms in closed form, two backward passes);
+  3. T = 100 full-batch DP-SGD momentum steps, one run: dpprobe (API and CLI) vs both Opacus modes;
+  4. one DP step vs one non-private full-batch step, per step (`probe_step.py`'s measurement
+     through `probe.train_probe`);
   5. ImageNet-shaped (1.28M x 1280 float16, 1000 classes) streamed out of core from Zarr:
      time per step and peak memory (a child process, so its peak RSS is its own).
+Ends with one line per acceptance target of issue 11 (value, target, met).
 
+dpprobe is used through its public API only: the CLI, `pipelines.run_probe`, `probe.train_probe`
+/ `RunSpec` / `ProbeSpec` / `make_keys`, `accounting.DpPlan` / `calibrate_noise_multiplier`, and
+`extract`'s store reader and writer.
 Run: .venv/bin/python benchmarks/probe_sweep.py [--workdir /tmp/dpprobe-bench] [--skip-imagenet]
-Medians over --repeats; this machine is shared and noisy.
+Medians over --repeats (Opacus: one pass of each workload, it takes minutes); this machine is
+shared and noisy.
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-import _path  # noqa: F401 - first: keeps this folder off the import path
+import _path  # first: keeps this folder off the import path
 import numpy as np
 
 EPSILONS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
 SEEDS = 5
 DELTA = 1e-5
+OPACUS_MODES = {"hooks": "per-sample", "ghost": "ghost clipping"}
 
 
 def make_store(path: Path, num_train: int, num_test: int, dim: int, classes: int,
@@ -63,12 +73,16 @@ def make_store(path: Path, num_train: int, num_test: int, dim: int, classes: int
         writer.finalize()
 
 
-def time_cli(store: Path, out: Path, cache: Path, extra=()) -> float:
+def time_cli(store: Path, out: Path, cache: Path, *, epsilons=EPSILONS, seeds=SEEDS,
+             optimizer="adam", steps=1, lr=None) -> float:
+    """Seconds from `dpprobe probe` start to its results.json."""
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), HF_HUB_OFFLINE="1")
     cmd = [str(Path(sys.executable).parent / "dpprobe"), "probe", str(store),
-           "--epsilons", ",".join(f"{e:g}" for e in EPSILONS), "--delta", f"{DELTA:g}",
-           "--seeds", str(SEEDS), "--optimizer", "adam", "--steps", "1", "--out", str(out),
-           "--quiet", *extra]
+           "--epsilons", ",".join(f"{e:g}" for e in epsilons), "--delta", f"{DELTA:g}",
+           "--seeds", str(seeds), "--optimizer", optimizer, "--steps", str(steps),
+           "--out", str(out), "--quiet"]
+    if lr is not None:
+        cmd += ["--lr", f"{lr:g}"]
     out.unlink(missing_ok=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -77,8 +91,9 @@ def time_cli(store: Path, out: Path, cache: Path, extra=()) -> float:
     return elapsed
 
 
-def ours_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons, seeds,
-                    repeats: int) -> tuple[float, dict]:
+def run_probe_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons, seeds,
+                         repeats: int) -> tuple[float, dict]:
+    """`pipelines.run_probe` (store to results, what the CLI runs), after one warm-up call."""
     from pipelines import run_probe
 
     kwargs = dict(epsilons=epsilons, delta=DELTA, seeds=seeds, optimizer=optimizer,
@@ -92,21 +107,44 @@ def ours_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons
     return statistics.median(times), result
 
 
-def opacus_runs(store: Path, runs, optimizer: str, steps: int, lr: float) -> tuple[float, list]:
-    """Each run: a fresh zero-init nn.Linear made private by Opacus, full batch (q = 1)."""
+def train_probe_in_memory(data, sigmas, optimizer: str, steps: int, lr: float,
+                          repeats: int) -> tuple[float, float]:
+    """`probe.train_probe` on features already in memory, all runs in one program (training
+    only, like `opacus_runs` minus its evaluation); (median seconds, mean test accuracy)."""
+    import accounting
+    import probe
+
+    x, y, xt, yt = data
+    spec = probe.ProbeSpec(int(y.max()) + 1, optimizer=optimizer)
+    runs = [probe.RunSpec(accounting.DpPlan(s, steps, clip_norm=1.0), lr) for s in sigmas]
+
+    def train():
+        return probe.train_probe(x, y, runs, probe.make_keys(len(runs)), spec)
+
+    train()  # compile
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = train()
+        times.append(time.perf_counter() - start)
+    logits = np.einsum("nd,pdc->pnc", xt, result.params["w"]) + result.params["b"][:, None]
+    return statistics.median(times), float(np.mean(logits.argmax(-1) == yt[None]))
+
+
+def opacus_runs(data, runs, optimizer: str, steps: int, lr: float,
+                mode: str) -> tuple[float, list]:
+    """Each run: a fresh zero-init nn.Linear made private by Opacus, full batch (Poisson sampling
+    with q = 1, Opacus's DP data loader), in `grad_sample_mode` `mode` ("hooks": per-sample
+    gradients; "ghost": ghost clipping, whose criterion wrapper runs two backward passes)."""
     import warnings
 
     import torch
     from opacus import PrivacyEngine
 
-    import extract
-
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    x, y, _ = extract.load_split(str(store), "train")
-    xt, yt, _ = extract.load_split(str(store), "test")
-    x, y = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
-    xt, yt = torch.from_numpy(xt), torch.from_numpy(yt.astype(np.int64))
+    x, y, xt, yt = (torch.from_numpy(np.asarray(a)) for a in data)
+    y, yt = y.long(), yt.long()
     dataset = torch.utils.data.TensorDataset(x, y)
     accuracies = []
     start = time.perf_counter()
@@ -119,17 +157,21 @@ def opacus_runs(store: Path, runs, optimizer: str, steps: int, lr: float) -> tup
         else:
             opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         loader = torch.utils.data.DataLoader(dataset, batch_size=len(dataset))
-        engine = PrivacyEngine(accountant="prv")
-        model, opt, loader = engine.make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma,
-            max_grad_norm=1.0 if sigma > 0 else 1e12, poisson_sampling=True,
+        criterion = torch.nn.CrossEntropyLoss()
+        private = PrivacyEngine(accountant="prv").make_private(
+            module=model, optimizer=opt, criterion=criterion, data_loader=loader,
+            noise_multiplier=sigma, max_grad_norm=1.0 if sigma > 0 else 1e12,
+            poisson_sampling=True, grad_sample_mode=mode,
         )
-        loss_fn = torch.nn.CrossEntropyLoss()
+        if mode == "ghost":  # (module, optimizer, criterion wrapper, loader)
+            model, opt, criterion, loader = private
+        else:
+            model, opt, loader = private
         done = 0
         while done < steps:
             for xb, yb in loader:  # sample rate 1: every example, one batch per epoch
                 opt.zero_grad()
-                loss_fn(model(xb), yb).backward()
+                criterion(model(xb), yb).backward()
                 opt.step()
                 done += 1
                 if done == steps:
@@ -139,49 +181,22 @@ def opacus_runs(store: Path, runs, optimizer: str, steps: int, lr: float) -> tup
     return time.perf_counter() - start, accuracies
 
 
-def step_ratio(repeats: int) -> tuple[float, float]:
-    """Median time of one DP step (ours) and one non-private full-batch step, 50k x 768."""
+def step_ratio(repeats: int, extra_steps: int = 20) -> tuple[float, float]:
+    """Per-step time of a DP step through `probe.train_probe` and of a non-private full-batch
+    step (jax.grad + Adam), 50k x 768, 10 classes: `probe_step.py`'s measurement."""
     import jax
     import jax.numpy as jnp
-    import optax
 
-    import probe
-
+    step = _path.load_benchmark("probe_step")
     rng = np.random.default_rng(0)
     n, d, c = 50_000, 768, 10
-    x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
-    onehot = jax.nn.one_hot(rng.integers(0, c, size=n), c)
-    tx = optax.adam(1e-3)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    labels = rng.integers(0, c, size=n)
     params = {"w": jnp.zeros((d, c)), "b": jnp.zeros((c,))}
-    state = tx.init(params)
-
-    @jax.jit
-    def dp(params, state, key):
-        stacked = jax.tree.map(lambda p: p[None], params)
-        sums, _ = probe.clipped_grad_sum(stacked, x, onehot, jnp.ones(1), loss="softmax")
-        grads = jax.tree.map(lambda s: s[0], probe.noisy_mean(sums, jnp.ones(1), key[None], 0, n))
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    @jax.jit
-    def plain(params, state):
-        grads = jax.grad(lambda p: jnp.mean(
-            probe.example_losses(x @ p["w"] + p["b"], onehot, "softmax")))(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    key = jax.random.key(0)
-
-    def median(fn):
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    return median(lambda: dp(params, state, key)), median(lambda: plain(params, state))
+    (plain, _), _ = step.non_private_steps(jnp.asarray(x), jax.nn.one_hot(labels, c), params,
+                                           extra_steps, repeats)
+    (dp, _), _ = step.api_steps(x, labels, c, extra_steps, repeats)
+    return dp, plain
 
 
 IMAGENET_CHILD = """
@@ -220,69 +235,137 @@ def imagenet(workdir: Path, steps: int) -> dict:
     return report
 
 
+def _target(name: str, value: float | None, goal: str, met) -> None:
+    if value is None:
+        print(f"  {name:58s} {'n/a':>9s} {goal:>9s}  n/a")
+        return
+    unit = "x" if goal.endswith("x") else "s"
+    print(f"  {name:58s} {value:7.2f} {unit} {goal:>9s}  {'yes' if met(value) else 'no'}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/tmp/dpprobe-bench")
+    parser.add_argument("--workdir", default="/tmp/dpprobe-bench",
+                        help="stores, results and the CLI's caches go here")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-opacus", action="store_true")
+    parser.add_argument("--opacus-modes", default="hooks,ghost",
+                        help="comma-separated Opacus grad_sample_modes (default hooks,ghost)")
     parser.add_argument("--skip-imagenet", action="store_true")
     parser.add_argument("--imagenet-steps", type=int, default=2)
     args = parser.parse_args()
+    modes = [] if args.skip_opacus else [m for m in args.opacus_modes.split(",") if m]
+    for mode in modes:
+        if mode not in OPACUS_MODES:
+            parser.error(f"--opacus-modes: {mode!r} is not one of {sorted(OPACUS_MODES)}")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "synthetic-50k-768.zarr"
     make_store(store, 50_000, 10_000, 768, 10)
     import accounting
+    import extract
 
-    rows = []
+    x, y, _ = extract.load_split(str(store), "train")
+    xt, yt, _ = extract.load_split(str(store), "test")
+    data = (x, y.astype(np.int64), xt, yt.astype(np.int64))
+    rows, acc = [], {}
+    half = max(1, args.repeats // 2)
 
-    # 1. The sweep through the CLI: cold cache once, then warm.
-    cold_cache = workdir / "jax-cache-cold"
-    shutil.rmtree(cold_cache, ignore_errors=True)
-    cold = time_cli(store, workdir / "results.json", cold_cache)
-    warm = statistics.median(time_cli(store, workdir / "results.json", cold_cache)
+    # 1. The sweep through the CLI: cold cache once, then warm; then in process.
+    cache = workdir / "jax-cache-cold"
+    shutil.rmtree(cache, ignore_errors=True)
+    cold = time_cli(store, workdir / "results.json", cache)
+    warm = statistics.median(time_cli(store, workdir / "results.json", cache)
                              for _ in range(args.repeats))
-    sweep_api, sweep_result = ours_in_process(store, "adam", 1, 1e-3, EPSILONS, SEEDS,
-                                              args.repeats)
-    rows.append(("1. sweep 8 eps x 5 seeds, DP-Adam T=1", "dpprobe CLI, cold compile", cold))
-    rows.append(("", "dpprobe CLI, warm compile cache", warm))
-    rows.append(("", "dpprobe Python API (in process)", sweep_api))
-
+    rows.append(("1. sweep 8 eps x 5 seeds, DP-Adam T=1", "dpprobe CLI, cold caches", cold))
+    rows.append(("", "dpprobe CLI, warm caches", warm))
+    try:
+        sweep_api, sweep_result = run_probe_in_process(store, "adam", 1, 1e-3, EPSILONS, SEEDS,
+                                                       args.repeats)
+        rows.append(("", "dpprobe pipelines.run_probe (in process)", sweep_api))
+        acc["dpprobe"] = float(np.mean([r["test_accuracy"] for r in sweep_result["runs"]]))
+    except (ImportError, TypeError, KeyError) as error:  # the pipelines API changed
+        sweep_api = None
+        print(f"skipped pipelines.run_probe: {type(error).__name__}: {error}")
     sigmas = [accounting.calibrate_noise_multiplier(e, DELTA) for e in EPSILONS
               for _ in range(SEEDS)]
-    if not args.skip_opacus:
-        opacus_sweep, opacus_acc = opacus_runs(store, sigmas, "adam", 1, 1e-3)
-        rows.append(("2. same 40 runs", "Opacus (nn.Linear, Poisson q=1)", opacus_sweep))
+    sweep_train, acc["dpprobe train_probe"] = train_probe_in_memory(data, sigmas, "adam", 1,
+                                                                    1e-3, args.repeats)
+    rows.append(("", "dpprobe probe.train_probe (in memory)", sweep_train))
+
+    # 2. The same 40 runs with Opacus.
+    opacus_sweep = {}
+    for mode in modes:
+        opacus_sweep[mode], accuracies = opacus_runs(data, sigmas, "adam", 1, 1e-3, mode)
+        acc[f"Opacus {mode}"] = float(np.mean(accuracies))
+        rows.append(("2. same 40 runs" if len(opacus_sweep) == 1 else "",
+                     f"Opacus {OPACUS_MODES[mode]} ({mode}), Poisson q=1", opacus_sweep[mode]))
 
     # 3. T = 100 momentum steps, one run at epsilon = 1.
     sigma100 = accounting.calibrate_noise_multiplier(1.0, DELTA, steps=100)
-    t100_ours, _ = ours_in_process(store, "momentum", 100, 0.1, (1.0,), 1,
-                                   max(1, args.repeats // 2))
-    rows.append(("3. T=100 momentum, 1 run", "dpprobe Python API", t100_ours))
-    if not args.skip_opacus:
-        t100_opacus, _ = opacus_runs(store, [sigma100], "momentum", 100, 0.1)
-        rows.append(("", "Opacus", t100_opacus))
+    t100 = dict(epsilons=(1.0,), seeds=1, optimizer="momentum", steps=100, lr=0.1)
+    try:
+        t100_api, _ = run_probe_in_process(store, "momentum", 100, 0.1, (1.0,), 1, half)
+        rows.append(("3. T=100 momentum, 1 run", "dpprobe pipelines.run_probe", t100_api))
+    except (ImportError, TypeError, KeyError) as error:
+        t100_api = None
+        print(f"skipped pipelines.run_probe: {type(error).__name__}: {error}")
+    t100_train, _ = train_probe_in_memory(data, [sigma100], "momentum", 100, 0.1, half)
+    rows.append(("3. T=100 momentum, 1 run" if t100_api is None else "",
+                 "dpprobe probe.train_probe (in memory)", t100_train))
+    time_cli(store, workdir / "results-t100.json", cache, **t100)  # warm its caches
+    t100_cli = statistics.median(time_cli(store, workdir / "results-t100.json", cache, **t100)
+                                 for _ in range(half))
+    rows.append(("", "dpprobe CLI, warm caches", t100_cli))
+    opacus_t100 = {}
+    for mode in modes:
+        opacus_t100[mode], _ = opacus_runs(data, [sigma100], "momentum", 100, 0.1, mode)
+        rows.append(("", f"Opacus {OPACUS_MODES[mode]} ({mode})", opacus_t100[mode]))
 
     # 4. DP vs non-private step.
-    dp_step, plain_step = step_ratio(max(7, args.repeats))
-    rows.append(("4. one step, 50k x 768", "DP step (closed-form clip + noise + Adam)", dp_step))
-    rows.append(("", "non-private full-batch step (+ Adam)", plain_step))
+    dp_step, plain_step = step_ratio(max(5, args.repeats))
+    rows.append(("4. one step, 50k x 768 (per step)", "DP step via probe.train_probe", dp_step))
+    rows.append(("", "non-private step (jax.grad + Adam)", plain_step))
 
-    print(f"\n50k x 768 float16 features in Zarr, 10 classes, delta={DELTA:g}; "
-          f"medians of {args.repeats}; CPU, {os.cpu_count()} cores")
-    print(f"{'benchmark':40s} {'system':45s} {'seconds':>9s}")
+    print(f"\n50k x 768 float16 features in Zarr, 10 classes, delta={DELTA:g}; dpprobe: "
+          f"medians of {args.repeats} (T=100: {half}), Opacus: one pass; CPU, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[1]:.1f} (5 min)")
+    print(f"{'benchmark':38s} {'system':42s} {'seconds':>9s}")
     for bench, system, seconds in rows:
-        print(f"{bench:40s} {system:45s} {seconds:9.3f}")
-    print()
-    if not args.skip_opacus:
-        print(f"(1) vs (2): Opacus / dpprobe CLI warm = {opacus_sweep / warm:.1f}x, "
-              f"Opacus / dpprobe API = {opacus_sweep / sweep_api:.1f}x, "
-              f"Opacus / dpprobe CLI cold = {opacus_sweep / cold:.1f}x")
-        print(f"(3): Opacus / dpprobe = {t100_opacus / t100_ours:.1f}x")
-        ours_acc = [r["test_accuracy"] for r in sweep_result["runs"]]
-        print(f"accuracy check, mean over the 40 runs: dpprobe {np.mean(ours_acc):.4f}, "
-              f"Opacus {np.mean(opacus_acc):.4f}")
-    print(f"(4): DP step / non-private step = {dp_step / plain_step:.2f}x")
+        print(f"{bench:38s} {system:42s} {seconds:9.3f}")
+
+    print("\nratios (same run)")
+    for mode, seconds in opacus_sweep.items():
+        parts = [f"CLI warm {seconds / warm:.1f}x", f"CLI cold {seconds / cold:.1f}x",
+                 f"train_probe {seconds / sweep_train:.1f}x"]
+        if sweep_api is not None:
+            parts.insert(1, f"run_probe {seconds / sweep_api:.1f}x")
+        print(f"  (2)/(1) Opacus {mode:5s} / dpprobe: " + ", ".join(parts))
+    for mode, seconds in opacus_t100.items():
+        parts = [f"CLI warm {seconds / t100_cli:.1f}x", f"train_probe {seconds / t100_train:.1f}x"]
+        if t100_api is not None:
+            parts.insert(0, f"run_probe {seconds / t100_api:.1f}x")
+        print(f"  (3) Opacus {mode:5s} / dpprobe: " + ", ".join(parts))
+    print(f"  (4) DP step / non-private step = {dp_step / plain_step:.2f}x")
+    print("  accuracy check, mean over the 40 runs: "
+          + ", ".join(f"{name} {value:.4f}" for name, value in acc.items()))
+
+    print("\nacceptance (issue 11)")
+    print(f"  {'target':58s} {'value':>9s} {'goal':>9s}  met")
+    _target("DP step / non-private step", dp_step / plain_step, "<= 1.0x", lambda v: v <= 1.0)
+    _target("40-run sweep in process (pipelines.run_probe)", sweep_api, "<= 0.5 s",
+            lambda v: v <= 0.5)
+    _target("40-run sweep from the CLI (warm caches)", warm, "<= 2 s", lambda v: v <= 2.0)
+    ratio = opacus_sweep.get("ghost")
+    _target("Opacus ghost 40 runs / dpprobe CLI warm", ratio and ratio / warm, ">= 15x",
+            lambda v: v >= 15)
+    ratio = opacus_sweep.get("hooks")
+    _target("Opacus per-sample 40 runs / dpprobe CLI warm", ratio and ratio / warm, ">= 75x",
+            lambda v: v >= 75)
+    _target("T=100 momentum (pipelines.run_probe)", t100_api, "<= 3 s", lambda v: v <= 3.0)
+    ratio = opacus_t100.get("ghost")
+    _target("Opacus ghost T=100 / dpprobe T=100 (run_probe)",
+            ratio and t100_api and ratio / t100_api, "~>= 20x", lambda v: v >= 20)
 
     if not args.skip_imagenet:
         report = imagenet(workdir, args.imagenet_steps)
