@@ -148,8 +148,9 @@ def step_bar(total: int, progress: bool, desc: str):
 
 
 def step_blocks(total: int, bar) -> Iterator[tuple[int, int]]:
-    """(start, stop) blocks of steps 1..total-1, about 20 of them, advancing `bar`."""
-    block = max(1, (total - 1) // 20)
+    """(start, stop) blocks of steps 1..total-1, advancing `bar`: about 20 blocks when the bar
+    is shown, else one (each block is one compiled call)."""
+    block = max(1, (total - 1) // 20) if not bar.disable else max(1, total - 1)
     for start in range(1, total, block):
         stop = min(start + block, total)
         yield start, stop
