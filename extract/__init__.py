@@ -6,6 +6,8 @@ timm) is imported on first use too, so that jobs which only read a store start f
 
 import importlib
 
+from extract._fork_read import SplitPrefetch, can_prefetch_in_child
+from extract.read import iter_split_chunks, load_split
 from extract.sources import (
     ImageSplit,
     PrecomputedSplit,
@@ -18,23 +20,17 @@ from extract.store import (
     FORMAT_VERSION,
     DamagedStoreError,
     IncompleteSplitError,
-    SplitPrefetch,
-    SplitWriter,
-    VerifyReport,
-    can_prefetch_in_child,
     check_out_path,
     choose_rows_per_chunk,
     chunk_checksum,
-    finalize_split,
-    iter_split_chunks,
-    load_split,
     local_split_attrs,
     open_split,
     shard_chunks,
     split_attrs,
     store_summary,
-    verify_store,
 )
+from extract.verify import VerifyReport, verify_store
+from extract.writer import SplitWriter, finalize_split
 
 _LAZY = {
     "Backbone": "extract.backbones",
