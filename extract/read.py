@@ -19,7 +19,7 @@ from extract.verify import check_chunk_sums
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["iter_split_chunks", "load_split", "read_into"]
+__all__ = ["iter_split_chunks", "load_split"]
 
 
 def load_split(store: StorePath, split: str,
@@ -34,7 +34,7 @@ def load_split(store: StorePath, split: str,
     stored = group["features"]
     features = _aligned_empty(stored.shape, stored.dtype)
     labels = np.empty(stored.shape[:1], np.int32)
-    read_into(store, group, features, labels)
+    _read_into(store, group, features, labels)
     if dtype is not None and np.dtype(dtype) != features.dtype:
         converted = _aligned_empty(features.shape, dtype)
         converted[...] = features
@@ -42,8 +42,8 @@ def load_split(store: StorePath, split: str,
     return features, labels, dict(group.attrs)
 
 
-def read_into(store: StorePath, group: zarr.Group, features: np.ndarray,
-              labels: np.ndarray) -> None:
+def _read_into(store: StorePath, group: zarr.Group, features: np.ndarray,
+               labels: np.ndarray) -> None:
     """Decode a split's features and labels straight into the given arrays (Zarr decodes the
     chunks concurrently), then check every chunk's sha256."""
     from zarr.buffer.cpu import NDBuffer

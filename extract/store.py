@@ -88,8 +88,8 @@ class IncompleteSplitError(RuntimeError):
 
 
 def _zarr():
-    """Zarr, imported on first use: `import extract` stays light for the jobs that only read a
-    store's attributes (`local_split_attrs` reads its JSON metadata directly)."""
+    """Zarr, imported on first use, so that `import extract` stays light for the commands that
+    never open a store (`local_split_attrs` reads a local store's metadata without it)."""
     return importlib.import_module("zarr")
 
 
