@@ -1,11 +1,19 @@
 """dpprobe's feature extractor: a frozen backbone, run once, into a chunked Zarr store.
 
+Modules, in the order data flows through them:
+  sources     data specs and `open_source` (datasets: the file readers; splits: what they yield)
+  backbones   the frozen models (timm, ScatterNet)
+  extractor   `extract_split`: a source through a backbone into a store, resumably
+  store       the store's format and invariants (writer: `SplitWriter`; read: `load_split`,
+              `iter_split_chunks`; verify: `verify_store` and the chunk sha256 check)
+
 The store and data-source API import only NumPy (Zarr on first use); the backbone API (torch,
 timm) is imported on first use too, so that jobs which only read a store start fast.
 """
 
 import importlib
 
+from extract.read import iter_split_chunks, load_split
 from extract.sources import (
     ImageSplit,
     PrecomputedSplit,
@@ -18,23 +26,17 @@ from extract.store import (
     FORMAT_VERSION,
     DamagedStoreError,
     IncompleteSplitError,
-    SplitPrefetch,
-    SplitWriter,
-    VerifyReport,
-    can_prefetch_in_child,
     check_out_path,
     choose_rows_per_chunk,
     chunk_checksum,
-    finalize_split,
-    iter_split_chunks,
-    load_split,
     local_split_attrs,
     open_split,
     shard_chunks,
     split_attrs,
     store_summary,
-    verify_store,
 )
+from extract.verify import VerifyReport, verify_store
+from extract.writer import SplitWriter, finalize_split
 
 _LAZY = {
     "Backbone": "extract.backbones",
@@ -65,11 +67,9 @@ __all__ = [
     "ImageSplit",
     "IncompleteSplitError",
     "PrecomputedSplit",
-    "SplitPrefetch",
     "SplitWriter",
     "VerifyReport",
     "augment_image",
-    "can_prefetch_in_child",
     "check_out_path",
     "choose_rows_per_chunk",
     "chunk_checksum",

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from extract.backbones import Backbone
 from extract.sources import ImageSplit, PrecomputedSplit
-from extract.store import SplitWriter, shard_chunks
+from extract.store import shard_chunks
+from extract.writer import SplitWriter
 
 __all__ = ["AUGMENTATIONS", "ExtractReport", "augment_image", "embed_images", "extract_split"]
 

@@ -1,0 +1,131 @@
+"""The labelled splits that a data source yields: images (`ImageSplit`) or embeddings computed
+elsewhere (`PrecomputedSplit`), each with the sha256 fingerprint of its exact content that goes
+into the store's provenance."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["ImageSplit", "PrecomputedSplit"]
+
+
+@dataclasses.dataclass
+class ImageSplit:
+    """One labelled split of images.
+
+    Either `array` holds every image as uint8 (N, H, W) or (N, H, W, 3), or `load` reads image
+    i from disk. `images(indices)` returns PIL images either way.
+    """
+
+    dataset: str
+    split: str
+    labels: np.ndarray
+    class_names: list[str]
+    fingerprint: str
+    array: np.ndarray | None = None
+    load: Callable[[int], object] | None = None
+    spec: str = ""
+    files: Sequence | None = None  # where image i comes from, to name it in errors
+
+    def __post_init__(self):
+        self.labels = np.asarray(self.labels, dtype=np.int32)
+        if self.labels.ndim != 1:
+            raise ValueError(f"{self.dataset}: labels must be 1-D, got shape {self.labels.shape}")
+        if len(self.labels) == 0:
+            raise ValueError(f"{self.dataset}: the {self.split} split holds no examples")
+        if self.array is not None and len(self.array) != len(self.labels):
+            raise ValueError(f"{self.dataset}: {len(self.array)} images but "
+                             f"{len(self.labels)} labels")
+        _check_label_range(self.dataset, self.labels, self.class_names)
+
+    def describe(self, i: int) -> str:
+        """Where example i comes from (its file, or its row)."""
+        if self.files is not None:
+            return str(self.files[i])
+        return f"{self.spec or self.dataset} {self.split} row {i}"
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def images(self, indices: Sequence[int]) -> list:
+        from PIL import Image
+
+        if self.array is not None:
+            return [Image.fromarray(self.array[i]) for i in indices]
+        images = []
+        for i in indices:
+            try:
+                images.append(self.load(int(i)))
+            except (OSError, ValueError, SyntaxError) as err:  # PIL's errors for bad files
+                raise ValueError(f"cannot read image {self.describe(int(i))}: "
+                                 f"{_first_line(err)}") from err
+        return images
+
+    def provenance(self) -> dict:
+        return {
+            "name": self.dataset,
+            "spec": self.spec,
+            "split": self.split,
+            "num_examples": len(self),
+            "num_classes": self.num_classes,
+            "class_names": list(self.class_names),
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclasses.dataclass
+class PrecomputedSplit:
+    """Embeddings computed elsewhere (`--backbone none`), from an npz with features, labels."""
+
+    dataset: str
+    split: str
+    features: np.ndarray
+    labels: np.ndarray
+    class_names: list[str]
+    fingerprint: str
+    spec: str = ""
+
+    def __post_init__(self):
+        _check_label_range(self.dataset, np.asarray(self.labels), self.class_names)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    provenance = ImageSplit.provenance
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -> None:
+    """Labels must lie in the declared class set [0, K)."""
+    if not class_names:
+        raise ValueError(f"{source}: no classes declared")
+    if labels.size and (labels.min() < 0 or labels.max() >= len(class_names)):
+        raise ValueError(
+            f"{source}: labels must lie in [0, {len(class_names)}) (the declared classes), "
+            f"got [{labels.min()}, {labels.max()}]")
+
+
+def _sha256(*arrays: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+

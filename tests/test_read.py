@@ -1,0 +1,78 @@
+"""Reading a split into memory or chunk by chunk: the values written, every chunk checked."""
+
+import numpy as np
+import pytest
+import zarr
+
+import extract
+from tests.store_helpers import PROVENANCE, complete_store, fill, make_writer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_round_trip_preserves_values_and_attributes(tmp_path, rng, dtype):
+    store = str(tmp_path / "s.zarr")
+    features = rng.normal(size=(300, 7)).astype(np.float32)
+    labels = rng.integers(0, 4, size=300)
+    writer = make_writer(store, dtype=dtype)
+    assert writer.num_chunks == 5
+    fill(writer, features, labels)
+    assert writer.finalize()
+    loaded, loaded_labels, attrs = extract.load_split(store, "train")
+    np.testing.assert_array_equal(loaded, features.astype(dtype).astype(np.float32))
+    np.testing.assert_array_equal(loaded_labels, labels)
+    assert attrs["complete"] is True
+    assert attrs["backbone"] == PROVENANCE["backbone"]
+    assert attrs["dataset"]["fingerprint"] == "abc"
+    assert attrs["feature_dim"] == 7 and attrs["dtype"] == dtype and attrs["num_examples"] == 300
+    assert attrs["rows_per_chunk"] == 64
+    root = zarr.open_group(store, mode="r")
+    assert root["train/features"].chunks == (64, 7)
+    assert root.attrs["format"] == extract.FORMAT
+    # Streaming the chunks gives the same arrays.
+    streamed = list(extract.iter_split_chunks(store, "train"))
+    assert len(streamed) == 5
+    np.testing.assert_array_equal(np.concatenate([f for f, _ in streamed]), loaded)
+
+
+def test_load_split_is_aligned_and_converts_on_request(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    features, labels = complete_store(store, rng, dtype="float16")
+    stored, stored_labels, _ = extract.load_split(store, "train", dtype=None)
+    assert stored.dtype == np.float16 and stored_labels.dtype == np.int32
+    assert stored.ctypes.data % 64 == 0  # JAX's CPU client uses it without a copy
+    converted = extract.load_split(store, "train", dtype=np.float32)[0]
+    assert converted.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(converted, features.astype(np.float16).astype(np.float32))
+
+
+def test_a_changed_chunk_is_refused_by_every_read(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    complete_store(store, rng)
+    # Valid Zarr data whose values differ from those recorded: only the sha256 tells.
+    zarr.open_group(store, mode="a")["train/features"][130:131] = 0.0
+    match = r"s.zarr/train/features: chunk 2 \(rows 128:192\) differs from the sha256"
+    with pytest.raises(extract.DamagedStoreError, match=match):
+        extract.load_split(store, "train")
+    chunks = extract.iter_split_chunks(store, "train")
+    assert [len(next(chunks)[0]) for _ in range(2)] == [64, 64]  # chunks 0 and 1 are sound
+    with pytest.raises(extract.DamagedStoreError, match=match):
+        next(chunks)
+
+
+def test_an_unreadable_chunk_is_named(tmp_path, rng):
+    store = tmp_path / "s.zarr"
+    complete_store(str(store), rng)
+    (store / "train" / "features" / "c" / "4" / "0").write_bytes(b"garbage")
+    match = r"train/features: chunk 4 \(rows 256:300\) is unreadable"
+    with pytest.raises(extract.DamagedStoreError, match=match):
+        extract.load_split(str(store), "train")
+    with pytest.raises(extract.DamagedStoreError, match=match):
+        list(extract.iter_split_chunks(str(store), "train"))
+
+
+def test_an_incomplete_split_is_not_read(tmp_path, rng):
+    store = str(tmp_path / "s.zarr")
+    fill(make_writer(store, provenance=PROVENANCE), rng.normal(size=(300, 7)),
+         np.zeros(300, int), chunks=[0])
+    with pytest.raises(extract.IncompleteSplitError, match="1/5 chunks done"):
+        list(extract.iter_split_chunks(store, "train"))
