@@ -30,7 +30,7 @@ def test_account_both_directions(capsys):
 
 def test_account_rejects_impossible_requests(capsys):
     assert cli.main(["account", "--epsilon", "-1"]) == 2
-    assert "--epsilon: must be > 0, got -1" in capsys.readouterr().err
+    assert "--epsilon: must be > 0 (or inf for non-private), got -1" in capsys.readouterr().err
     assert cli.main(["account", "--epsilon", "1", "--delta", "2"]) == 2
     assert "--delta: must be in (0, 1), got 2" in capsys.readouterr().err
 

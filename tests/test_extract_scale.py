@@ -15,7 +15,8 @@ import torch
 import zarr
 
 import extract
-from pipelines import cli, jobs
+import pipelines
+from pipelines import cli
 
 # A timm ViT at 32 px over digits' 1438 training images: ~5 s of extraction in 23 chunks.
 VIT = ["--backbone", "test_vit", "--random-init", "--crop", "32", "--data", "digits",
@@ -165,7 +166,7 @@ def test_verify_catches_a_corrupted_chunk_and_a_missing_split(tmp_path, capsys):
     import shutil
 
     store = tmp_path / "small-chunks.zarr"
-    jobs.run_extract(backbone="scatternet", data="digits", out=str(store), rows_per_chunk=256,
+    pipelines.run_extract(backbone="scatternet", data="digits", out=str(store), rows_per_chunk=256,
                      progress=False)
     assert cli.main(["verify", str(store), "--quiet"]) == 0
     assert "OK" in capsys.readouterr().out
@@ -190,7 +191,7 @@ def test_verify_catches_a_corrupted_chunk_and_a_missing_split(tmp_path, capsys):
 
 def test_verify_compares_the_dataset_fingerprint(digits_store, capsys):
     assert cli.main(["verify", digits_store, "--data", "digits", "--quiet"]) == 0
-    assert jobs.verify(digits_store, data="digits", progress=False).ok
+    assert pipelines.verify(digits_store, data="digits", progress=False).ok
     assert cli.main(["info", digits_store]) == 0
     out = capsys.readouterr().out
     assert "scatternet" in out and "fingerprint" in out
