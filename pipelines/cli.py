@@ -7,7 +7,10 @@ config's field names; an option not given takes the config's default), runs the 
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import functools
+import importlib
 import json
 import os
 import sys
@@ -95,6 +98,30 @@ def _shard(text: str) -> tuple[int, int]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+class _Choices(collections.abc.Sequence):
+    """A package's constant as `choices`, imported when argparse first needs it (a value given,
+    --help): importing `probe` loads JAX, which a probe job imports while it reads the store
+    (`probe_job._read_splits`), not before."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    @functools.cached_property
+    def values(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, index):
+        return self.values[index]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+OPTIMIZERS = _Choices("probe", "OPTIMIZERS")
+LOSSES = _Choices("probe", "LOSSES")
+NORMALIZATIONS = _Choices("probe", "NORMALIZATIONS")
 
 
 class _RangeEnd(argparse.Action):
@@ -215,20 +242,18 @@ def _info(config: InfoConfig, args) -> int:
 
 def _model_options(p) -> None:
     """Loss, clipping and feature normalization: shared by `probe` and `tune`."""
-    from probe import LOSSES, NORMALIZATIONS
-
-    p.add_argument("--loss", choices=LOSSES,
-                   help="softmax cross-entropy (default), or one-vs-all sigmoid (bias init -10)")
+    p.add_argument("--loss", choices=LOSSES, metavar="LOSS",
+                   help="%(choices)s: softmax cross-entropy (default), or one-vs-all sigmoid "
+                   "(bias init -10)")
     p.add_argument("--clip-norm", type=_number, help="per-example clip norm C (default 1)")
-    p.add_argument("--normalize", dest="normalization", choices=NORMALIZATIONS,
-                   help="per-example feature normalization before clipping (default none): "
-                   "l2 = unit norm; group = per-group centering and scaling (Tramer & Boneh)")
+    p.add_argument("--normalize", dest="normalization", choices=NORMALIZATIONS, metavar="NORM",
+                   help="%(choices)s: per-example feature normalization (costs no privacy; "
+                   "default none)")
     p.add_argument("--groups", type=_integer, help="groups of --normalize group (default 1)")
 
 
 def _probe_options(p) -> None:
     from accounting import ACCOUNTANTS
-    from probe import OPTIMIZERS
 
     p.add_argument("store", help="feature store written by `dpprobe extract`")
     p.add_argument("--epsilons", type=_numbers,
@@ -237,11 +262,11 @@ def _probe_options(p) -> None:
     p.add_argument("--delta", type=_number, help="target delta (default 1e-5)")
     p.add_argument("--seeds", type=_integer,
                    help="independent runs per config, each with fresh noise (default 3)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS,
-                   help="update rule on the privatized gradient (default adam)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help="%(choices)s: update rule on the privatized gradient (default adam)")
     p.add_argument("--steps", type=_integers,
                    help="full-batch steps T, comma-separated to sweep (default 1)")
-    p.add_argument("--lr", dest="learning_rates", type=_numbers,
+    p.add_argument("--lr", dest="learning_rates", type=_numbers, metavar="LR",
                    help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
                    "sgd and momentum 1)")
     _model_options(p)
@@ -282,7 +307,6 @@ def _probe(config: ProbeConfig, args) -> int:
 
 def _tune_options(p) -> None:
     from pipelines.search import SEARCHES, SELECTIONS
-    from probe import OPTIMIZERS
 
     p.add_argument("store", help="feature store written by `dpprobe extract`")
     p.add_argument("--epsilon", type=_number, required=True,
@@ -303,8 +327,8 @@ def _tune_options(p) -> None:
                    help="T values r is decomposed over, lr = r / T (default 25,50,100)")
     p.add_argument("--final-steps", type=_integer,
                    help="T of the final run (default: the largest --steps-choices)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS,
-                   help="update rule (default momentum 0.9, as Panda et al.)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help="%(choices)s: update rule (default momentum 0.9, as Panda et al.)")
     _model_options(p)
     p.add_argument("--selection", choices=[s for s in SELECTIONS if s != "public"],
                    help="how trials are scored, privately: noisy correct counts on the training "
@@ -513,8 +537,10 @@ def _one_line(err: BaseException) -> str:
 
 
 def entry() -> None:
-    """The `dpprobe` console script."""
-    sys.exit(main())
+    """The `dpprobe` console script: `main`, then a fast exit (`pipelines._fast_exit`)."""
+    from pipelines import _fast_exit
+
+    _fast_exit.leave(main())
 
 
 if __name__ == "__main__":
