@@ -21,6 +21,7 @@ __all__ = [
     "check_delta",
     "check_epsilon",
     "check_epsilons",
+    "check_groups",
     "check_int",
     "check_ints",
     "check_number",
@@ -100,6 +101,15 @@ def check_ints(field: str, values: Iterable, low: int = 1, high: int = MAX_STEPS
         except ConfigError as err:
             raise ConfigError(field, f"each {err.reason}") from None
     return tuple(int(v) for v in values)
+
+
+def check_groups(groups: int | None, normalization: str) -> None:
+    """Groups are a setting of group normalization, and only of it."""
+    if groups is not None:
+        check_int("groups", groups)
+        if normalization != "group":
+            raise ValueError(f"--groups {groups} needs --normalize group "
+                             f"(got --normalize {normalization})")
 
 
 def check_epsilons(field: str, epsilons: Iterable, *, allow_inf: bool = True) -> tuple:

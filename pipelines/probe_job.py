@@ -85,7 +85,7 @@ class ProbeConfig:
         )
         cfg.check_int("seeds", self.seeds)
         cfg.check_int("physical_batch_size", self.physical_batch_size)
-        check_groups(self.groups, self.normalization)
+        cfg.check_groups(self.groups, self.normalization)
         if self.bias_init is not None:
             cfg.check_number("bias_init", self.bias_init)
         if self.devices is not None:
@@ -107,15 +107,6 @@ def check_learning_rates(values) -> tuple[float, ...] | None:
         raise cfg.ConfigError("learning_rates", f"expected finite numbers > 0, got "
                               f"{','.join(f'{v:g}' for v in values)}")
     return values
-
-
-def check_groups(groups: int | None, normalization: str) -> None:
-    """Groups are a setting of group normalization, and only of it."""
-    if groups is not None:
-        cfg.check_int("groups", groups)
-        if normalization != "group":
-            raise ValueError(f"--groups {groups} needs --normalize group "
-                             f"(got --normalize {normalization})")
 
 
 def run_probe(config: ProbeConfig | str, /, **options) -> dict:

@@ -17,7 +17,6 @@ import extract
 from pipelines import config as cfg
 from pipelines import preflight, records, reporting, search
 from pipelines.files import atomic_write_bytes
-from pipelines.probe_job import check_groups
 from pipelines.reporting import log
 
 __all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation", "run_tune"]
@@ -120,7 +119,7 @@ class TuneConfig:
         cfg.check_int("trials", self.trials)
         if self.final_steps is not None:
             cfg.check_int("final_steps", self.final_steps, 1, cfg.MAX_STEPS)
-        check_groups(self.groups, self.normalization)
+        cfg.check_groups(self.groups, self.normalization)
         if self.search not in search.SEARCHES:
             raise cfg.ConfigError("search", f"must be one of {search.SEARCHES}, got "
                                   f"{self.search!r}")

@@ -81,7 +81,7 @@ MINIMAL = {  # each command with only its required options, and the config field
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 def test_every_command_builds_one_frozen_config_with_the_configs_defaults(command):
-    _, config_class, _, _ = cli.COMMANDS[command]
+    _, config_class, _ = cli.COMMANDS[command]
     argv, given = MINIMAL[command]
     args = cli.build_parser(command).parse_args([command, *argv])
     config = cli.make_config(args)
