@@ -9,7 +9,6 @@ an accountant, a backbone) are checked by that package; the CLI offers them as `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
@@ -138,8 +137,3 @@ def _checked(field: str, check: Callable[[], float]) -> float:
         return check()
     except ValueError as err:  # "delta must be in (0, 1), got 0.0": the reason follows the name
         raise ConfigError(field, str(err).split(" ", 1)[1]) from None
-
-
-def fields(cls) -> tuple[str, ...]:
-    """The field names of a config class."""
-    return tuple(f.name for f in dataclasses.fields(cls))

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import accounting
+from accounting import validation
 
 __all__ = [
     "StageResult",
@@ -82,9 +83,12 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
     named = [("epsilon", epsilon), ("eps0", eps0), ("eps1", eps1)]
     if eps_select is not None:
         named.append(("eps_select", eps_select))
+    validation.check_delta(delta)
     for name, value in named:
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be finite and > 0, got {value}")
+        try:
+            validation.check_epsilon(value, allow_inf=False)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     if not eps0 < eps1:
         raise ValueError(f"eps0 must be < eps1 (two points on a line), got {eps0} and {eps1}")
     mu = accounting.gdp_mu(epsilon, delta)
