@@ -33,10 +33,10 @@ TRAMER_BONEH = {3.0: 0.897}
 
 
 def ensure_store(workdir: Path) -> str:
-    from pipelines import jobs
+    from pipelines import run_extract
 
     store = workdir / "fashion-mnist-scatternet.zarr"
-    jobs.run_extract(backbone="scatternet", data="fashion-mnist", out=str(store), progress=True)
+    run_extract(backbone="scatternet", data="fashion-mnist", out=str(store), progress=True)
     return str(store)
 
 
@@ -71,7 +71,7 @@ def tune(store, epsilon, args, steps_choices, selection, exact_counts=False) -> 
     """One private search; `exact_counts` swaps the noisy counts for exact ones (the old,
     unpaid carve-out, for comparison only)."""
     import probe
-    from pipelines import search
+    from pipelines import linear_scaling_search
 
     original = probe.noisy_correct_counts
     if exact_counts:
@@ -79,7 +79,7 @@ def tune(store, epsilon, args, steps_choices, selection, exact_counts=False) -> 
             params, x, y, **kw)
     try:
         start = time.perf_counter()
-        result = search.linear_scaling_search(
+        result = linear_scaling_search(
             store, epsilon, DELTA, trials=args.trials, steps_choices=steps_choices,
             r_range=(1.0, 3000.0), optimizer="momentum", normalization="group", groups=27,
             selection=selection, seed=args.seed, quiet=True,

@@ -1,20 +1,25 @@
-"""dpprobe's jobs (extract, probe, tune, account, verify, demo) as a Python API, and the CLI."""
+"""dpprobe's jobs (extract, probe, tune, account, verify, info, demo) as a Python API, and the CLI.
 
-from pipelines.jobs import (
-    account,
-    probe_table,
-    run_demo,
-    run_extract,
-    run_extract_ray,
-    run_probe,
-    run_tune,
-    store_info,
-    tune_report,
-    verify,
-)
-from pipelines.search import linear_scaling_search
+Each job is one module with its frozen config: `run_probe(ProbeConfig(...))`, or the config's
+fields as keywords, `run_probe(store, epsilons=[1, 8], delta=1e-5)`.
+"""
+
+from pipelines.account_job import AccountConfig, account
+from pipelines.demo_job import DemoConfig, run_demo
+from pipelines.extract_job import ExtractConfig, run_extract, run_extract_ray
+from pipelines.probe_job import ProbeConfig, run_probe
+from pipelines.reporting import probe_table, tune_report
+from pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
+from pipelines.tune_job import TuneConfig, linear_scaling_search, run_tune
 
 __all__ = [
+    "AccountConfig",
+    "DemoConfig",
+    "ExtractConfig",
+    "InfoConfig",
+    "ProbeConfig",
+    "TuneConfig",
+    "VerifyConfig",
     "account",
     "linear_scaling_search",
     "probe_table",

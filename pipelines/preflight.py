@@ -16,7 +16,6 @@ import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Sequence
 
 __all__ = [
     "PNG_SOFTWARE",
@@ -121,45 +120,30 @@ def check_store_splits_agree(store) -> None:
                              "split, or use another store)")
 
 
-def check_probe_job(store, *, epsilons: Sequence[float], steps: Sequence[int],
-                    learning_rates: Sequence[float] | None, seeds: int, devices: int | None,
-                    out=None, csv=None, plot=None, diagnostics=None) -> None:
-    """What `run_probe` can check before reading its store: outputs, devices, grid size, and
-    that the store's splits agree."""
-    check_output_paths(**{"--out": out, "--csv": csv, "--plot": plot,
-                          "--diagnostics": diagnostics})
-    check_store_splits_agree(store)
-    runs = len(epsilons) * len(steps) * len(learning_rates or [None]) * seeds
-    if runs > MAX_RUNS:
-        raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x --seeds); "
-                         f"at most {MAX_RUNS} train in one program: use fewer --seeds")
-    if devices is not None:
-        if devices < 1:
-            raise ValueError(f"--devices must be >= 1, got {devices}")
-        if devices > 1:
-            import jax
+def check_probe_job(config) -> None:
+    """What `run_probe` can check before reading its store (its `ProbeConfig` has checked the
+    values): outputs, that the store's splits agree, that the devices are present."""
+    check_output_paths(**{"--out": config.out, "--csv": config.csv, "--plot": config.plot,
+                          "--diagnostics": config.diagnostics})
+    check_store_splits_agree(config.store)
+    if config.devices is not None and config.devices > 1:
+        import jax
 
-            present = jax.local_device_count()
-            if devices > present:
-                raise ValueError(f"--devices {devices}, but only {present} local device(s) are "
-                                 "present (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_"
-                                 "count=N makes N)")
+        present = jax.local_device_count()
+        if config.devices > present:
+            raise ValueError(f"--devices {config.devices}, but only {present} local device(s) "
+                             "are present (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_"
+                             "count=N makes N)")
 
 
-# Runs of one sweep (their weights, optimizer state and gradients live together in memory).
-MAX_RUNS = 100_000
-
-
-def check_tune_job(store, *, out=None, model=None) -> None:
+def check_tune_job(config) -> None:
     """What `run_tune` can check before its search: the output paths, the store's splits."""
-    check_output_paths(**{"--out": out, "--model": model})
-    check_store_splits_agree(store)
+    check_output_paths(**{"--out": config.out, "--model": config.model})
+    check_store_splits_agree(config.store)
 
 
-def check_demo_job(out_dir, *, seeds: int) -> None:
-    """What `run_demo` can check before its extraction: the output folder, the seeds."""
-    if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+def check_demo_job(out_dir) -> None:
+    """What `run_demo` can check before its extraction: the output folder."""
     out_dir = os.fspath(out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--out {out_dir} is an existing file; the demo needs a folder")

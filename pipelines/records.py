@@ -21,15 +21,13 @@ __all__ = [
     "DIAGNOSTICS_WARNING",
     "VERSION",
     "declared_num_classes",
+    "header",
     "now",
     "public_split_attrs",
     "randomness",
 ]
 
-try:
-    VERSION = importlib.metadata.version("dpprobe")
-except importlib.metadata.PackageNotFoundError:  # a source checkout that is not installed
-    VERSION = "0.1.0"
+VERSION = importlib.metadata.version("dpprobe")
 
 DIAGNOSTICS_WARNING = ("PRIVATE: exact statistics of the private training data (not DP). For "
                        "local debugging only; never share or publish this file.")
@@ -44,6 +42,19 @@ _PUBLIC_DATASET_KEYS = ("name", "spec", "split", "num_examples", "num_classes", 
 def now() -> str:
     """UTC time, ISO 8601 to the second."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def header(job: str, store, train_attrs: dict, test_attrs: dict) -> dict:
+    """What every job's results begin with: version, job, time, store and its public
+    description."""
+    return {
+        "dpprobe_version": VERSION,
+        "job": job,
+        "created": now(),
+        "store": str(store),
+        "provenance": {"train": public_split_attrs(train_attrs),
+                       "test": public_split_attrs(test_attrs)},
+    }
 
 
 def public_split_attrs(attrs: dict) -> dict:

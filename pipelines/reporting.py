@@ -1,4 +1,5 @@
-"""Result files and tables: atomic JSON/CSV writes, mean +- std summaries, accuracy plots."""
+"""Everything pipelines show or write for people: result files (JSON, CSV), mean +- std
+summaries, the tables and reports the CLI prints, the accuracy plot, progress messages."""
 
 from __future__ import annotations
 
@@ -6,62 +7,37 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from pipelines.files import atomic_write_bytes, atomic_write_text
+
 __all__ = [
     "accuracy_error_bars",
-    "atomic_write_bytes",
-    "atomic_write_text",
-    "plot_accuracy",
+    "account_line",
     "format_epsilon",
+    "format_store_info",
     "format_table",
+    "log",
+    "plot_accuracy",
+    "plot_title",
+    "probe_table",
     "summarize_runs",
+    "tune_report",
+    "verify_report",
     "write_csv",
     "write_json",
 ]
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` atomically (temp file in the same directory, then rename)."""
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file in the same directory, then rename), with
-    the permissions of a file the user creates (0666 minus the umask; mkstemp's are 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (Linux), else by setting it back."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def log(message: str, quiet: bool = False) -> None:
+    """A progress or warning line on stderr, unless `quiet`."""
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _json_default(value):
@@ -214,3 +190,138 @@ def accuracy_error_bars(means: Sequence[float], stds: Sequence[float]) -> np.nda
     """Asymmetric (2, n) error bars of mean +- std, clipped to accuracies in [0, 100]."""
     means, stds = np.asarray(means, float), np.asarray(stds, float)
     return np.stack([np.minimum(stds, means), np.minimum(stds, 100.0 - means)])
+
+
+def probe_table(results: dict) -> str:
+    """The printed table: epsilon per run and of the row (its seeds composed), noise
+    multiplier, steps, lr, accuracy mean ± std; the non-private reference labelled as such."""
+    rows = []
+    for row in results["summary"]:
+        private = math.isfinite(row["epsilon"])
+        rows.append(
+            row
+            | {
+                "epsilon": row["epsilon"] if private else "inf: non-private, no guarantee",
+                "acc": pm(row["test_accuracy_mean"], row["test_accuracy_std"]),
+                "top5": pm(row["test_top5_accuracy_mean"], row["test_top5_accuracy_std"]),
+            }
+        )
+    columns = [
+        ("epsilon per run", "epsilon"),
+        ("eps spent", "epsilon_spent"),
+        ("eps of row (seeds composed)", "epsilon_row"),
+        ("noise mult", "noise_multiplier"),
+        ("steps", "steps"),
+        ("lr", "learning_rate"),
+        ("seeds", "num_seeds"),
+        ("test acc % (mean ± std)", "acc"),
+        ("top-5 %", "top5"),
+    ]
+    if (results.get("probe") or {}).get("num_classes", 6) <= 5:
+        columns.pop()  # top-5 of at most 5 classes is always 100%: not shown
+    privacy = results["privacy"]
+    header = (
+        f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
+        f"{privacy['neighboring_relation_text']}, {privacy['sampling']}; "
+        f"N_train={results['num_train']}, N_test={results['num_test']}"
+    )
+    ledger = results["ledger"]
+    private = sum(1 for e in ledger["entries"] if e["role"] == "private")
+    footer = (f"all {private} private runs together (e.g. picking the best): epsilon = "
+              f"{format_epsilon(ledger['epsilon_by_role'].get('private', 0.0))} at "
+              f"delta={privacy['delta']:g}")
+    if private < ledger["num_mechanisms"]:
+        footer += "; the non-private reference has no guarantee"
+    return header + "\n" + format_table(rows, columns) + "\n" + footer
+
+
+def plot_title(results: dict) -> str:
+    """The accuracy plot's title: data, backbone, optimizer, privacy, the composed epsilon."""
+    backbone = results["provenance"]["train"].get("backbone", {}).get("name", "?")
+    dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
+    return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
+            f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
+            f"zero-out)\nx: epsilon per run; beside each point: its epsilon (seeds composed)"
+            f"\nall private points together: epsilon "
+            f"{format_epsilon(results['ledger']['epsilon_by_role'].get('private', 0.0))}")
+
+
+def tune_report(results: dict) -> str:
+    """Trials, the fitted line, the final run and the ledger, for the terminal."""
+    lines = []
+    for stage in results["stages"]:
+        lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
+                     f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "
+                     f"{stage['best_r']:.4g}")
+        rows = [t | {"score": f"{100 * t['score']:.2f}"} for t in stage["trials"]]
+        lines.append(format_table(rows, [
+            ("r", "r"), ("lr", "learning_rate"), ("steps", "steps"),
+            ("noise mult", "noise_multiplier"), ("score % (DP)", "score")]))
+    line, chosen, final = results["line"], results["chosen"], results["final"]
+    lines.append(f"linear scaling: r = {line['alpha']:.4g} * epsilon + {line['b']:.4g} -> r* = "
+                 f"{line['r_star']:.4g} at the final run's epsilon "
+                 f"{results['privacy']['epsilon_final_alone']:.4g}"
+                 + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else ""))
+    lines.append(f"final run: lr = {chosen['learning_rate']:.4g}, T = {chosen['steps']}, "
+                 f"noise multiplier = {chosen['noise_multiplier']:.4g} -> test accuracy "
+                 f"{100 * final['test_accuracy']:.2f}%"
+                 + (f" (top-5 {100 * final['test_top5_accuracy']:.2f}%)"
+                    if results["probe"]["num_classes"] > 5 else ""))
+    privacy = results["privacy"]
+    lines.append(f"selection: {results['selection']['scoring']}")
+    lines.append(f"total epsilon (tuning and selection included) = "
+                 f"{privacy['epsilon_total']:.4f} <= requested {privacy['epsilon_requested']:g}, "
+                 f"delta = {privacy['delta']:g}, {privacy['neighboring_relation_text']}; covers "
+                 f"{privacy['covers']}")
+    ledger = results["ledger"]
+    lines.append(f"privacy ledger: {ledger['num_mechanisms']} mechanisms, PLD composition "
+                 f"epsilon = {ledger['epsilon']:.4f}; Gaussian DP mu = {ledger['gdp_mu']:.4g} "
+                 f"(epsilon {ledger['gdp_epsilon']:.4f}); basic composition epsilon = "
+                 f"{ledger['basic_composition_epsilon']:.4f}")
+    return "\n".join(lines)
+
+
+def format_store_info(store, summary: dict) -> str:
+    """The provenance of a store (`extract.store_summary`), for people."""
+    lines = [f"{store}: {summary['root'].get('format')} v{summary['root'].get('format_version')}"]
+    for name, attrs in summary["splits"].items():
+        backbone, dataset = attrs.get("backbone", {}), attrs.get("dataset", {})
+        pre = attrs.get("preprocessing", {})
+        lines += [
+            f"[{name}] {attrs.get('num_examples')} examples x {attrs.get('feature_shape')} "
+            f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
+            f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
+            f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
+            + (f", seed {backbone['seed']}" if backbone.get("seed") is not None else "")
+            + (f", file {backbone['weights_file']}" if backbone.get("weights_file") else "")
+            + (f", sha256 {backbone['weights_sha256']}" if backbone.get("weights_sha256")
+               else "")
+            + (f", tag {backbone['tag']}" if backbone.get("tag") else "") + ")"
+            + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
+                                                      "torch_version") if backbone.get(k)),
+            "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
+                                              if k != "transform" and v not in (None, [], ())),
+            f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
+            f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
+            "  classes: " + ", ".join(str(c) for c in (attrs.get("class_names")
+                                                        or dataset.get("class_names") or [])),
+            f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
+        ]
+    return "\n".join(lines)
+
+
+def verify_report(report) -> str:
+    """What `dpprobe verify` prints: each split, each problem, and the verdict."""
+    lines = [f"{split}: {info}" for split, info in report.splits.items()]
+    lines += [f"PROBLEM {problem}" for problem in report.problems]
+    lines.append("OK" if report.ok else f"{len(report.problems)} problem(s)")
+    return "\n".join(lines)
+
+
+def account_line(result: dict) -> str:
+    """What `dpprobe account` prints: the noise multiplier, the steps and the epsilon."""
+    q = result["sampling_probability"]
+    sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
+    return (f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
+            f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
+            f"({result['accountant'].upper()}, zero-out neighbours)")

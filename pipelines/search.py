@@ -32,25 +32,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 import accounting
-from pipelines import records
+from accounting import validation
 
 __all__ = [
     "StageResult",
     "Trial",
     "budget_split",
     "fit_linear_scaling",
-    "linear_scaling_search",
     "search_line",
+    "SEARCHES",
     "SELECTIONS",
 ]
 
+SEARCHES: tuple[str, ...] = ("random", "grid")
 SELECTIONS: tuple[str, ...] = ("train", "holdout", "public")
 
 
@@ -84,9 +83,12 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
     named = [("epsilon", epsilon), ("eps0", eps0), ("eps1", eps1)]
     if eps_select is not None:
         named.append(("eps_select", eps_select))
+    validation.check_delta(delta)
     for name, value in named:
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be finite and > 0, got {value}")
+        try:
+            validation.check_epsilon(value, allow_inf=False)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     if not eps0 < eps1:
         raise ValueError(f"eps0 must be < eps1 (two points on a line), got {eps0} and {eps1}")
     mu = accounting.gdp_mu(epsilon, delta)
@@ -117,7 +119,7 @@ def _candidates(rng, count, low, high, search: str) -> np.ndarray:
         return np.geomspace(low, high, count)
     if search == "random":
         return np.sort(np.exp(rng.uniform(math.log(low), math.log(high), count)))
-    raise ValueError(f"search must be 'random' or 'grid', got {search!r}")
+    raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
 
 
 def _decompose(r: float, steps_choices: Sequence[int], rng, search: str, index: int) -> Trial:
@@ -201,233 +203,3 @@ def _validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarr
         raise ValueError(f"validation split of {count} leaves no training examples")
     order = rng.permutation(num_examples)
     return np.sort(order[count:]), np.sort(order[:count])
-
-
-def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
-    store's feature space: the same backbone and preprocessing) and `labels`."""
-    kind, _, path = spec.partition(":")
-    if kind != "npz" or not path:
-        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
-    except (OSError, KeyError, ValueError) as err:
-        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
-    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
-        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
-                         f"{labels.shape} do not fit the store's feature dim {dim}")
-    return features, labels.astype(np.int32)
-
-
-def linear_scaling_search(
-    store: str,
-    epsilon: float,
-    delta: float,
-    *,
-    eps0: float | None = None,
-    eps1: float | None = None,
-    eps_select: float | None = None,
-    trials: int = 5,
-    search: str = "random",
-    r_range: tuple[float, float] = (1.0, 1000.0),
-    steps_choices: Sequence[int] = (25, 50, 100),
-    final_steps: int | None = None,
-    optimizer: str = "momentum",
-    loss: str = "softmax",
-    clip_norm: float = 1.0,
-    normalization: str = "none",
-    groups: int = 1,
-    selection: str = "train",
-    validation_fraction: float = 0.1,
-    public_validation: str | tuple[np.ndarray, np.ndarray] | None = None,
-    seed: int | None = None,
-    quiet: bool = False,
-) -> dict:
-    """Tune r = lr x T privately with the linear scaling rule, then train the final probe.
-
-    Args:
-      store: feature store with complete train and test splits.
-      epsilon, delta: the total budget of the job, tuning and selection included.
-      eps0, eps1: budgets of the two search stages (default epsilon/20 and epsilon/10).
-      eps_select: budget of the noisy selection counts of both stages with selection "train"
-        (default epsilon/20).
-      trials: trials per stage.
-      search: "random" (log-uniform r) or "grid" (geometric grid of r).
-      r_range: range of r for the first stage.
-      steps_choices: T values a trial's r is decomposed over (lr = r / T).
-      final_steps: T of the final run (default: the largest of `steps_choices`).
-      optimizer: update rule (Panda et al.: "momentum", 0.9).
-      clip_norm, loss, normalization, groups: as for `run_probe`.
-      selection: "train", "holdout" or "public" (module docstring).
-      validation_fraction: share of train held out with selection "holdout".
-      public_validation: with selection "public": `npz:PATH` or (features, labels), public.
-      seed: drives only data-independent randomness: the r proposals and the holdout split.
-        Noise and counts always draw from OS entropy.
-
-    Returns:
-      A results dict: the chosen (lr, T, r), the fitted line, every trial with its (noisy)
-      score, the final test accuracy and the ledger (its composition is the job's epsilon);
-      plus "params", the final probe.
-    """
-    import extract
-    import probe
-
-    start_time = time.perf_counter()
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-    if (selection == "public") != (public_validation is not None):
-        raise ValueError("a public validation set goes with selection 'public', and only there")
-    eps0 = epsilon / 20 if eps0 is None else eps0
-    eps1 = epsilon / 10 if eps1 is None else eps1
-    if selection == "train":
-        eps_select = epsilon / 20 if eps_select is None else eps_select
-    elif eps_select is not None:
-        raise ValueError(f"eps_select applies to selection 'train', not {selection!r}")
-    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)  # fails fast if impossible
-
-    # Load the store; choose what trains and what scores.
-    x, y, train_attrs = extract.load_split(store, "train", dtype=None)
-    test_x, test_y, test_attrs = extract.load_split(store, "test", dtype=None)
-    num_classes = records.declared_num_classes(train_attrs, test_attrs)
-    if delta >= 1.0 / len(y) and not quiet:
-        print(f"tune: warning: delta={delta:g} >= 1/N = {1 / len(y):.3g}; a meaningful "
-              "guarantee usually needs delta << 1/N", file=sys.stderr)
-    rng = np.random.default_rng(seed)  # data-independent choices only
-    training_data, scored_data = "all", "all"
-    if selection == "holdout":
-        train_idx, val_idx = _validation_split(len(y), validation_fraction, rng)
-        train_x, train_y, score_x, score_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
-        training_data, scored_data = "train part", "validation part"
-    elif selection == "public":
-        train_x, train_y = x, y
-        score_x, score_y = (public_validation if not isinstance(public_validation, str) else
-                            load_public_validation(public_validation, x.shape[-1]))
-    else:
-        train_x, train_y, score_x, score_y = x, y, x, y
-    if len(score_y) < 1000 and not quiet:
-        print(f"tune: warning: trials are scored on only {len(score_y)} examples; their "
-              "accuracies are coarse (noisy counts add more), so the choice of r may be poor",
-              file=sys.stderr)
-    spec = probe.ProbeSpec(num_classes=num_classes, loss=loss, optimizer=optimizer,
-                           normalization=normalization, groups=groups)
-    # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
-    mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
-    count_sigma = math.sqrt(2 * trials) / mu_count if selection != "public" else 0.0
-
-    # Search: two stages; every trial and every count recorded in the ledger.
-    ledger = accounting.PrivacyLedger()
-
-    def run_stage(stage, settings, plans):
-        runs = [probe.RunSpec(p, t.learning_rate) for t, p in zip(settings, plans, strict=True)]
-        if not quiet:
-            print(f"tune: stage {stage}, {len(runs)} trials, r in "
-                  f"[{min(t.r for t in settings):.3g}, {max(t.r for t in settings):.3g}]",
-                  file=sys.stderr)
-        result = probe.train_probe(train_x, train_y, runs, probe.make_keys(len(runs)), spec,
-                                   progress=not quiet)
-        kwargs = dict(normalization=normalization, groups=groups)
-        if selection == "public":
-            counts = probe.correct_counts(result.params, score_x, score_y, **kwargs)
-        else:
-            counts = probe.noisy_correct_counts(result.params, score_x, score_y, count_sigma,
-                                                **kwargs)
-            ledger.record(f"stage{stage}-selection", accounting.DpPlan(count_sigma, len(runs)),
-                          role="selection", data=scored_data,
-                          mechanism="Gaussian noise on each trial's correct count "
-                                    "(sensitivity 1)")
-        return counts / len(score_y)
-
-    line = search_line(run_stage, epsilon=epsilon, delta=delta, eps0=eps0, eps1=eps1,
-                       trials=trials, r_range=r_range, steps_choices=steps_choices,
-                       search=search, clip_norm=clip_norm, rng=rng, ledger=ledger,
-                       eps_select=eps_select, training_data=training_data)
-    stages = line["stages"]
-
-    # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
-    # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
-    # how r splits into lr x T, so the final run takes the most steps (the best optimizer).
-    steps = final_steps or max(steps_choices)
-    sigma = math.sqrt(steps) / budget["mu_final"]
-    plan = accounting.DpPlan(sigma, steps, 1.0, clip_norm)
-    learning_rate = line["r_star"] / steps
-    ledger.record("final", plan, role="final", data=training_data, r=line["r_star"],
-                  learning_rate=learning_rate)
-    final = probe.train_probe(train_x, train_y, [probe.RunSpec(plan, learning_rate)],
-                              probe.make_keys(1), spec, progress=not quiet)
-
-    # Evaluate the final model on test (public; the only use of test).
-    metrics = probe.evaluate(final.params, test_x, test_y, normalization=normalization,
-                             groups=groups)
-
-    # Record: DP outputs and public inputs only.
-    total = ledger.epsilon(delta)
-    stage_records = [
-        {
-            "stage": index,
-            "epsilon_stage": stage.epsilon_stage,
-            "epsilon_per_trial": stage.epsilon_per_trial,
-            "best_r": stage.best_r,
-            "trials": [
-                {"r": t.r, "learning_rate": t.learning_rate, "steps": t.steps,
-                 "noise_multiplier": p.noise_multiplier, "score": float(s)}
-                for t, p, s in zip(stage.trials, stage.plans, stage.scores, strict=True)
-            ],
-        }
-        for index, stage in enumerate(stages)
-    ]
-    scoring = {
-        "train": "noisy correct counts on the training data (Gaussian, sensitivity 1), "
-                 "composed with training",
-        "holdout": "noisy correct counts on a held-out validation part (Gaussian, sensitivity "
-                   "1); the parts compose in parallel",
-        "public": "exact accuracy on a validation set declared public by the user",
-    }[selection]
-    return {
-        "dpprobe_version": records.VERSION,
-        "job": "tune",
-        "created": records.now(),
-        "store": str(store),
-        "provenance": {"train": records.public_split_attrs(train_attrs),
-                       "test": records.public_split_attrs(test_attrs)},
-        "probe": spec.to_dict(),
-        "method": "linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD",
-        "privacy": {
-            "epsilon_requested": epsilon,
-            "delta": delta,
-            "epsilon_total": total,
-            "accountant": "pld",
-            "neighboring_relation": accounting.NEIGHBORING_RELATION,
-            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
-            "covers": "every record of the store's train split (tuning, selection and the "
-                      "final run included)",
-            "eps0": eps0,
-            "eps1": eps1,
-            "eps_select": eps_select,
-            "epsilon_final_alone": budget["epsilon_final"],
-        } | records.randomness(seed, "the r proposals" + (
-            " and the holdout split" if selection == "holdout" else "")),
-        "selection": {"kind": selection, "scoring": scoring,
-                      "count_noise_std": count_sigma if selection != "public" else None,
-                      "num_scored": int(len(score_y)),
-                      "num_trained": int(len(train_y))}
-        | ({"validation_fraction": validation_fraction} if selection == "holdout" else {}),
-        "search": {"kind": search, "trials_per_stage": trials, "r_range": list(r_range),
-                   "steps_choices": list(steps_choices)},
-        "stages": stage_records,
-        "line": {"alpha": line["alpha"], "b": line["b"], "r_star": line["r_star"],
-                 "fallback_used": line["fallback"] is not None},
-        "chosen": {"r": line["r_star"], "learning_rate": learning_rate, "steps": steps,
-                   "noise_multiplier": sigma},
-        "final": {"test_accuracy": float(metrics["top1"][0]),
-                  "test_top5_accuracy": float(metrics["top5"][0]),
-                  "per_class_accuracy": metrics["per_class"][0].tolist(),
-                  "epsilon_alone": plan.epsilon(delta)},
-        "runs": [{"epsilon": total, "delta": delta, "noise_multiplier": sigma, "steps": steps,
-                  "optimizer": optimizer, "learning_rate": learning_rate,
-                  "test_accuracy": float(metrics["top1"][0]), "accountant": "pld",
-                  "includes_tuning": True}],
-        "ledger": ledger.to_dict(delta),
-        "params": final.params,
-        "wall_seconds": time.perf_counter() - start_time,
-    }

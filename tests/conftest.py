@@ -30,10 +30,10 @@ def random_problem(rng, n=64, d=12, c=5, views=None):
 @pytest.fixture(scope="session")
 def digits_store(tmp_path_factory):
     """scikit-learn digits through ScatterNet into a store (about 2 s)."""
-    from pipelines import jobs
+    from pipelines import run_extract
 
     store = str(tmp_path_factory.mktemp("stores") / "digits.zarr")
-    jobs.run_extract(backbone="scatternet", data="digits", out=store, progress=False)
+    run_extract(backbone="scatternet", data="digits", out=store, progress=False)
     return store
 
 

@@ -1,5 +1,6 @@
 """The `dpprobe` CLI end to end on small real data (digits)."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -8,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-import accounting
 from pipelines import cli
 
 
@@ -17,56 +17,16 @@ def _dpprobe(*args):
                           text=True, timeout=300)
 
 
-def test_account_both_directions(capsys):
-    assert cli.main(["account", "--epsilon", "1", "--delta", "1e-5", "--steps", "4", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["noise_multiplier"] == pytest.approx(
-        accounting.calibrate_noise_multiplier(1.0, 1e-5, steps=4))
-    assert out["epsilon"] == pytest.approx(1.0, abs=1e-3)
-    assert out["neighboring_relation"] == "zero_out" and out["accountant"] == "pld"
-    assert cli.main(["account", "--sigma", str(out["noise_multiplier"]), "--steps", "4"]) == 0
-    assert "epsilon 1" in capsys.readouterr().out
-
-
 def test_account_rejects_impossible_requests(capsys):
     assert cli.main(["account", "--epsilon", "-1"]) == 2
-    assert "--epsilon: must be > 0, got -1" in capsys.readouterr().err
+    assert "--epsilon: must be > 0 (or inf for non-private), got -1" in capsys.readouterr().err
     assert cli.main(["account", "--epsilon", "1", "--delta", "2"]) == 2
     assert "--delta: must be in (0, 1), got 2" in capsys.readouterr().err
 
 
-def test_probe_writes_results_json(digits_store, tmp_path, capsys):
-    out = tmp_path / "results.json"
-    code = cli.main(["probe", digits_store, "--epsilons", "1,8,inf", "--delta", "1e-5",
-                     "--seeds", "2", "--optimizer", "momentum", "--steps", "20", "--lr", "3",
-                     "--normalize", "group", "--groups", "27", "--out", str(out), "--quiet"])
-    assert code == 0
-    table = capsys.readouterr().out
-    assert "test acc %" in table and "PLD" in table
-    results = json.loads(out.read_text())
-    assert len(results["runs"]) == 6
-    required = {"epsilon", "delta", "noise_multiplier", "steps", "optimizer", "learning_rate",
-                "replicate", "test_accuracy", "accountant", "guarantee"}
-    for run in results["runs"]:
-        assert required <= set(run)
-        if run["epsilon"] != "inf":
-            assert run["epsilon_spent"] == pytest.approx(run["epsilon"], abs=1e-3)
-            sigma = accounting.calibrate_noise_multiplier(run["epsilon"], 1e-5, steps=20)
-            assert run["noise_multiplier"] == pytest.approx(sigma)
-        else:
-            assert run["noise_multiplier"] == 0
-    assert results["privacy"]["neighboring_relation"] == "zero_out"
-    assert results["provenance"]["train"]["backbone"]["name"] == "scatternet"
-    assert results["provenance"]["train"]["dataset"]["name"] == "digits"
-    acc = {r["epsilon"]: r["test_accuracy"] for r in results["runs"]}
-    # ScatterNet + linear on digits: well above chance (10%) privately, ~95% without DP.
-    assert acc["inf"] > 0.9 and acc[8.0] > 0.6
-
-
 def test_fresh_cli_process_equals_the_in_process_job(digits_store, tmp_path):
-    """A fresh `dpprobe probe` reads the store in a forked child while it imports JAX; this
-    process has JAX loaded, so `run_probe` reads in threads here. The non-private reference
-    has no noise, so the two must agree exactly."""
+    """A fresh `dpprobe probe` reads the store while it imports JAX; this process has JAX
+    loaded already. The non-private reference has no noise, so the two must agree exactly."""
     from pipelines import run_probe
 
     out = tmp_path / "cli.json"
@@ -104,47 +64,77 @@ def test_extract_cli_and_single_split_sources(tmp_path, rng):
     assert all(s["complete"] for s in summary["splits"].values())
 
 
-def test_demo_on_digits(tmp_path, capsys):
-    assert cli.main(["demo", "--data", "digits", "--out", str(tmp_path), "--quiet",
-                     "--seeds", "2"]) == 0
-    table = capsys.readouterr().out
-    assert "inf" in table
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert {r["epsilon"] for r in results["runs"]} == {0.5, 1.0, 2.0, 4.0, 8.0, "inf"}
-    assert all(math.isfinite(r["test_accuracy"]) for r in results["runs"])
 
 
-def test_probe_streamed_equals_in_memory_and_writes_csv_and_plot(digits_store, tmp_path):
-    # Without noise the two drivers must agree (with noise: test_engine, same keys).
-    common = ["probe", digits_store, "--epsilons", "inf", "--seeds", "2",
-              "--optimizer", "adam", "--steps", "3", "--lr", "0.01", "--quiet"]
-    assert cli.main([*common, "--in-memory", "--out", str(tmp_path / "a.json")]) == 0
-    assert cli.main([*common, "--stream", "--out", str(tmp_path / "b.json"),
-                     "--csv", str(tmp_path / "b.csv"), "--plot", str(tmp_path / "b.png")]) == 0
-    a = json.loads((tmp_path / "a.json").read_text())
-    b = json.loads((tmp_path / "b.json").read_text())
-    assert "streamed" in b["probe"]["driver"] and "in memory" in a["probe"]["driver"]
-    for ra, rb in zip(a["runs"], b["runs"], strict=True):
-        assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1 / 359 + 1e-9)
-    lines = (tmp_path / "b.csv").read_text().splitlines()
-    assert lines[0].startswith("epsilon,epsilon_spent,delta") and len(lines) == 3
-    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+MINIMAL = {  # each command with only its required options, and the config fields they set
+    "extract": (["--backbone", "none", "--data", "npz:x.npz", "--out", "x.zarr"],
+                {"backbone", "data", "out"}),
+    "probe": (["s.zarr"], {"store"}),
+    "tune": (["s.zarr", "--epsilon", "1"], {"store", "epsilon"}),
+    "account": (["--epsilon", "1"], {"epsilon"}),
+    "verify": (["s.zarr"], {"store"}),
+    "info": (["s.zarr"], {"store"}),
+    "demo": ([], set()),
+}
 
 
-def test_probe_poisson_mode_records_the_sampled_mechanism(digits_store, tmp_path):
-    out, diagnostics = tmp_path / "p.json", tmp_path / "diag.json"
-    assert cli.main(["probe", digits_store, "--epsilons", "4", "--seeds", "1", "-q", "0.25",
-                     "--steps", "8", "--optimizer", "momentum", "--lr", "1",
-                     "--physical-batch-size", "64", "--out", str(out), "--quiet",
-                     "--diagnostics", str(diagnostics)]) == 0
-    run = json.loads(out.read_text())["runs"][0]
-    assert run["sampling_probability"] == 0.25
-    assert run["dp_event"]["event"]["type"] == "PoissonSampledDpEvent"
-    assert run["epsilon_spent"] <= 4.0 + 1e-9
-    # The sampled batch sizes are private: only in the local diagnostics file.
-    assert "batch_size" not in out.read_text().replace("physical_batch_size", "")
-    local = json.loads(diagnostics.read_text())
-    assert local["warning"].startswith("PRIVATE")
-    sizes = local["runs"][0]["batch_sizes"]
-    assert len(sizes) == 8
-    assert abs(np.mean(sizes) - 0.25 * 1438) < 5 * math.sqrt(1438 * 0.25 * 0.75 / 8)
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_builds_one_frozen_config_with_the_configs_defaults(command):
+    _, config_class, _ = cli.COMMANDS[command]
+    argv, given = MINIMAL[command]
+    args = cli.build_parser(command).parse_args([command, *argv])
+    config = cli.make_config(args)
+    assert type(config) is config_class
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.store = "other"
+    # Options not given leave the config's defaults: the CLI keeps no second set of defaults.
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    assert fields & set(vars(args)) == given
+
+
+def test_choices_are_the_library_constants():
+    import probe
+    from accounting import ACCOUNTANTS
+    from extract.store import FEATURE_DTYPES
+    from pipelines.demo_job import DEMO_DATA
+    from pipelines.search import SEARCHES, SELECTIONS
+
+    model = {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES,
+             "normalization": probe.NORMALIZATIONS}
+    expected = {
+        "probe": model | {"accountant": ACCOUNTANTS},
+        "tune": model | {"search": SEARCHES,
+                         "selection": tuple(s for s in SELECTIONS if s != "public")},
+        "account": {"accountant": ACCOUNTANTS},
+        "extract": {"dtype": FEATURE_DTYPES, "split": ("train", "test", "all"),
+                    "amp": ("auto", "off", "bf16", "fp16")},  # (no constants in extract)
+        "demo": {"data": DEMO_DATA},
+        "verify": {},
+        "info": {},
+    }
+    for command, options in expected.items():
+        argv, _ = MINIMAL[command]
+        parser = cli.build_parser(command).parse_args([command, *argv]).parser
+        choices = {a.dest: tuple(a.choices) for a in parser._actions
+                   if a.choices is not None and a.dest != "help"}
+        assert choices == {k: tuple(v) for k, v in options.items()}, command
+
+
+def test_a_bad_value_names_its_option_and_a_command_imports_only_what_it_needs():
+    code = ("import sys; from pipelines import cli; code = cli.main(['account', '--epsilon', "
+            "'1', '-q', '2']); print(code, 'jax' in sys.modules, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["2", "False", "False"], result.stderr
+    assert "argument --sampling-probability/-q: must be in (0, 1], got 2" in result.stderr
+
+
+def test_probe_parses_without_jax_unless_a_probe_choice_is_given():
+    """`dpprobe probe` imports JAX while it reads the store, not while it parses."""
+    code = ("import sys; from pipelines import cli; p = cli.build_parser('probe'); "
+            "p.parse_args(['probe', 's.zarr', '--seeds', '2']); a = 'jax' in sys.modules; "
+            "p.parse_args(['probe', 's.zarr', '--optimizer', 'sgd']); print(a, 'jax' in "
+            "sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["False", "True"], result.stderr

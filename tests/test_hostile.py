@@ -815,7 +815,7 @@ def test_hidden_folders_are_not_classes(world, capsys):
 
 @pytest.mark.parametrize("argv,setup,match", [
     (["account", "--epsilon", "1000", "-q", "0.5"], None, r"epsilon=1000 with q=0.5"),
-    # A fresh `dpprobe probe` reads the store in a forked child process (`SplitPrefetch`).
+    # A fresh `dpprobe probe` process reads the store while it imports JAX.
     (probe(), _rm(TRAIN_CHUNK), r"emb.zarr/train/features: chunk 1 \(file c/1/0\) is missing"),
     (probe(), lambda w: write(w / TRAIN_CHUNK, os.urandom(300)), r"train/features: chunk 1"),
 ], ids=["account-absurd-epsilon", "probe-deleted-chunk", "probe-random-chunk"])

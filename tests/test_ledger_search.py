@@ -1,6 +1,5 @@
 """The privacy ledger and the linear-scaling search (Panda et al. 2023)."""
 
-import json
 import math
 
 import dp_accounting
@@ -9,7 +8,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 import accounting
-from pipelines import cli, search
+from pipelines import search
 
 
 def _mixed_ledger():
@@ -91,70 +90,3 @@ def test_noiseless_oracle_recovers_a_planted_line():
     assert line["r_star"] == pytest.approx(alpha * eps_final + b, rel=0.03)
     assert len(ledger) == 2 * 801
     assert ledger.epsilon(1e-5) < 2.0
-
-
-@pytest.mark.parametrize("selection", ["train", "holdout"])
-def test_search_total_epsilon_is_at_most_the_request(digits_store, selection):
-    """Every mechanism, the private selection included, is in the ledger, and dp_accounting
-    composing the same events independently (per disjoint part) gives the requested total."""
-    result = search.linear_scaling_search(
-        digits_store, 2.0, 1e-5, trials=3, r_range=(1, 100), steps_choices=(5, 10),
-        normalization="group", groups=27, selection=selection, seed=0, quiet=True,
-    )
-    ledger = result["ledger"]
-    # 2 stages x (3 trials + their noisy counts) + the final run
-    assert ledger["num_mechanisms"] == 9
-    assert sum(e["role"] == "selection" for e in ledger["entries"]) == 2
-    assert ledger["epsilon"] <= 2.0
-    assert ledger["epsilon"] == pytest.approx(2.0, abs=1e-6)  # the final run gets the rest
-    parts = {"train": ["all"], "holdout": ["train part", "validation part"]}[selection]
-    assert ledger["parts"] == parts
-    for part in parts:
-        acc = pld.PLDAccountant(
-            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
-        for entry in ledger["entries"]:
-            if entry["data"] in ("all", part):
-                acc.compose(dp_accounting.GaussianDpEvent(entry["noise_multiplier"]),
-                            entry["steps"])
-        assert acc.get_epsilon(1e-5) <= 2.0 + 1e-3
-        assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-3)
-    assert result["selection"]["num_scored"] == {"train": 1438, "holdout": round(0.1 * 1438)}[
-        selection]
-    assert result["privacy"]["epsilon_total"] == ledger["epsilon"]
-    assert 0.5 < result["final"]["test_accuracy"] <= 1.0
-    assert result["chosen"]["learning_rate"] * result["chosen"]["steps"] == pytest.approx(
-        result["chosen"]["r"])
-
-
-def test_tune_cli_writes_results_with_the_ledger(digits_store, tmp_path, capsys):
-    out = tmp_path / "tune.json"
-    assert cli.main(["tune", digits_store, "--epsilon", "1", "--delta", "1e-5", "--trials", "2",
-                     "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
-                     "--groups", "27", "--seed", "1", "--out", str(out), "--quiet"]) == 0
-    printed = capsys.readouterr().out
-    assert "privacy ledger" in printed and "basic composition" in printed
-    assert "selection: noisy correct counts" in printed
-    results = json.loads(out.read_text())
-    assert results["ledger"]["epsilon"] <= 1.0
-    assert {"epsilon", "delta", "noise_multiplier", "test_accuracy"} <= set(results["runs"][0])
-    assert "params" not in results
-
-
-def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkeypatch):
-    """Composition assumes independent noise: each stage and the final run get their own keys."""
-    import jax
-
-    import probe
-
-    seen = []
-    original = probe.make_keys
-
-    def recording(count):
-        keys = original(count)
-        seen.extend(tuple(int(v) for v in row) for row in jax.random.key_data(keys))
-        return keys
-
-    monkeypatch.setattr(probe, "make_keys", recording)
-    search.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
-                                 r_range=(1, 10), seed=7, quiet=True)
-    assert len(seen) == 5 and len(set(seen)) == 5

@@ -5,15 +5,16 @@ import pytest
 import zarr
 
 import extract
+import pipelines
 from extract.verify import check_chunk_sums
-from pipelines import cli, jobs
+from pipelines import cli
 
 
 def test_verify_catches_a_corrupted_chunk_and_a_missing_split(tmp_path, capsys):
     import shutil
 
     store = tmp_path / "small-chunks.zarr"
-    jobs.run_extract(backbone="scatternet", data="digits", out=str(store), rows_per_chunk=256,
+    pipelines.run_extract(backbone="scatternet", data="digits", out=str(store), rows_per_chunk=256,
                      progress=False)
     assert cli.main(["verify", str(store), "--quiet"]) == 0
     assert "OK" in capsys.readouterr().out
@@ -38,7 +39,7 @@ def test_verify_catches_a_corrupted_chunk_and_a_missing_split(tmp_path, capsys):
 
 def test_verify_compares_the_dataset_fingerprint(digits_store, capsys):
     assert cli.main(["verify", digits_store, "--data", "digits", "--quiet"]) == 0
-    assert jobs.verify(digits_store, data="digits", progress=False).ok
+    assert pipelines.verify(digits_store, data="digits", progress=False).ok
     assert cli.main(["info", digits_store]) == 0
     out = capsys.readouterr().out
     assert "scatternet" in out and "fingerprint" in out

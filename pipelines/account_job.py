@@ -1,0 +1,62 @@
+"""The account job: epsilon from a noise multiplier, or the noise multiplier for an epsilon."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import accounting
+from pipelines import config as cfg
+
+__all__ = ["AccountConfig", "account"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountConfig:
+    """T Gaussian steps (Poisson-sampled if `sampling_probability` < 1): give exactly one of
+    `epsilon` (a target: calibrate the noise multiplier) and `noise_multiplier`."""
+
+    delta: float = 1e-5
+    epsilon: float | None = None
+    noise_multiplier: float | None = None
+    steps: int = 1
+    sampling_probability: float = 1.0
+    accountant: str = "pld"
+
+    def __post_init__(self):
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of --epsilon and --noise-multiplier")
+        if self.epsilon is not None:
+            cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
+        else:
+            cfg.freeze(self, noise_multiplier=cfg.check_number(
+                "noise_multiplier", self.noise_multiplier, 0, low_open=False))
+        cfg.freeze(self, delta=cfg.check_delta("delta", self.delta),
+                   steps=cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS),
+                   sampling_probability=cfg.check_number(
+                       "sampling_probability", self.sampling_probability, 0, 1))
+
+
+def account(config: AccountConfig | None = None, /, **options) -> dict:
+    """Epsilon from a noise multiplier, or the noise multiplier for a target epsilon: the
+    answer with its `DpEvent`. Takes an `AccountConfig`, or its fields as keywords."""
+    config = cfg.make_config(AccountConfig, config, None, **options)
+    noise_multiplier = config.noise_multiplier
+    if config.epsilon is not None:
+        noise_multiplier = accounting.calibrate_noise_multiplier(
+            config.epsilon, config.delta, steps=config.steps,
+            sampling_probability=config.sampling_probability, accountant=config.accountant,
+        )
+    accounting.calibration.check_tractable(noise_multiplier, config.sampling_probability,
+                                           config.accountant)
+    plan = accounting.DpPlan(noise_multiplier, config.steps, config.sampling_probability)
+    return {
+        "target_epsilon": config.epsilon,
+        "epsilon": plan.epsilon(config.delta, config.accountant),
+        "delta": config.delta,
+        "noise_multiplier": noise_multiplier,
+        "steps": config.steps,
+        "sampling_probability": config.sampling_probability,
+        "accountant": config.accountant,
+        "neighboring_relation": accounting.NEIGHBORING_RELATION,
+        "dp_event": accounting.event_to_dict(plan.dp_event()),
+    }

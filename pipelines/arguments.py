@@ -1,0 +1,367 @@
+"""The options of each `dpprobe` command: argparse types that turn text into values, and the
+arguments, whose destinations are the command's config fields (`pipelines.cli` builds the
+config; the config checks the values)."""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import functools
+import importlib
+
+from pipelines.demo_job import DEMO_DATA
+from pipelines.tune_job import TuneConfig
+
+EPILOG = """\
+Privacy: every epsilon is for zero-out neighbours (one record replaced by a null record; the
+dataset size N is public), computed from the DpEvent of what ran, with the PLD accountant unless
+--accountant rdp. Noise and batch sampling always draw from OS entropy.
+"""
+
+# ----------------------------------------------------------------------------------------------
+# Types
+# ----------------------------------------------------------------------------------------------
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+
+
+def _numbers(text: str) -> list[float]:
+    """Comma-separated numbers; inf is one, nan is not."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    if any(v != v for v in values):
+        raise argparse.ArgumentTypeError(f"nan is not a value, got {text!r}")
+    return values
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from err
+
+
+def _integers(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected K/N, e.g. 0/4, got {text!r}") from err
+    return index, count
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+class _Choices(collections.abc.Sequence):
+    """A package's constant as `choices`, imported when argparse first needs it (a value given,
+    --help): importing `probe` loads JAX, which a probe job imports while it reads the store
+    (`probe_job._read_splits`), not before."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    @functools.cached_property
+    def values(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, index):
+        return self.values[index]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+OPTIMIZERS = _Choices("probe", "OPTIMIZERS")
+LOSSES = _Choices("probe", "LOSSES")
+NORMALIZATIONS = _Choices("probe", "NORMALIZATIONS")
+
+
+class _RangeEnd(argparse.Action):
+    """`--r-min` / `--r-max`: one end of `TuneConfig.r_range`."""
+
+    def __init__(self, *args, end: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.end = end
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        bounds = list(getattr(namespace, self.dest, TuneConfig.r_range))
+        bounds[self.end] = value
+        setattr(namespace, self.dest, tuple(bounds))
+
+
+# ----------------------------------------------------------------------------------------------
+# Options of each command
+# ----------------------------------------------------------------------------------------------
+
+
+def extract(p) -> None:
+    from extract import AUGMENTATIONS  # imports torch, as the job does
+    from extract.store import FEATURE_DTYPES
+
+    p.add_argument("--backbone", required=True,
+                   help="timm model name (e.g. vit_base_patch16_224.augreg_in21k), "
+                   "'scatternet', or 'none' for precomputed embeddings")
+    p.add_argument("--data", required=True, help="data spec (see below)")
+    p.add_argument("--out", required=True, help="output Zarr store path")
+    p.add_argument("--split", choices=("train", "test", "all"),
+                   help="split to write: for npz/imagefolder the name given to the data "
+                   "(default train); for multi-split sources, restrict to one (default all)")
+    p.add_argument("--data-dir",
+                   help="directory of Fashion-MNIST's gzipped IDX files "
+                   "(default /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--weights",
+                   help="local .safetensors/.pth weights file for the timm model (no hub)")
+    p.add_argument("--random-init", action="store_true",
+                   help="random weights (seeded by --seed); for tests only")
+    p.add_argument("--seed", type=_integer, help="seed of --random-init (default 0)")
+    p.add_argument("--resize", type=_integer,
+                   help="resize the short side to R before cropping (Mehta et al.: 384)")
+    p.add_argument("--crop", type=_integer,
+                   help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
+                   "position embeddings")
+    p.add_argument("--batch-size", type=_integer, help="images per forward pass (default 256)")
+    p.add_argument("--dtype", choices=FEATURE_DTYPES,
+                   help="feature dtype in the store (default float16)")
+    p.add_argument("--device", help="torch device (default: cuda if available)")
+    p.add_argument("--rows-per-chunk", type=_integer,
+                   help="rows per Zarr chunk (default: ~8 MiB chunks)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing split written by a different job")
+    p.add_argument("--workers", dest="num_workers", type=_integer,
+                   help="DataLoader worker processes (default: none on CPU, where the "
+                   "backbone uses every core; up to 8 on GPU)")
+    p.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"),
+                   help="autocast: auto = bf16 on CUDA, off on CPU (default auto)")
+    p.add_argument("--channels-last", action="store_true", help="channels_last memory format")
+    p.add_argument("--compile", action="store_true", help="torch.compile the backbone")
+    p.add_argument("--shard", type=_shard, metavar="K/N",
+                   help="extract only shard K of N (a chunk-aligned slice of rows) into the "
+                   "same store, e.g. one process per GPU or a SLURM array task")
+    p.add_argument("--ray", action="store_true",
+                   help="run the shards as Ray tasks (one per GPU) on a Ray cluster")
+    p.add_argument("--ray-address",
+                   help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
+    p.add_argument("--ray-shards", type=_integer,
+                   help="number of shards with --ray (default: one per GPU, else per CPU)")
+    p.add_argument("--views", type=_integer,
+                   help="store K augmented views per example, shape (N, K, d), for "
+                   "augmentation multiplicity in the probe (train split only)")
+    p.add_argument("--augment", type=_names,
+                   help=f"augmentations of the views, from {','.join(AUGMENTATIONS)} "
+                   "(De et al.)")
+    p.add_argument("--augment-seed", type=_integer, help="seed of the augmentations (default 0)")
+    p.add_argument("--num-classes", type=_integer, metavar="K",
+                   help="declare K classes for a source without class names (an npz without "
+                   "class_names); labels must lie in [0, K). Never inferred from the labels")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
+
+
+def verify(p) -> None:
+    p.add_argument("store")
+    p.add_argument("--data",
+                   help="also re-fingerprint this data spec and compare with the recorded one")
+    p.add_argument("--data-dir", help="Fashion-MNIST directory for --data")
+    p.add_argument("--quiet", dest="progress", action="store_false")
+
+
+def info(p) -> None:
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print all attributes as JSON")
+
+
+def _model(p) -> None:
+    """Loss, clipping and feature normalization: shared by `probe` and `tune`."""
+    p.add_argument("--loss", choices=LOSSES, metavar="LOSS",
+                   help="%(choices)s: softmax cross-entropy (default), or one-vs-all sigmoid "
+                   "(bias init -10)")
+    p.add_argument("--clip-norm", type=_number, help="per-example clip norm C (default 1)")
+    p.add_argument("--normalize", dest="normalization", choices=NORMALIZATIONS, metavar="NORM",
+                   help="%(choices)s: per-example feature normalization (costs no privacy; "
+                   "default none)")
+    p.add_argument("--groups", type=_integer, help="groups of --normalize group (default 1)")
+
+
+def probe(p) -> None:
+    from accounting import ACCOUNTANTS
+
+    p.add_argument("store", help="feature store written by `dpprobe extract`")
+    p.add_argument("--epsilons", type=_numbers,
+                   help="target epsilons, comma-separated (default 0.5,1,2,4,8); add inf for a "
+                   "non-private reference: the same recipe without noise, no guarantee")
+    p.add_argument("--delta", type=_number, help="target delta (default 1e-5)")
+    p.add_argument("--seeds", type=_integer,
+                   help="independent runs per config, each with fresh noise (default 3)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help="%(choices)s: update rule on the privatized gradient (default adam)")
+    p.add_argument("--steps", type=_integers,
+                   help="full-batch steps T, comma-separated to sweep (default 1)")
+    p.add_argument("--lr", dest="learning_rates", type=_numbers, metavar="LR",
+                   help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
+                   "sgd and momentum 1)")
+    _model(p)
+    p.add_argument("--bias-init", type=_number,
+                   help="initial bias (default 0 for softmax, -10 for sigmoid)")
+    p.add_argument("--accountant", choices=ACCOUNTANTS,
+                   help="privacy accountant (default pld, tight)")
+    p.add_argument("--sampling-probability", "-q", type=_number,
+                   help="Poisson sampling rate q; q < 1 trains masked DP-SGD on Poisson-"
+                   "sampled minibatches (Beltran et al.) instead of full batch (default 1)")
+    p.add_argument("--physical-batch-size", type=_integer,
+                   help="rows per compiled kernel call with q < 1 (default 256)")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument("--stream", action="store_true",
+                        help="stream the train split from disk chunk by chunk (default: when "
+                        "it exceeds a quarter of RAM as float32)")
+    stream.add_argument("--in-memory", dest="stream", action="store_false",
+                        help="load the train split into memory")
+    p.add_argument("--devices", type=_integer,
+                   help="shard rows over this many local devices (data parallel)")
+    p.add_argument("--out", help="write results JSON here")
+    p.add_argument("--csv", help="write one CSV row per run here")
+    p.add_argument("--plot", help="write a PNG of accuracy vs epsilon here")
+    p.add_argument("--diagnostics", metavar="PATH",
+                   help="write exact statistics of the private data (clipped fractions, batch "
+                   "sizes, data fingerprint) to this local file for debugging: not DP, never "
+                   "share it")
+    p.add_argument("--quiet", action="store_true", help="print only the table")
+
+
+def tune(p) -> None:
+    from pipelines.search import SEARCHES, SELECTIONS
+
+    p.add_argument("store", help="feature store written by `dpprobe extract`")
+    p.add_argument("--epsilon", type=_number, required=True,
+                   help="total epsilon, tuning included")
+    p.add_argument("--delta", type=_number, help="delta (default 1e-5)")
+    p.add_argument("--eps0", type=_number,
+                   help="budget of the first search stage (default epsilon/20)")
+    p.add_argument("--eps1", type=_number,
+                   help="budget of the second search stage (default epsilon/10)")
+    p.add_argument("--trials", type=_integer, help="trials per stage (default 5)")
+    p.add_argument("--search", choices=SEARCHES,
+                   help="random (log-uniform) or grid search over r (default random)")
+    p.add_argument("--r-min", dest="r_range", type=_number, action=_RangeEnd, end=0,
+                   help="smallest r of stage 0 (default 1)")
+    p.add_argument("--r-max", dest="r_range", type=_number, action=_RangeEnd, end=1,
+                   help="largest r of stage 0 (default 1000)")
+    p.add_argument("--steps-choices", type=_integers,
+                   help="T values r is decomposed over, lr = r / T (default 25,50,100)")
+    p.add_argument("--final-steps", type=_integer,
+                   help="T of the final run (default: the largest --steps-choices)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help="%(choices)s: update rule (default momentum 0.9, as Panda et al.)")
+    _model(p)
+    p.add_argument("--selection", choices=[s for s in SELECTIONS if s != "public"],
+                   help="how trials are scored, privately: noisy correct counts on the training "
+                   "data, paid from --eps-select (train, default), or on a held-out part of train "
+                   "that composes in parallel (holdout)")
+    p.add_argument("--eps-select", type=_number,
+                   help="budget of the noisy selection counts with --selection train "
+                   "(default epsilon/20)")
+    p.add_argument("--validation-fraction", type=_number,
+                   help="share of train held out with --selection holdout (default 0.1)")
+    p.add_argument("--public-validation", metavar="npz:PATH",
+                   help="score trials exactly on this PUBLIC validation set (features in the "
+                   "store's feature space, labels): costs no privacy")
+    p.add_argument("--seed", type=_integer,
+                   help="seed the r proposals and the holdout split (never the noise, which "
+                   "always draws from OS entropy; the seed is not written to results)")
+    p.add_argument("--out", help="write results JSON (with the ledger) here")
+    p.add_argument("--model", help="write the final probe (w, b) as .npz here")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def account(p) -> None:
+    from accounting import ACCOUNTANTS
+
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--epsilon", type=_number, help="target epsilon: print sigma")
+    group.add_argument("--noise-multiplier", "--sigma", type=_number, dest="noise_multiplier",
+                       help="noise multiplier: print epsilon")
+    p.add_argument("--delta", type=_number, help="delta (default 1e-5)")
+    p.add_argument("--steps", type=_integer, help="number of steps T (default 1)")
+    p.add_argument("--sampling-probability", "-q", type=_number,
+                   help="Poisson sampling rate q (default 1: full batch)")
+    p.add_argument("--accountant", choices=ACCOUNTANTS, help="privacy accountant (default pld)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def demo(p) -> None:
+    p.add_argument("--out", dest="out_dir", help="output directory (default runs/demo)")
+    p.add_argument("--data", choices=DEMO_DATA,
+                   help="force a dataset (default: fashion-mnist if installed, else digits)")
+    p.add_argument("--seeds", type=_integer, help="seeds per epsilon (default 3)")
+    p.add_argument("--quiet", dest="progress", action="store_false")
+
+
+# The parser texts of each command (help, description, epilog).
+TEXTS = {
+    "extract": dict(
+        help="run a frozen backbone over a dataset into a Zarr feature store",
+        description="Embed a dataset with a frozen backbone and write STORE/{train,test}. "
+        "Rerunning an interrupted command resumes from the last complete chunk.",
+        epilog="Data specs: fashion-mnist, digits, npz:PATH (images, labels), "
+        "imagefolder:PATH (one folder per class), cifar10:PATH, cifar100:PATH. "
+        "Backbones: any timm model name (optionally .tag), scatternet, or none (npz:PATH "
+        "holding features and labels).",
+    ),
+    "probe": dict(
+        allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
+        help="train DP linear probes on a feature store over a sweep of epsilons",
+        description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
+        "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
+        epilog=EPILOG,
+    ),
+    "tune": dict(
+        allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
+        help="private hyperparameter search (linear scaling rule) + final probe",
+        description="Panda et al.'s linear scaling rule: search r = lr x T at budgets eps0 "
+        "and eps1, fit r = alpha * epsilon + b, extrapolate, train the final full-batch "
+        "DP-SGD probe with the remaining budget. The total epsilon includes every trial.",
+        epilog=EPILOG,
+    ),
+    "account": dict(
+        help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
+        description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
+        epilog=EPILOG,
+    ),
+    "verify": dict(
+        help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
+        description="Reads every chunk: reports missing or incomplete splits, shape and dtype "
+        "mismatches, NaN/Inf, labels out of range, and chunks whose sha256 differs from the "
+        "one recorded when they were written. Exit status 1 if anything is wrong.",
+    ),
+    "info": dict(
+        help="print a feature store's provenance",
+        description="Backbone, weights, preprocessing, dataset fingerprint, shapes and "
+        "completion of every split.",
+    ),
+    "demo": dict(
+        help="extract the embedded default data and run the epsilon sweep",
+        description="Fashion-MNIST (Debian's dataset-fashion-mnist) or, when absent, "
+        "scikit-learn digits -> ScatterNet features -> full-batch DP-SGD with momentum "
+        "(T=20) over epsilon in {0.5, 1, 2, 4, 8, inf}, delta 1e-5, 3 seeds.",
+        epilog=EPILOG,
+    ),
+}

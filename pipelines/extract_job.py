@@ -1,0 +1,183 @@
+"""The extract job: a frozen backbone over a data source into a feature store, locally, as one
+shard of a multi-process job, or as Ray tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import extract
+from pipelines import config as cfg
+from pipelines import preflight
+from pipelines.reporting import log
+
+__all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractConfig:
+    """What `run_extract` does; `dpprobe extract --help` explains each option.
+
+    Sources with their own splits (fashion-mnist, digits, cifar) write both unless `split`
+    names one; single-split sources (npz, imagefolder) write the split named by `split`
+    (default "train") into a new or existing store. `shard=(k, n)` extracts one shard;
+    `ray=True` runs the shards as Ray tasks (see `run_extract_ray`). `num_classes` declares
+    the class count of a source without class names (an npz without `class_names`).
+    """
+
+    backbone: str
+    data: str
+    out: str
+    split: str | None = None
+    data_dir: str | None = None
+    weights: str | None = None
+    random_init: bool = False
+    seed: int = 0
+    resize: int | None = None
+    crop: int | None = None
+    batch_size: int = 256
+    dtype: str = "float16"
+    device: str | None = None
+    rows_per_chunk: int | None = None
+    overwrite: bool = False
+    progress: bool = True
+    num_workers: int | None = None
+    amp: str | None = "auto"
+    channels_last: bool = False
+    compile: bool = False
+    shard: tuple[int, int] | None = None
+    views: int | None = None
+    augment: tuple[str, ...] = ()
+    augment_seed: int = 0
+    ray: bool = False
+    ray_address: str | None = None
+    ray_shards: int | None = None
+    num_classes: int | None = None
+
+    def __post_init__(self):
+        cfg.freeze(self, augment=tuple(self.augment),
+                   shard=None if self.shard is None else tuple(self.shard))
+        cfg.check_int("seed", self.seed, 0)
+        cfg.check_int("augment_seed", self.augment_seed, 0)
+        cfg.check_int("batch_size", self.batch_size)
+        for name in ("resize", "crop", "rows_per_chunk", "views", "ray_shards", "num_classes"):
+            if getattr(self, name) is not None:
+                cfg.check_int(name, getattr(self, name))
+        if self.num_workers is not None:
+            cfg.check_int("num_workers", self.num_workers, 0)
+        if self.shard is not None:
+            index, count = self.shard
+            if not (count >= 1 and 0 <= index < count):
+                raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
+        if self.views is not None and self.views > 1 and not self.augment:
+            raise ValueError(f"--views {self.views} without --augment would store identical "
+                             "views; add --augment flip,crop")
+        if self.augment and self.views is None:
+            raise ValueError("--augment needs --views K (K augmented views per example)")
+        if self.ray and self.shard is not None:
+            raise ValueError("--ray launches the shards itself; drop --shard")
+        if (self.ray_shards is not None or self.ray_address) and not self.ray:
+            raise ValueError("--ray-shards/--ray-address need --ray")
+        if self.weights is not None and self.random_init:
+            raise ValueError("--weights and --random-init exclude each other")
+
+
+def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
+    """Extract embeddings of a data source into the feature store `config.out`.
+
+    Takes an `ExtractConfig`, or its fields as keywords. `out` must be a new path or a dpprobe
+    store: anything else is refused before any work. Returns one `ExtractReport` per split.
+    """
+    config = cfg.make_config(ExtractConfig, config, None, **options)
+    extract.check_out_path(config.out)
+    if config.ray:
+        preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
+        return run_extract_ray(config)
+    return _extract_local(config, shard=config.shard)
+
+
+def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
+    """The calls into `extract`: open the data and the backbone, then extract every split (or
+    create it, empty) and return their reports."""
+    precomputed = config.backbone == "none"
+    splits = extract.open_source(config.data, split=config.split, data_dir=config.data_dir,
+                                 precomputed=precomputed, num_classes=config.num_classes)
+    model = None
+    if not precomputed:
+        model = extract.create_backbone(
+            config.backbone, weights=config.weights, random_init=config.random_init,
+            seed=config.seed, resize=config.resize, crop=config.crop, device=config.device,
+        )
+    return [
+        extract.extract_split(
+            data_split, model, config.out, split_name=name, batch_size=config.batch_size,
+            dtype=config.dtype, rows_per_chunk=config.rows_per_chunk,
+            overwrite=config.overwrite, progress=config.progress and not only_create,
+            num_workers=config.num_workers, amp=config.amp,
+            channels_last=config.channels_last, compile=config.compile, shard=shard,
+            views=config.views, augment=config.augment, augment_seed=config.augment_seed,
+            create_only=only_create,
+        )
+        for name, data_split in splits.items()
+    ]
+
+
+def _extract_local(config: ExtractConfig, *, shard=None) -> list:
+    """Extract every split (one shard of each with `shard`), saying how each one ended."""
+    reports = _extract_splits(config, shard=shard, only_create=False)
+    for report in reports:
+        state = "complete" if report.complete else "INCOMPLETE"
+        if shard is not None and not report.complete:
+            state = "shard done; the split completes when every shard has run"
+        log(f"{config.out}/{report.split}: {report.num_examples} x {report.feature_shape} "
+            f"({config.dtype}), {report.chunks_written}/{report.num_chunks} chunks written"
+            f"{' (resumed)' if report.resumed else ''}"
+            f"{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}",
+            quiet=not config.progress)
+    return reports
+
+
+def _ray_shard(config: ExtractConfig, shard: tuple[int, int]) -> list:
+    """One Ray task: extract one shard of every split (re-opening data and backbone there)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _extract_local(dataclasses.replace(config, progress=False, overwrite=False),
+                          shard=shard)
+
+
+def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
+    """Extract with one Ray task per shard (one per GPU when the cluster has GPUs).
+
+    The driver creates the store's splits first (so shards never race to create them), then
+    every task fills its chunk-aligned shard of each split in the same store, a shared
+    filesystem path or fsspec URL that every node can reach. Finished chunks are never
+    redone, so rerunning after a failure resumes. `config.ray_address` names the cluster and
+    `config.ray_shards` the number of shards (default: one per GPU, else per CPU).
+    """
+    import ray
+
+    config = cfg.make_config(ExtractConfig, config, None, **options)
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    shards = config.ray_shards or max(1, gpus or int(resources.get("CPU", 1)))
+    log(f"ray: {shards} shards on {resources}", not config.progress)
+    # 1. Create every split (and validate the job) once, on the driver.
+    created = _extract_splits(config, shard=None, only_create=True)
+    # 2. One task per shard.
+    task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_shard)
+    results = ray.get([task.remote(config, (k, shards)) for k in range(shards)])
+    # 3. Mark complete what is complete (the last shard usually already did); no need to load
+    #    the data or the backbone again for that.
+    reports = []
+    for report in created:
+        written = sum(r.chunks_written for shard in results for r in shard
+                      if r.split == report.split)
+        complete = extract.finalize_split(config.out, report.split)
+        reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
+        log(f"{config.out}/{report.split}: {report.num_examples} x {report.feature_shape}, "
+            f"{written}/{report.num_chunks} chunks written by {shards} Ray tasks, "
+            f"{'complete' if complete else 'INCOMPLETE'}", not config.progress)
+    return reports

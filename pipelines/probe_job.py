@@ -1,0 +1,353 @@
+"""The probe job: a sweep of DP linear probes over epsilons x steps x learning rates x seeds on a
+feature store, trained in one program, evaluated on the test split, recorded with its ledger."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import time
+
+import numpy as np
+
+import accounting
+import extract
+from pipelines import config as cfg
+from pipelines import preflight, records, reporting
+from pipelines.reporting import log
+
+__all__ = ["CSV_COLUMNS", "MAX_RUNS", "ProbeConfig", "run_probe"]
+
+# Runs of one sweep (their weights, optimizer state and gradients live together in memory).
+MAX_RUNS = 100_000
+
+CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
+               "sampling_probability", "optimizer", "learning_rate", "replicate",
+               "test_accuracy", "test_top5_accuracy", "accountant", "neighboring_relation",
+               "guarantee")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    """What `run_probe` does; `dpprobe probe --help` explains each option.
+
+    Full batch by default: T steps of the Gaussian mechanism on the clipped gradient sum. With
+    `sampling_probability` q < 1, masked DP-SGD with Poisson subsampling (Beltran et al.).
+    `math.inf` in `epsilons` trains a non-private reference (no noise, no guarantee).
+
+    Attributes:
+      stream: stream the train split from disk chunk by chunk (None: when it would take more
+        than a quarter of the machine's memory as float32).
+      devices: shard rows over this many local devices (default 1).
+      groups: groups of `normalization="group"` (None: 1; given, it needs that normalization).
+      out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
+        outputs and public inputs only, see `pipelines.records`).
+      diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
+        sizes, the data fingerprint) to this local file, for debugging; never share it.
+    """
+
+    store: str
+    epsilons: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    delta: float = 1e-5
+    seeds: int = 3
+    optimizer: str = "adam"
+    steps: tuple[int, ...] = (1,)
+    learning_rates: tuple[float, ...] | None = None
+    loss: str = "softmax"
+    clip_norm: float = 1.0
+    accountant: str = "pld"
+    normalization: str = "none"
+    groups: int | None = None
+    bias_init: float | None = None
+    sampling_probability: float = 1.0
+    physical_batch_size: int = 256
+    stream: bool | None = None
+    devices: int | None = None
+    out: str | None = None
+    csv: str | None = None
+    plot: str | None = None
+    diagnostics: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self):
+        cfg.freeze(
+            self, store=str(self.store),
+            epsilons=cfg.check_epsilons("epsilons", self.epsilons),
+            delta=cfg.check_delta("delta", self.delta),
+            steps=cfg.check_ints("steps", self.steps),
+            learning_rates=check_learning_rates(self.learning_rates),
+            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
+            sampling_probability=cfg.check_number("sampling_probability",
+                                                  self.sampling_probability, 0, 1),
+        )
+        cfg.check_int("seeds", self.seeds)
+        cfg.check_int("physical_batch_size", self.physical_batch_size)
+        cfg.check_groups(self.groups, self.normalization)
+        if self.bias_init is not None:
+            cfg.check_number("bias_init", self.bias_init)
+        if self.devices is not None:
+            cfg.check_int("devices", self.devices)
+        runs = (len(self.epsilons) * len(self.steps) * len(self.learning_rates or [None])
+                * self.seeds)
+        if runs > MAX_RUNS:
+            raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x "
+                             f"--seeds); at most {MAX_RUNS} train in one program: use fewer "
+                             "--seeds")
+
+
+def check_learning_rates(values) -> tuple[float, ...] | None:
+    """None (the optimizer's default), or finite learning rates > 0."""
+    if values is None:
+        return None
+    values = tuple(float(v) for v in values)
+    if not values or any(not 0 < v < math.inf for v in values):
+        raise cfg.ConfigError("learning_rates", f"expected finite numbers > 0, got "
+                              f"{','.join(f'{v:g}' for v in values)}")
+    return values
+
+
+def run_probe(config: ProbeConfig | str, /, **options) -> dict:
+    """Sweep DP linear probes on a store: `run_probe(ProbeConfig(...))`, or
+    `run_probe(store, epsilons=..., delta=..., ...)` with the config's fields as keywords.
+
+    Noise multipliers are calibrated to (epsilon, delta) for zero-out neighbours (N public), and
+    each run's `epsilon_spent` is computed from its `DpEvent` by `accountant`. Noise keys and
+    batch sampling always draw from OS entropy.
+
+    Returns:
+      The results dict (also written to `out` as JSON when given).
+    """
+    config = cfg.make_config(ProbeConfig, config, "store", **options)
+    preflight.check_probe_job(config)
+    start = time.perf_counter()
+    store, quiet = config.store, config.quiet
+    train_attrs, test_attrs = _split_attrs(store)
+    num_examples = int(train_attrs["num_examples"])
+    dim = int(train_attrs["feature_shape"][-1])
+    stream = config.stream
+    if stream is None:
+        stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
+    if stream and config.sampling_probability < 1.0:
+        raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    if config.devices and config.devices > 1 and (stream or config.sampling_probability < 1.0):
+        raise ValueError("--devices shards in-memory full-batch training; it does not combine "
+                         "with --stream or -q < 1")
+    test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
+    test_in_memory = not stream and not _too_big_for_memory(test_bytes)
+    train_x, train_y, test_chunks = _read_splits(store, stream=stream,
+                                                 test_in_memory=test_in_memory)
+    import probe  # already imported by `_read_splits`, while it read
+
+    delta, accountant = config.delta, config.accountant
+    learning_rates = config.learning_rates or (probe.DEFAULT_LEARNING_RATES[config.optimizer],)
+    num_classes = records.declared_num_classes(train_attrs, test_attrs)
+    if delta >= 1.0 / num_examples:
+        log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
+            "a meaningful guarantee usually needs delta << 1/N", quiet)
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
+                           bias_init=config.bias_init, normalization=config.normalization,
+                           groups=config.groups or 1)
+
+    # Calibrate the noise of each (epsilon, T). epsilon = inf is the same recipe without noise
+    # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
+    plans = {}
+    for epsilon, num_steps in itertools.product(config.epsilons, config.steps):
+        sigma = accounting.calibrate_noise_multiplier(
+            epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
+            accountant=accountant,
+        )
+        plans[epsilon, num_steps] = accounting.DpPlan(sigma, num_steps,
+                                                      config.sampling_probability,
+                                                      config.clip_norm)
+
+    # Train every config in one program, then test.
+    grid = list(itertools.product(config.epsilons, config.steps, learning_rates,
+                                  range(config.seeds)))
+    runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
+    result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
+                                              stream=stream, num_examples=num_examples, dim=dim)
+
+    # Record: DP outputs and public inputs only (pipelines.records).
+    run_records = [_run_record(config, e, plans[e, t], lr, k, metrics, i)
+                   for i, (e, t, lr, k) in enumerate(grid)]
+    # Every run touched the same training data: choosing among them, or reporting a summary of
+    # several, spends their composition. The summary rows say what each aggregate costs.
+    ledger = accounting.PrivacyLedger()
+    for (epsilon, num_steps, lr, replicate), run in zip(grid, runs, strict=True):
+        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} replicate={replicate}",
+                      run.plan, role="private" if run.plan.is_private else "non-private reference")
+    summary = reporting.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
+                                       ("test_accuracy", "test_top5_accuracy"))
+    for row in summary:
+        row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
+                                               row["num_seeds"], delta, accountant)
+    q = config.sampling_probability
+    results = records.header("probe", store, train_attrs, test_attrs) | {
+        "wall_seconds": time.perf_counter() - start,
+        "probe": spec.to_dict() | {"driver": driver},
+        "privacy": {
+            "delta": delta,
+            "accountant": accountant,
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "dataset_size_public": True,
+            "sampling": "full batch (q = 1)" if q == 1.0 else f"Poisson, q = {q:g}",
+            "non_private_reference": any(not p.is_private for p in plans.values()),
+        } | records.randomness(None, ""),
+        "num_train": num_examples,
+        "num_test": int(test_attrs["num_examples"]),
+        "runs": run_records,
+        "summary": summary,
+        "ledger": ledger.to_dict(delta, accountant) | {
+            "note": "each run alone is (epsilon_spent, delta)-DP; a summary row over seeds costs "
+                    "epsilon_row (its runs composed); selecting among the runs by their results "
+                    "spends the composition of all of them (epsilon)"},
+    }
+    if config.diagnostics:
+        _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+    if config.out:
+        reporting.write_json(config.out, results)
+    if config.csv:
+        reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+    if config.plot:
+        reporting.plot_accuracy(summary, config.plot, title=reporting.plot_title(results))
+    results["wall_seconds"] = time.perf_counter() - start
+    return results
+
+
+def _split_attrs(store) -> tuple[dict, dict]:
+    """The attributes of the train and test splits (both must be complete)."""
+    local = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
+    if all(local.values()):
+        train_attrs, test_attrs = local["train"], local["test"]
+    else:  # or the error that says what is wrong
+        train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs)
+                                   for s in ("train", "test"))
+    if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
+        raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
+                         f"vs {test_attrs['feature_shape']}")
+    return train_attrs, test_attrs
+
+
+def _read_splits(store, *, stream: bool, test_in_memory: bool):
+    """The store reads of the probe job: (train features or None when streamed, train labels,
+    test chunks or None when streamed), read while JAX is imported.
+
+    `import probe` is the first JAX import, so `dpprobe extract` never pays for it; Zarr
+    decodes in its own threads meanwhile.
+    """
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dpprobe-read") as pool:
+        train_read = pool.submit(
+            _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
+            store, "train",
+        )
+        test_read = pool.submit(lambda: list(extract.iter_split_chunks(
+            store, "test", dtype=None))) if test_in_memory else None
+        import probe  # noqa: F401  (while the threads read)
+
+        if stream:
+            train_x, train_y = None, train_read.result()
+        else:
+            train_x, train_y, _ = train_read.result()
+        return train_x, train_y, test_read.result() if test_read else None
+
+
+def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chunks, *,
+                    stream: bool, num_examples: int, dim: int):
+    """The calls into `probe`: train every run with the driver the config asks for, evaluate on
+    the test chunks (streamed when None). Returns the `TrainResult`, the test metrics and the
+    driver's description."""
+    import probe
+
+    keys = probe.make_keys(len(runs))
+    progress = not config.quiet
+    if config.sampling_probability < 1.0:
+        driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "
+                  f"{config.physical_batch_size})")
+        flags = probe.PerformanceFlags(physical_batch_size=config.physical_batch_size)
+        result = probe.train_probe_poisson(train_x, train_y, runs, keys, spec, flags=flags,
+                                           progress=progress)
+    elif stream:
+        driver = "full batch, streamed from disk"
+        result = probe.train_probe_streaming(
+            lambda: extract.iter_split_chunks(config.store, "train", dtype=None), runs, keys,
+            spec, num_examples=num_examples, dim=dim, progress=progress,
+        )
+    else:
+        devices = config.devices
+        mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
+        driver = "full batch, in memory" + (f", rows sharded over {devices} devices"
+                                            if mesh else "")
+        result = probe.train_probe(train_x, train_y, runs, keys, spec,
+                                   flags=probe.PerformanceFlags(mesh=mesh), progress=progress)
+    if test_chunks is None:  # streamed
+        test_chunks = extract.iter_split_chunks(config.store, "test", dtype=None)
+    metrics = probe.evaluate_chunks(result.params, test_chunks,
+                                    normalization=spec.normalization, groups=spec.groups)
+    return result, metrics, driver
+
+
+def _run_record(config: ProbeConfig, epsilon: float, plan, lr: float, replicate: int, metrics,
+                i: int) -> dict:
+    """One run's results: DP outputs and public inputs only."""
+    delta, accountant = config.delta, config.accountant
+    return {
+        "epsilon": epsilon,
+        "epsilon_spent": plan.epsilon(delta, accountant),
+        "delta": delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "clip_norm": plan.clip_norm,
+        "steps": plan.steps,
+        "sampling_probability": plan.sampling_probability,
+        "optimizer": config.optimizer,
+        "learning_rate": lr,
+        "replicate": replicate,
+        "test_accuracy": float(metrics["top1"][i]),
+        "test_top5_accuracy": float(metrics["top5"][i]),
+        "per_class_accuracy": metrics["per_class"][i].tolist(),
+        "accountant": accountant,
+        "neighboring_relation": accounting.NEIGHBORING_RELATION,
+        "guarantee": ("none: non-private reference" if not plan.is_private else
+                      f"({plan.epsilon(delta, accountant):.4g}, {delta:g})-DP alone"),
+        "dp_event": accounting.event_to_dict(plan.dp_event()),
+    }
+
+
+def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
+    """Epsilon of `count` runs of `plan` on the same data, composed (what a mean over seeds
+    costs)."""
+    ledger = accounting.PrivacyLedger()
+    for _ in range(count):
+        ledger.record("run", plan)
+    return ledger.epsilon(delta, accountant)
+
+
+def _write_diagnostics(path, grid, result, train_attrs) -> None:
+    """Exact statistics of the private data, for local debugging only (never published)."""
+    batch_sizes = result.batch_sizes
+    reporting.write_json(path, {
+        "warning": records.DIAGNOSTICS_WARNING,
+        "dpprobe_version": records.VERSION,
+        "created": records.now(),
+        "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
+        "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
+                  "clipped_fraction": float(result.clipped_fraction[i]),
+                  **({"batch_sizes": batch_sizes[:t, i].tolist()} if batch_sizes is not None
+                     else {})}
+                 for i, (e, t, lr, k) in enumerate(grid)],
+    })
+
+
+def _too_big_for_memory(num_bytes: int) -> bool:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return False
+    return num_bytes > total // 4
+
+
+def _stored_labels(store, split) -> np.ndarray:
+    return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)

@@ -1,0 +1,93 @@
+"""The jobs that read a feature store's own records: verify (every chunk, optionally against
+the source data) and info (provenance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import extract
+from pipelines import config as cfg
+from pipelines import reporting
+
+__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """The store to verify; `data` (with `data_dir` for fashion-mnist) re-fingerprints a data
+    spec and compares it with the recorded one."""
+
+    store: str
+    data: str | None = None
+    data_dir: str | None = None
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoConfig:
+    """The store whose provenance to show."""
+
+    store: str
+
+
+def verify(config: VerifyConfig | str, /, **options) -> extract.VerifyReport:
+    """`extract.verify_store`, optionally re-fingerprinting the source data.
+
+    Takes a `VerifyConfig`, or the store and the config's other fields as keywords. A source
+    with its own splits (fashion-mnist, digits, cifar) is compared split by split. A
+    single-split source (npz, imagefolder) is compared with the split it was extracted into:
+    the one that recorded this data spec, else the one whose fingerprint it matches.
+    """
+    config = cfg.make_config(VerifyConfig, config, "store", **options)
+    fingerprints, extra_problems = None, []
+    if config.data:
+        fingerprints, extra_problems = _source_fingerprints(config)
+    bar = None
+    if config.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(unit="chunk", desc="verify", file=sys.stderr, dynamic_ncols=True,
+                   leave=False)
+
+    def tick(split, chunk, total):
+        if bar is not None:
+            bar.set_description(f"verify {split}")
+            bar.update(1)
+
+    try:
+        report = extract.verify_store(config.store, fingerprints=fingerprints, progress=tick)
+    finally:
+        if bar is not None:
+            bar.close()
+    report.problems.extend(extra_problems)
+    return report
+
+
+def _source_fingerprints(config: VerifyConfig) -> tuple[dict, list[str]]:
+    """{split: fingerprint of the source data it should hold}, and the problems found."""
+    data = config.data
+    recorded = extract.store_summary(config.store)["splits"]
+    precomputed = any((a.get("backbone") or {}).get("name") == "none" for a in recorded.values())
+    kind, _ = extract.parse_data_spec(data)
+    num_classes = next((len(a["class_names"]) for a in recorded.values()
+                        if a.get("class_names") and kind == "npz"), None)
+    splits = extract.open_source(data, data_dir=config.data_dir, split=None,
+                                 precomputed=precomputed, num_classes=num_classes)
+    if kind not in ("npz", "imagefolder"):
+        return {name: one.fingerprint for name, one in splits.items()}, []
+    (one,) = splits.values()
+    spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec") == data]
+    print_match = [n for n, a in recorded.items()
+                   if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
+    target = (print_match or spec_match or [None])[0]
+    if target is None:
+        return {}, [f"--data {data} matches no split of the store (its fingerprint "
+                    f"{one.fingerprint} is recorded by none of {sorted(recorded)})"]
+    return {target: one.fingerprint}, []
+
+
+def store_info(config: InfoConfig | str, /) -> str:
+    """The provenance of a store, for people."""
+    store = config.store if isinstance(config, InfoConfig) else config
+    return reporting.format_store_info(store, extract.store_summary(store))

@@ -1,0 +1,346 @@
+"""The tune job: private hyperparameter search with the linear scaling rule on a feature store
+(`pipelines.search` holds the algorithm), then the final probe, with the ledger of the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+import accounting
+import extract
+from pipelines import config as cfg
+from pipelines import preflight, records, reporting, search
+from pipelines.files import atomic_write_bytes
+from pipelines.reporting import log
+
+__all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation", "run_tune"]
+
+SCORING = {
+    "train": "noisy correct counts on the training data (Gaussian, sensitivity 1), composed "
+             "with training",
+    "holdout": "noisy correct counts on a held-out validation part (Gaussian, sensitivity 1); "
+               "the parts compose in parallel",
+    "public": "exact accuracy on a validation set declared public by the user",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    """What `run_tune` and `linear_scaling_search` do; `dpprobe tune --help` explains each.
+
+    Attributes:
+      store: feature store with complete train and test splits.
+      epsilon, delta: the total budget of the job, tuning and selection included.
+      eps0, eps1: budgets of the two search stages (default epsilon/20 and epsilon/10).
+      eps_select: budget of the noisy selection counts of both stages with selection "train"
+        (default epsilon/20).
+      trials: trials per stage.
+      search: "random" (log-uniform r) or "grid" (geometric grid of r).
+      r_range: range of r for the first stage.
+      steps_choices: T values a trial's r is decomposed over (lr = r / T).
+      final_steps: T of the final run (default: the largest of `steps_choices`).
+      optimizer: update rule (Panda et al.: "momentum", 0.9).
+      clip_norm, loss, normalization, groups: as for `run_probe`.
+      selection: "train" (default), "holdout" or "public" (the default with a
+        `public_validation`), see `pipelines.search`.
+      validation_fraction: share of train held out with selection "holdout".
+      public_validation: `npz:PATH` or (features, labels), public.
+      seed: drives only data-independent randomness: the r proposals and the holdout split.
+        Noise and counts always draw from OS entropy.
+      out, model: write results JSON, and the final probe as npz (`run_tune` only).
+    """
+
+    store: str
+    epsilon: float
+    delta: float = 1e-5
+    eps0: float | None = None
+    eps1: float | None = None
+    eps_select: float | None = None
+    trials: int = 5
+    search: str = "random"
+    r_range: tuple[float, float] = (1.0, 1000.0)
+    steps_choices: tuple[int, ...] = (25, 50, 100)
+    final_steps: int | None = None
+    optimizer: str = "momentum"
+    loss: str = "softmax"
+    clip_norm: float = 1.0
+    normalization: str = "none"
+    groups: int | None = None
+    selection: str | None = None
+    validation_fraction: float = 0.1
+    public_validation: str | tuple[np.ndarray, np.ndarray] | None = None
+    seed: int | None = None
+    out: str | None = None
+    model: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self):
+        epsilon = cfg.check_epsilon("epsilon", self.epsilon, allow_inf=False)
+        selection = self.selection
+        if self.public_validation is not None:
+            if selection not in (None, "public"):
+                raise ValueError(f"--public-validation scores trials exactly on public data; it "
+                                 f"does not combine with --selection {selection}")
+            selection = "public"
+        elif selection == "public":
+            raise ValueError("selection 'public' needs a public validation set "
+                             "(--public-validation)")
+        selection = selection or "train"
+        if selection not in search.SELECTIONS:
+            raise cfg.ConfigError("selection", f"must be one of {search.SELECTIONS}, got "
+                                  f"{selection!r}")
+        eps_select = self.eps_select
+        if selection == "train":
+            eps_select = epsilon / 20 if eps_select is None else eps_select
+        elif eps_select is not None:
+            raise ValueError(f"--eps-select applies to --selection train, not {selection}")
+        budgets = {"eps0": epsilon / 20 if self.eps0 is None else self.eps0,
+                   "eps1": epsilon / 10 if self.eps1 is None else self.eps1}
+        if eps_select is not None:
+            budgets["eps_select"] = eps_select
+        budgets = {k: cfg.check_number(k, v, 0) for k, v in budgets.items()}
+        budgets.setdefault("eps_select", None)
+        low, high = (cfg.check_number("r_range", r, 0) for r in self.r_range)
+        if not low < high:
+            raise ValueError(f"--r-min ({low:g}) must be below --r-max ({high:g})")
+        cfg.freeze(self, store=str(self.store), epsilon=epsilon,
+                   delta=cfg.check_delta("delta", self.delta), selection=selection,
+                   **budgets, r_range=(low, high),
+                   steps_choices=cfg.check_ints("steps_choices", self.steps_choices),
+                   clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
+                   validation_fraction=cfg.check_number(
+                       "validation_fraction", self.validation_fraction, 0, 1, high_open=True))
+        cfg.check_int("trials", self.trials)
+        if self.final_steps is not None:
+            cfg.check_int("final_steps", self.final_steps, 1, cfg.MAX_STEPS)
+        cfg.check_groups(self.groups, self.normalization)
+        if self.search not in search.SEARCHES:
+            raise cfg.ConfigError("search", f"must be one of {search.SEARCHES}, got "
+                                  f"{self.search!r}")
+        # Fails fast when the search budgets leave nothing for the final run.
+        search.budget_split(self.epsilon, self.delta, self.eps0, self.eps1, self.eps_select)
+
+
+def run_tune(config: TuneConfig | str, /, **options) -> dict:
+    """`linear_scaling_search` on a store; writes results JSON (and the model as npz).
+
+    Takes a `TuneConfig`, or the store and the config's fields as keywords.
+    """
+    config = cfg.make_config(TuneConfig, config, "store", **options)
+    preflight.check_tune_job(config)
+    results = linear_scaling_search(config)
+    params = results.pop("params")
+    if config.model:
+        buffer = io.BytesIO()
+        np.savez(buffer, w=params["w"][0], b=params["b"][0])
+        atomic_write_bytes(config.model, buffer.getvalue())
+        results["model_file"] = str(config.model)
+    if config.out:
+        reporting.write_json(config.out, results)
+    results["params"] = params
+    return results
+
+
+def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None,
+                          delta: float | None = None, /, **options) -> dict:
+    """Tune r = lr x T privately with the linear scaling rule, then train the final probe.
+
+    `linear_scaling_search(TuneConfig(...))`, or `linear_scaling_search(store, epsilon, delta,
+    ...)` with the config's other fields as keywords.
+
+    Returns:
+      A results dict: the chosen (lr, T, r), the fitted line, every trial with its (noisy)
+      score, the final test accuracy and the ledger (its composition is the job's epsilon);
+      plus "params", the final probe.
+    """
+    if not isinstance(config, TuneConfig):
+        options |= {"epsilon": epsilon} if epsilon is not None else {}
+        options |= {"delta": delta} if delta is not None else {}
+    config = cfg.make_config(TuneConfig, config, "store", **options)
+    start_time = time.perf_counter()
+    epsilon, delta, selection, quiet = config.epsilon, config.delta, config.selection, config.quiet
+    budget = search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select)
+
+    # Load the store; choose what trains and what scores.
+    x, y, train_attrs = extract.load_split(config.store, "train", dtype=None)
+    test_x, test_y, test_attrs = extract.load_split(config.store, "test", dtype=None)
+    num_classes = records.declared_num_classes(train_attrs, test_attrs)
+    if delta >= 1.0 / len(y):
+        log(f"tune: warning: delta={delta:g} >= 1/N = {1 / len(y):.3g}; a meaningful "
+            "guarantee usually needs delta << 1/N", quiet)
+    rng = np.random.default_rng(config.seed)  # data-independent choices only
+    training_data, scored_data = "all", "all"
+    if selection == "holdout":
+        train_idx, val_idx = search._validation_split(len(y), config.validation_fraction, rng)
+        train_x, train_y, score_x, score_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+        training_data, scored_data = "train part", "validation part"
+    elif selection == "public":
+        train_x, train_y = x, y
+        public = config.public_validation
+        score_x, score_y = (load_public_validation(public, x.shape[-1])
+                            if isinstance(public, str) else public)
+    else:
+        train_x, train_y, score_x, score_y = x, y, x, y
+    if len(score_y) < 1000:
+        log(f"tune: warning: trials are scored on only {len(score_y)} examples; their "
+            "accuracies are coarse (noisy counts add more), so the choice of r may be poor",
+            quiet)
+    import probe
+
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
+                           normalization=config.normalization, groups=config.groups or 1)
+    # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
+    mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
+    count_sigma = math.sqrt(2 * config.trials) / mu_count if selection != "public" else 0.0
+
+    # Search: two stages; every trial and every count recorded in the ledger.
+    ledger = accounting.PrivacyLedger()
+
+    def run_stage(stage, settings, plans):
+        runs = [probe.RunSpec(p, t.learning_rate) for t, p in zip(settings, plans, strict=True)]
+        log(f"tune: stage {stage}, {len(runs)} trials, r in [{min(t.r for t in settings):.3g}, "
+            f"{max(t.r for t in settings):.3g}]", quiet)
+        params = _train(train_x, train_y, runs, spec, quiet)
+        counts = _correct_counts(params, score_x, score_y,
+                                 None if selection == "public" else count_sigma, spec)
+        if selection != "public":
+            ledger.record(f"stage{stage}-selection", accounting.DpPlan(count_sigma, len(runs)),
+                          role="selection", data=scored_data,
+                          mechanism="Gaussian noise on each trial's correct count "
+                                    "(sensitivity 1)")
+        return counts / len(score_y)
+
+    line = search.search_line(
+        run_stage, epsilon=epsilon, delta=delta, eps0=config.eps0, eps1=config.eps1,
+        trials=config.trials, r_range=config.r_range, steps_choices=config.steps_choices,
+        search=config.search, clip_norm=config.clip_norm, rng=rng, ledger=ledger,
+        eps_select=config.eps_select, training_data=training_data)
+
+    # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
+    # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
+    # how r splits into lr x T, so the final run takes the most steps (the best optimizer).
+    steps = config.final_steps or max(config.steps_choices)
+    sigma = math.sqrt(steps) / budget["mu_final"]
+    plan = accounting.DpPlan(sigma, steps, 1.0, config.clip_norm)
+    learning_rate = line["r_star"] / steps
+    ledger.record("final", plan, role="final", data=training_data, r=line["r_star"],
+                  learning_rate=learning_rate)
+    params = _train(train_x, train_y, [probe.RunSpec(plan, learning_rate)], spec, quiet)
+    metrics = _test(params, test_x, test_y, spec)  # test is public; its only use
+
+    # Record: DP outputs and public inputs only.
+    total = ledger.epsilon(delta)
+    return records.header("tune", config.store, train_attrs, test_attrs) | {
+        "probe": spec.to_dict(),
+        "method": "linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD",
+        "privacy": {
+            "epsilon_requested": epsilon,
+            "delta": delta,
+            "epsilon_total": total,
+            "accountant": "pld",
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "covers": "every record of the store's train split (tuning, selection and the "
+                      "final run included)",
+            "eps0": config.eps0,
+            "eps1": config.eps1,
+            "eps_select": config.eps_select,
+            "epsilon_final_alone": budget["epsilon_final"],
+        } | records.randomness(config.seed, "the r proposals" + (
+            " and the holdout split" if selection == "holdout" else "")),
+        "selection": {"kind": selection, "scoring": SCORING[selection],
+                      "count_noise_std": count_sigma if selection != "public" else None,
+                      "num_scored": int(len(score_y)),
+                      "num_trained": int(len(train_y))}
+        | ({"validation_fraction": config.validation_fraction} if selection == "holdout"
+           else {}),
+        "search": {"kind": config.search, "trials_per_stage": config.trials,
+                   "r_range": list(config.r_range), "steps_choices": list(config.steps_choices)},
+        "stages": _stage_records(line["stages"]),
+        "line": {"alpha": line["alpha"], "b": line["b"], "r_star": line["r_star"],
+                 "fallback_used": line["fallback"] is not None},
+        "chosen": {"r": line["r_star"], "learning_rate": learning_rate, "steps": steps,
+                   "noise_multiplier": sigma},
+        "final": {"test_accuracy": float(metrics["top1"][0]),
+                  "test_top5_accuracy": float(metrics["top5"][0]),
+                  "per_class_accuracy": metrics["per_class"][0].tolist(),
+                  "epsilon_alone": plan.epsilon(delta)},
+        "runs": [{"epsilon": total, "delta": delta, "noise_multiplier": sigma, "steps": steps,
+                  "optimizer": config.optimizer, "learning_rate": learning_rate,
+                  "test_accuracy": float(metrics["top1"][0]), "accountant": "pld",
+                  "includes_tuning": True}],
+        "ledger": ledger.to_dict(delta),
+        "params": params,
+        "wall_seconds": time.perf_counter() - start_time,
+    }
+
+
+# The calls into `probe`: training, the trials' scores, the final test.
+
+
+def _train(features, labels, runs: Sequence, spec, quiet: bool) -> dict:
+    """Train `runs` full batch (fresh OS-entropy keys); the stacked params."""
+    import probe
+
+    result = probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), spec,
+                               progress=not quiet)
+    return result.params
+
+
+def _correct_counts(params, features, labels, sigma: float | None, spec) -> np.ndarray:
+    """Each trial's correct count on the scored data, plus N(0, sigma^2); exact with sigma None
+    (public scoring)."""
+    import probe
+
+    kwargs = dict(normalization=spec.normalization, groups=spec.groups)
+    if sigma is None:
+        return probe.correct_counts(params, features, labels, **kwargs)
+    return probe.noisy_correct_counts(params, features, labels, sigma, **kwargs)
+
+
+def _test(params, features, labels, spec) -> dict:
+    """Test metrics of the final probe."""
+    import probe
+
+    return probe.evaluate(params, features, labels, normalization=spec.normalization,
+                          groups=spec.groups)
+
+
+def _stage_records(stages) -> list[dict]:
+    return [
+        {
+            "stage": index,
+            "epsilon_stage": stage.epsilon_stage,
+            "epsilon_per_trial": stage.epsilon_per_trial,
+            "best_r": stage.best_r,
+            "trials": [
+                {"r": t.r, "learning_rate": t.learning_rate, "steps": t.steps,
+                 "noise_multiplier": p.noise_multiplier, "score": float(s)}
+                for t, p, s in zip(stage.trials, stage.plans, stage.scores, strict=True)
+            ],
+        }
+        for index, stage in enumerate(stages)
+    ]
+
+
+def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
+    store's feature space: the same backbone and preprocessing) and `labels`."""
+    kind, _, path = spec.partition(":")
+    if kind != "npz" or not path:
+        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
+    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
+        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
+                         f"{labels.shape} do not fit the store's feature dim {dim}")
+    return features, labels.astype(np.int32)
