@@ -9,6 +9,7 @@ import math
 
 from accounting.gaussian import gaussian_noise_multiplier
 from accounting.plan import ACCOUNTANTS, Accountant, DpPlan
+from accounting.validation import check_delta, check_epsilon
 
 __all__ = ["calibrate_noise_multiplier", "check_tractable"]
 
@@ -35,7 +36,8 @@ def calibrate_noise_multiplier(
 
     Full batch with the PLD accountant is solved exactly: T composed Gaussians with noise
     multiplier sigma are (sqrt(T)/sigma)-GDP, so sigma = sqrt(T) * sigma_1(epsilon, delta)
-    (Panda et al. 2023, Cor. 2.2; dp_accounting's PLD composes Gaussians the same way).
+    (Panda et al. 2023, Cor. 2.2, https://arxiv.org/abs/2212.04486; dp_accounting's PLD
+    composes Gaussians the same way).
     Otherwise (Poisson sampling, or RDP) the accountant itself is inverted by a root search in
     log(sigma), started from a tight guess; the returned sigma always satisfies
     `DpPlan(sigma, steps, q).epsilon(delta, accountant) <= epsilon`.
@@ -50,10 +52,7 @@ def calibrate_noise_multiplier(
     Returns:
       The noise multiplier sigma (noise std / clip norm).
     """
-    if math.isnan(epsilon) or not epsilon > 0:
-        raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    epsilon, delta = check_epsilon(epsilon), check_delta(delta)
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     DpPlan(1.0, steps, sampling_probability)  # validates steps and q

@@ -13,6 +13,9 @@ Disjoint parts (parallel composition). An entry may name the part of the data it
 Under zero-out neighbours a record lies in exactly one part, so it is affected only by the
 entries on its part and those on all the data ("all"); the job's epsilon is the largest over
 parts of the composition of those entries.
+
+Reference: Panda et al. 2023, A New Linear Scaling Rule for Private Adaptive Hyperparameter
+Optimization: https://arxiv.org/abs/2212.04486
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from accounting.plan import (
     event_to_dict,
     gaussian_mu,
 )
+from accounting.validation import check_delta
 
 __all__ = ["LedgerEntry", "PrivacyLedger"]
 
@@ -93,6 +97,7 @@ class PrivacyLedger:
     def epsilon(self, delta: float, accountant: Accountant = "pld", role: str | None = None):
         """Epsilon of the job: the composition of the entries every record is affected by,
         maximized over the disjoint parts (tight with PLD)."""
+        delta = check_delta(delta)
         if not self.entries:
             return 0.0
         return max(compute_epsilon(self.composed_event(role, part), delta, accountant)
@@ -101,6 +106,7 @@ class PrivacyLedger:
     def basic_composition(self, delta: float) -> tuple[float, float]:
         """(max over parts of sum_i epsilon_i(delta / k), delta): the naive sum over the k
         entries a record is affected by."""
+        delta = check_delta(delta)
         if not self.entries:
             return 0.0, 0.0
         totals = []
@@ -119,6 +125,7 @@ class PrivacyLedger:
         return None if any(mu is None for mu in mus) else max(mus)
 
     def gdp_epsilon(self, delta: float) -> float | None:
+        delta = check_delta(delta)
         mu = self.gdp_mu()
         return None if mu is None else gdp_epsilon(mu, delta)
 

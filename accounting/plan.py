@@ -7,6 +7,14 @@ batch size qN), as Mehta et al. (2023) and Panda et al. (2023) do. Each example'
 gradient changes the noisy sum by at most `clip_norm`, the noise std is
 `noise_multiplier * clip_norm`. dp_accounting gives these events the same curves under
 add/remove-one, but dpprobe claims zero-out only: the jobs publish N.
+
+References:
+  Mehta et al. 2023, Towards Large Scale Transfer Learning for Differentially Private Image
+    Classification: https://arxiv.org/abs/2205.02973
+  Panda et al. 2023, A New Linear Scaling Rule for Private Adaptive Hyperparameter
+    Optimization: https://arxiv.org/abs/2212.04486
+  Kairouz et al. 2021, Practical and Private (Deep) Learning without Sampling or Shuffling
+    (zero-out neighbours, Def. 1.1): https://arxiv.org/abs/2103.00039
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from accounting.gaussian import gdp_epsilon
+from accounting.validation import check_delta, check_steps
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -102,8 +111,7 @@ class DpPlan:
             raise ValueError(
                 f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
             )
-        if int(self.steps) != self.steps or self.steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {self.steps}")
+        check_steps(self.steps)
         if not 0.0 < self.sampling_probability <= 1.0:
             raise ValueError(
                 f"sampling_probability must be in (0, 1], got {self.sampling_probability}"
@@ -203,11 +211,10 @@ def compute_epsilon(
     For events made only of unsampled (full-batch) Gaussians, the privacy loss distribution is
     exactly that of one Gaussian with mu = sqrt(sum T_i / sigma_i^2), and "pld" returns its
     epsilon in closed form (`gdp_epsilon`): the value dp_accounting's PLD accountant computes
-    (it also merges self-composed Gaussians into one), without its discretization, and
-    in microseconds instead of about a second per event.
+    (it also merges self-composed Gaussians into one), without its discretization and
+    without building a discretized PLD at all.
     """
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    delta = check_delta(delta)
     if _contains_non_private(event):
         return math.inf  # without building the PLDs of the other parts
     if accountant == "pld":

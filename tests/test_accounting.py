@@ -175,3 +175,40 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.gdp_mu(-1.0, 1e-5),
+    lambda: accounting.gaussian_noise_multiplier(float("nan"), 1e-5),
+    lambda: accounting.calibrate_noise_multiplier(0.0, 1e-5),
+])
+def test_every_entry_point_checks_epsilon_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^epsilon must be > 0 \(or inf for non-private\), got"):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.gdp_epsilon(1.0, 0.0),
+    lambda: accounting.gdp_mu(1.0, 1.0),
+    lambda: accounting.gaussian_noise_multiplier(1.0, 2.0),
+    lambda: accounting.calibrate_noise_multiplier(1.0, -1e-5),
+    lambda: accounting.compute_epsilon(accounting.DpPlan(1.0, 1).dp_event(), 0.0),
+    lambda: accounting.DpPlan(1.0, 1).epsilon(1.0),
+    lambda: accounting.PrivacyLedger().epsilon(0.0),
+    lambda: accounting.PrivacyLedger().basic_composition(1.5),
+])
+def test_every_entry_point_checks_delta_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^delta must be in \(0, 1\), got"):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.DpPlan(1.0, 0),
+    lambda: accounting.DpPlan(1.0, 2.5),
+    lambda: accounting.DpPlan(1.0, True),
+    lambda: accounting.gaussian_noise_multiplier(1.0, 1e-5, steps=0),
+    lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, steps=-3),
+])
+def test_every_entry_point_checks_steps_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^steps must be an integer >= 1, got"):
+        call()
