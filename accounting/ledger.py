@@ -31,7 +31,6 @@ from accounting.plan import (
     NEIGHBORING_RELATION_TEXT,
     Accountant,
     DpPlan,
-    _events,
     compute_epsilon,
     event_to_dict,
     gaussian_mu,
@@ -87,7 +86,8 @@ class PrivacyLedger:
         k entries with the same plan enter as one `SelfComposedDpEvent` of count k: the same
         mechanism, which dp_accounting composes in one go instead of k.
         """
-        dpa = _events()
+        import dp_accounting as dpa
+
         counts = collections.Counter(e.plan for e in self._touching(part, role))
         return dpa.ComposedDpEvent([
             plan.dp_event() if count == 1 else dpa.SelfComposedDpEvent(plan.dp_event(), count)
