@@ -103,8 +103,8 @@ class DpPlan:
         return event
 
     def epsilon(self, delta: float, accountant: Accountant = "pld") -> float:
-        """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per plan."""
-        return _plan_epsilon(self, delta, accountant)
+        """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per event."""
+        return _event_epsilon(self.dp_event(), delta, accountant)
 
     def to_dict(self) -> dict:
         return {
@@ -117,8 +117,9 @@ class DpPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_epsilon(plan: DpPlan, delta: float, accountant: Accountant) -> float:
-    return compute_epsilon(plan.dp_event(), delta, accountant)
+def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
+    """`compute_epsilon`, cached (for hashable events: those of a `DpPlan`)."""
+    return compute_epsilon(event, delta, accountant)
 
 
 def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:

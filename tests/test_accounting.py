@@ -174,6 +174,68 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def _dp_accounting_sigma(epsilon, delta, steps, q, accountant):
+    """dp_accounting's own calibration of the same mechanism (zero-out neighbours), from its
+    analytic Gaussian's full-batch sigma down to q/2 of it (expanding upwards if needed)."""
+    relation = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+    make = {"pld": lambda: pld.PLDAccountant(relation),
+            "rdp": lambda: rdp.RdpAccountant(neighboring_relation=relation)}[accountant]
+
+    def event(sigma):
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        if q < 1:
+            gaussian = dp_accounting.PoissonSampledDpEvent(q, gaussian)
+        return dp_accounting.SelfComposedDpEvent(gaussian, steps)
+
+    full = math.sqrt(steps) * dp_accounting.get_sigma_gaussian(epsilon, delta)
+    bracket = dp_accounting.LowerEndpointAndGuess(q * full / 2, full)
+    return dp_accounting.calibrate_dp_mechanism(make, event, epsilon, delta, bracket,
+                                                tol=1e-7 * full)
+
+
+@pytest.mark.parametrize("epsilon,steps,q,accountant", [
+    (1.0, 1000, 0.1, "pld"),
+    (0.5, 100, 0.05, "pld"),
+    (0.5, 100, 0.999, "pld"),  # q near 1: the central-limit estimate is no lower bound
+    (2.0, 20, 1.0, "rdp"),
+    (1.0, 100, 0.01, "rdp"),
+    (2.0, 10, 0.5, "rdp"),
+    (1.0, 50, 0.99, "rdp"),
+])
+def test_calibration_equals_dp_accounting_calibration(epsilon, steps, q, accountant):
+    """The same sigma as dp_accounting's `calibrate_dp_mechanism` on its own, never above the
+    target, and tight."""
+    delta = 1e-5
+    sigma = accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps,
+                                                  sampling_probability=q, accountant=accountant)
+    reference = _dp_accounting_sigma(epsilon, delta, steps, q, accountant)
+    assert sigma == pytest.approx(reference, rel=5e-5)
+    spent = accounting.DpPlan(sigma, steps, q).epsilon(delta, accountant)
+    assert spent <= epsilon
+    assert accounting.DpPlan(sigma * (1 - 1e-4), steps, q).epsilon(delta, accountant) > epsilon
+
+
+@pytest.mark.parametrize("low,high", [(0.2, 0.4), (2.0, 4.0)])
+def test_calibration_widens_a_bracket_that_misses_the_target(monkeypatch, low, high):
+    kwargs = {"steps": 100, "sampling_probability": 0.05, "accountant": "rdp"}
+    sigma = accounting.calibrate_noise_multiplier(1.0, 1e-5, **kwargs)
+    monkeypatch.setattr(accounting.calibration, "_bracket",
+                        lambda *args: (low * sigma, high * sigma))
+    assert accounting.calibrate_noise_multiplier(1.0, 1e-5, **kwargs) == pytest.approx(
+        sigma, rel=1e-5)
+
+
+def test_sampled_pld_targets_below_the_floor_are_refused_at_once():
+    floor = accounting.calibration.MIN_SAMPLED_PLD_NOISE_MULTIPLIER
+    # RDP at the floor already meets epsilon = 100: refused before any PLD evaluation.
+    with pytest.raises(ValueError, match=f"epsilon=100 with q=0.5 .*below {floor:g}"):
+        accounting.calibrate_noise_multiplier(100.0, 1e-5, sampling_probability=0.5)
+    with pytest.raises(ValueError, match="above 1e\\+06"):
+        accounting.calibrate_noise_multiplier(1e-9, 1e-5, steps=1000)
+    with pytest.raises(ValueError, match="beyond what the accountants resolve"):
+        accounting.calibrate_noise_multiplier(1e300, 1e-5, sampling_probability=0.5)
+
+
 @pytest.mark.parametrize("call", [
     lambda: accounting.gdp_mu(-1.0, 1e-5),
     lambda: accounting.gaussian_noise_multiplier(float("nan"), 1e-5),
