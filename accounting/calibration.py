@@ -1,18 +1,39 @@
-"""Noise calibration: the smallest noise multiplier whose `DpEvent` meets (epsilon, delta)."""
+"""Noise calibration: the smallest noise multiplier whose `DpEvent` meets (epsilon, delta).
+
+Full batch with the PLD accountant has a closed form: T composed Gaussians with noise multiplier
+sigma are exactly (sqrt(T)/sigma)-GDP, so sigma = sqrt(T) * sigma_1(epsilon, delta) (Panda et
+al. 2023, Cor. 2.2; dp_accounting's PLD composes Gaussians the same way). Every other case
+(Poisson sampling, or the RDP accountant) inverts the accountant with dp_accounting's
+`calibrate_dp_mechanism` (Brent's method, here in log(sigma)) on a bracket made from closed forms
+and widened (by factors of 2) in the rare case it misses:
+  * above: the full-batch sigma, which meets the target for any q <= 1 with PLD (Poisson
+    sampling only amplifies privacy); RDP is looser, so its bracket ends at twice that;
+  * below: the central-limit sigma of the subsampled Gaussian, solving
+    q sqrt(T (e^{1/sigma^2} - 1)) = mu (Bu et al. 2020; Dong, Roth & Su 2019, Sec. 5), which in
+    practice lies just below what the accountants need (close for large T); for RDP at q = 1,
+    the exact full-batch sigma (RDP is an upper bound on the exact epsilon).
+Evaluations cost most at small sigma (PLD), so the bracket never goes below the floor.
+
+References:
+  Panda et al. 2023: https://arxiv.org/abs/2212.04486
+  Dong, Roth & Su 2019, Gaussian Differential Privacy: https://arxiv.org/abs/1905.02383
+  Bu, Dong, Long & Su 2020, Deep Learning with Gaussian Differential Privacy:
+    https://arxiv.org/abs/1911.11607
+"""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 
 from accounting.gaussian import gaussian_noise_multiplier
-from accounting.plan import ACCOUNTANTS, Accountant, DpPlan
+from accounting.plan import ACCOUNTANTS, Accountant, DpPlan, _event_epsilon
+from accounting.validation import check_delta, check_epsilon
 
 __all__ = ["calibrate_noise_multiplier", "check_tractable"]
 
-# Relative precision of the searched noise multiplier (the analytic path is exact).
+# Tolerance of the searched log(sigma), i.e. relative precision of sigma (the closed form is exact).
 _SEARCH_RTOL = 1e-6
 # Range of noise multipliers a calibration may return. Above the top, the noise swamps any
 # signal (and the target epsilon is below what the accountants resolve). Below the floor with
@@ -21,6 +42,8 @@ _SEARCH_RTOL = 1e-6
 # or more): such targets are refused at once instead of hanging.
 MAX_NOISE_MULTIPLIER = 1e6
 MIN_SAMPLED_PLD_NOISE_MULTIPLIER = 0.3
+# The smallest sigma an RDP search tries: a target met there is met by any sigma above it.
+_MIN_RDP_NOISE_MULTIPLIER = 1e-4
 
 
 def calibrate_noise_multiplier(
@@ -33,11 +56,8 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest noise multiplier such that T Gaussian steps are (epsilon, delta)-DP.
 
-    Full batch with the PLD accountant is solved exactly: T composed Gaussians with noise
-    multiplier sigma are (sqrt(T)/sigma)-GDP, so sigma = sqrt(T) * sigma_1(epsilon, delta)
-    (Panda et al. 2023, Cor. 2.2; dp_accounting's PLD composes Gaussians the same way).
-    Otherwise (Poisson sampling, or RDP) the accountant itself is inverted by a root search in
-    log(sigma), started from a tight guess; the returned sigma always satisfies
+    Full batch with PLD is solved exactly; otherwise dp_accounting's `calibrate_dp_mechanism`
+    inverts the accountant (see the module docstring). The returned sigma always satisfies
     `DpPlan(sigma, steps, q).epsilon(delta, accountant) <= epsilon`.
 
     Args:
@@ -50,30 +70,27 @@ def calibrate_noise_multiplier(
     Returns:
       The noise multiplier sigma (noise std / clip norm).
     """
-    if math.isnan(epsilon) or not epsilon > 0:
-        raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    epsilon, delta = check_epsilon(epsilon), check_delta(delta)
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     DpPlan(1.0, steps, sampling_probability)  # validates steps and q
     if math.isinf(epsilon):
         return 0.0
     full_batch_sigma = gaussian_noise_multiplier(epsilon, delta, steps)
-    # Full batch, T Gaussians are exactly (sqrt(T)/sigma)-GDP: this sigma is the answer for
-    # PLD, and an upper bound on what any Poisson sampling (q < 1) needs.
     if not full_batch_sigma <= MAX_NOISE_MULTIPLIER:
         raise ValueError(f"epsilon={epsilon:g} at delta={delta:g} needs a noise multiplier above "
                          f"{MAX_NOISE_MULTIPLIER:g} (noise swamps any signal); use a larger "
                          "epsilon")
-    _check_met(epsilon, delta, steps, 1.0, "pld", full_batch_sigma)
+    _check_met(epsilon, delta, steps, full_batch_sigma)
     if sampling_probability == 1.0 and accountant == "pld":
         return full_batch_sigma
     with _quiet_rdp_orders():
-        if accountant == "pld" and sampling_probability < 1.0:
+        if accountant == "pld":
             _refuse_below_floor(epsilon, delta, steps, sampling_probability)
-        return _search(epsilon, delta, steps, sampling_probability, accountant,
-                       full_batch_sigma)
+        sigma = _search(epsilon, delta, steps, sampling_probability, accountant,
+                        full_batch_sigma)
+        return _on_the_private_side(epsilon, delta, steps, sampling_probability, accountant,
+                                    sigma)
 
 
 @contextlib.contextmanager
@@ -101,9 +118,9 @@ def check_tractable(noise_multiplier: float, sampling_probability: float,
             "gigabytes (and the guarantee means little); use --accountant rdp")
 
 
-def _check_met(epsilon, delta, steps, q, accountant, sigma) -> None:
-    """Refuse a target the returned sigma does not meet (epsilon beyond floating point)."""
-    reached = DpPlan(sigma, steps, q).epsilon(delta, accountant) if sigma > 0 else math.inf
+def _check_met(epsilon, delta, steps, sigma) -> None:
+    """Refuse a target the full-batch sigma does not meet (epsilon beyond floating point)."""
+    reached = DpPlan(sigma, steps).epsilon(delta) if sigma > 0 else math.inf
     if not reached <= epsilon * (1 + 1e-9):
         raise ValueError(f"epsilon={epsilon:g} at delta={delta:g} is beyond what the accountants "
                          f"resolve (the closest noise multiplier, {sigma:.3g}, gives "
@@ -125,35 +142,79 @@ def _below_floor(epsilon, q, steps) -> ValueError:
         "gigabytes (and the guarantee means little); use a smaller epsilon, or --accountant rdp")
 
 
-def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
-    """Invert the accountant's epsilon(sigma) (decreasing in sigma) by Brent's method."""
-    from scipy import optimize
+def _bracket(epsilon, delta, steps, q, accountant, full_batch_sigma) -> tuple[float, float]:
+    """(low, high) estimates of the sigma the accountant needs, from closed forms (no accountant
+    call): epsilon(low) > target >= epsilon(high) as a rule, which `_search` checks."""
+    if accountant == "pld":
+        high, floor = full_batch_sigma, MIN_SAMPLED_PLD_NOISE_MULTIPLIER
+    else:
+        high, floor = 2.0 * full_batch_sigma, _MIN_RDP_NOISE_MULTIPLIER
+    if q == 1.0:
+        return full_batch_sigma, high
+    # Central-limit sigma: q sqrt(T (e^{1/sigma^2} - 1)) = mu, with mu = sqrt(T) / full sigma.
+    mu = math.sqrt(steps) / full_batch_sigma
+    clt = 1.0 / math.sqrt(math.log1p(mu * mu / (q * q * steps)))
+    low = clt if clt < full_batch_sigma else q * full_batch_sigma
+    return max(low, floor), high
 
-    @functools.cache
-    def excess(log_sigma: float) -> float:
-        sigma = math.exp(log_sigma)
+
+def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
+    """dp_accounting's calibration of sigma in log space, on `_bracket`; the bracket widens (by
+    factors of 2, within the floor and `MAX_NOISE_MULTIPLIER`) while it misses the target."""
+    import dp_accounting
+
+    class CachedAccountant(dp_accounting.PrivacyAccountant):
+        """Epsilon as `DpPlan.epsilon` computes it (dp_accounting's PLD or RDP accountant),
+        cached: a point the search evaluates twice (brentq's bracket ends, its final check,
+        ours) is computed once."""
+
+        def __init__(self):
+            super().__init__(dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+
+        def _maybe_compose(self, event, count, do_compose):
+            return None  # the ledger holds the event; `compute_epsilon` checks support
+
+        def get_epsilon(self, target_delta):
+            return _event_epsilon(self.ledger, target_delta, accountant)
+
+    def excess(sigma: float) -> float:
         return DpPlan(sigma, steps, q).epsilon(delta, accountant) - epsilon
 
-    # For small q the central limit theorem gives sigma ~ q * sqrt(T) / mu; start there.
-    guess = full_batch_sigma if q == 1.0 else max(q * full_batch_sigma, 0.3)
-    lo = hi = math.log(guess)
-    step = math.log(1.5)
-    floor = MIN_SAMPLED_PLD_NOISE_MULTIPLIER if accountant == "pld" and q < 1.0 else 1e-4
-    lo = hi = max(lo, math.log(floor))
-    while excess(hi) > 0:
-        lo, hi = hi, hi + step
-        if hi > math.log(MAX_NOISE_MULTIPLIER):
-            raise ValueError(f"no noise multiplier <= {MAX_NOISE_MULTIPLIER:g} reaches "
-                             f"epsilon={epsilon:g}")
-    while excess(lo) <= 0:
-        hi, lo = lo, lo - step
-        if lo < math.log(floor):
-            if floor == 1e-4:
-                return math.exp(hi)
-            raise _below_floor(epsilon, q, steps)
-    root = optimize.brentq(excess, lo, hi, xtol=_SEARCH_RTOL, rtol=_SEARCH_RTOL)
-    # Return a point on the private side of the root.
-    for candidate in (root, root + _SEARCH_RTOL, root + 10 * _SEARCH_RTOL, hi):
-        if excess(candidate) <= 0:
-            return math.exp(candidate)
-    return math.exp(hi)
+    floor = MIN_SAMPLED_PLD_NOISE_MULTIPLIER if accountant == "pld" else _MIN_RDP_NOISE_MULTIPLIER
+    low, high = _bracket(epsilon, delta, steps, q, accountant, full_batch_sigma)
+    if low >= high:  # PLD: the full-batch sigma, an upper bound, is below the floor already
+        raise _below_floor(epsilon, q, steps)
+    while True:
+        try:
+            log_sigma = dp_accounting.calibrate_dp_mechanism(
+                CachedAccountant,
+                lambda log_sigma: DpPlan(math.exp(log_sigma), steps, q).dp_event(),
+                epsilon, delta,
+                dp_accounting.ExplicitBracketInterval(math.log(low), math.log(high)),
+                tol=_SEARCH_RTOL)
+            return math.exp(log_sigma)
+        except ValueError:  # raised by brentq when [low, high] does not bracket the target
+            if excess(high) > 0:
+                low, high = high, 2.0 * high
+                if high > MAX_NOISE_MULTIPLIER:
+                    raise ValueError(f"no noise multiplier <= {MAX_NOISE_MULTIPLIER:g} reaches "
+                                     f"epsilon={epsilon:g}") from None
+            elif excess(low) <= 0:
+                if low <= floor and accountant == "rdp":
+                    return low  # met at the smallest sigma tried: any larger one meets it
+                if low <= floor:
+                    raise _below_floor(epsilon, q, steps) from None
+                low, high = max(low / 2.0, floor), low
+            else:
+                raise
+
+
+def _on_the_private_side(epsilon, delta, steps, q, accountant, sigma) -> float:
+    """`sigma`, or the nearest above it whose epsilon is <= the target (dp_accounting's
+    calibration already returns the private side of its tolerance: this checks the epsilon
+    that the jobs report, `DpPlan.epsilon`)."""
+    for _ in range(64):
+        if DpPlan(sigma, steps, q).epsilon(delta, accountant) <= epsilon:
+            return sigma
+        sigma *= 1.0 + _SEARCH_RTOL
+    raise RuntimeError(f"calibration of epsilon={epsilon:g} did not reach the target")

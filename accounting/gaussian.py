@@ -8,11 +8,20 @@ mechanism is (epsilon, delta(epsilon))-DP for every epsilon with
     delta(epsilon) = Phi(-epsilon/mu + mu/2) - exp(epsilon) * Phi(-epsilon/mu - mu/2)
 
 (Balle & Wang 2018, Thm. 8; Panda et al. Cor. 2.2). These are closed forms, not bounds.
+
+References:
+  Dong, Roth & Su 2019, Gaussian Differential Privacy: https://arxiv.org/abs/1905.02383
+  Balle & Wang 2018, Improving the Gaussian Mechanism for Differential Privacy:
+    https://arxiv.org/abs/1805.06530
+  Panda et al. 2023, A New Linear Scaling Rule for Private Adaptive Hyperparameter
+    Optimization: https://arxiv.org/abs/2212.04486
 """
 
 from __future__ import annotations
 
 import math
+
+from accounting.validation import check_delta, check_epsilon, check_steps
 
 __all__ = ["gdp_delta", "gdp_epsilon", "gdp_mu", "gaussian_noise_multiplier"]
 
@@ -59,8 +68,7 @@ def _log_delta(epsilon: float, mu: float) -> float:
 
 def gdp_delta(epsilon: float, mu: float) -> float:
     """delta such that a mu-GDP mechanism is (epsilon, delta)-DP (exact, tight)."""
-    if epsilon < 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    epsilon = check_epsilon(epsilon, allow_zero=True)
     if mu < 0:
         raise ValueError(f"mu must be >= 0, got {mu}")
     return math.exp(_log_delta(epsilon, mu))
@@ -68,7 +76,7 @@ def gdp_delta(epsilon: float, mu: float) -> float:
 
 def gdp_epsilon(mu: float, delta: float) -> float:
     """Smallest epsilon such that a mu-GDP mechanism is (epsilon, delta)-DP."""
-    _check_delta(delta)
+    delta = check_delta(delta)
     if mu == 0.0:
         return 0.0
     if math.isinf(mu):
@@ -86,8 +94,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 
 def gdp_mu(epsilon: float, delta: float) -> float:
     """Largest mu such that mu-GDP implies (epsilon, delta)-DP."""
-    _check_epsilon(epsilon)
-    _check_delta(delta)
+    epsilon, delta = check_epsilon(epsilon), check_delta(delta)
     if math.isinf(epsilon):
         return math.inf
     log_target = math.log(delta)
@@ -109,18 +116,8 @@ def gaussian_noise_multiplier(epsilon: float, delta: float, steps: int = 1) -> f
     The T-fold composition of Gaussians with noise multiplier sigma is (sqrt(T)/sigma)-GDP, so
     sigma_T = sqrt(T) * sigma_1 where sigma_1 = 1 / gdp_mu(epsilon, delta).
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if math.isinf(epsilon):
+    steps, delta = check_steps(steps), check_delta(delta)
+    if math.isinf(check_epsilon(epsilon)):
         return 0.0
     return math.sqrt(steps) / gdp_mu(epsilon, delta)
 
-
-def _check_epsilon(epsilon: float) -> None:
-    if not epsilon > 0 or math.isnan(epsilon):
-        raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
-
-
-def _check_delta(delta: float) -> None:
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")

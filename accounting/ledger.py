@@ -13,6 +13,9 @@ Disjoint parts (parallel composition). An entry may name the part of the data it
 Under zero-out neighbours a record lies in exactly one part, so it is affected only by the
 entries on its part and those on all the data ("all"); the job's epsilon is the largest over
 parts of the composition of those entries.
+
+Reference: Panda et al. 2023, A New Linear Scaling Rule for Private Adaptive Hyperparameter
+Optimization: https://arxiv.org/abs/2212.04486
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from accounting.plan import (
     NEIGHBORING_RELATION_TEXT,
     Accountant,
     DpPlan,
-    _events,
     compute_epsilon,
     event_to_dict,
     gaussian_mu,
 )
+from accounting.validation import check_delta
 
 __all__ = ["LedgerEntry", "PrivacyLedger"]
 
@@ -83,7 +86,8 @@ class PrivacyLedger:
         k entries with the same plan enter as one `SelfComposedDpEvent` of count k: the same
         mechanism, which dp_accounting composes in one go instead of k.
         """
-        dpa = _events()
+        import dp_accounting as dpa
+
         counts = collections.Counter(e.plan for e in self._touching(part, role))
         return dpa.ComposedDpEvent([
             plan.dp_event() if count == 1 else dpa.SelfComposedDpEvent(plan.dp_event(), count)
@@ -93,6 +97,7 @@ class PrivacyLedger:
     def epsilon(self, delta: float, accountant: Accountant = "pld", role: str | None = None):
         """Epsilon of the job: the composition of the entries every record is affected by,
         maximized over the disjoint parts (tight with PLD)."""
+        delta = check_delta(delta)
         if not self.entries:
             return 0.0
         return max(compute_epsilon(self.composed_event(role, part), delta, accountant)
@@ -101,6 +106,7 @@ class PrivacyLedger:
     def basic_composition(self, delta: float) -> tuple[float, float]:
         """(max over parts of sum_i epsilon_i(delta / k), delta): the naive sum over the k
         entries a record is affected by."""
+        delta = check_delta(delta)
         if not self.entries:
             return 0.0, 0.0
         totals = []
@@ -119,6 +125,7 @@ class PrivacyLedger:
         return None if any(mu is None for mu in mus) else max(mus)
 
     def gdp_epsilon(self, delta: float) -> float | None:
+        delta = check_delta(delta)
         mu = self.gdp_mu()
         return None if mu is None else gdp_epsilon(mu, delta)
 

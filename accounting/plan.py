@@ -7,20 +7,28 @@ batch size qN), as Mehta et al. (2023) and Panda et al. (2023) do. Each example'
 gradient changes the noisy sum by at most `clip_norm`, the noise std is
 `noise_multiplier * clip_norm`. dp_accounting gives these events the same curves under
 add/remove-one, but dpprobe claims zero-out only: the jobs publish N.
+
+dp_accounting is imported inside the functions that use it, so that `import accounting` (and
+every `dpprobe` command, which imports it) does not load its accountants and SciPy.
+
+References:
+  Mehta et al. 2023, Towards Large Scale Transfer Learning for Differentially Private Image
+    Classification: https://arxiv.org/abs/2205.02973
+  Panda et al. 2023, A New Linear Scaling Rule for Private Adaptive Hyperparameter
+    Optimization: https://arxiv.org/abs/2212.04486
+  Kairouz et al. 2021, Practical and Private (Deep) Learning without Sampling or Shuffling
+    (zero-out neighbours, Def. 1.1): https://arxiv.org/abs/2103.00039
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import math
-import os
-import sys
 from typing import TYPE_CHECKING, Literal
 
 from accounting.gaussian import gdp_epsilon
+from accounting.validation import check_delta, check_steps
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -40,41 +48,6 @@ Accountant = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 NEIGHBORING_RELATION = "zero_out"
 NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
-
-
-def _dpa():
-    """dp_accounting, imported on first use: its accountants pull SciPy's signal and stats
-    packages (~0.5 s of start-up), which building and recording events does not need."""
-    return importlib.import_module("dp_accounting")
-
-
-def _events():
-    """dp_accounting's event classes (the module `dp_accounting.dp_event`), cheaply.
-
-    `import dp_accounting` runs the package's `__init__`, which imports the PLD and RDP
-    accountants and through them SciPy (~0.5 s). The event module itself needs only `attrs`,
-    so while the package is not imported yet, that one module is loaded alone, under its own
-    name. A later `import dp_accounting` finds it in `sys.modules` and binds the same module,
-    so the classes are the same objects either way (`isinstance`, equality and pickling agree).
-    """
-    name = "dp_accounting.dp_event"
-    if (module := sys.modules.get(name)) is not None:
-        return module
-    if "dp_accounting" in sys.modules:
-        return importlib.import_module(name)
-    package = importlib.util.find_spec("dp_accounting")  # locates it without running it
-    if package is None or not package.submodule_search_locations:
-        return importlib.import_module(name)  # the usual ImportError
-    path = os.path.join(list(package.submodule_search_locations)[0], "dp_event.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +75,7 @@ class DpPlan:
             raise ValueError(
                 f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
             )
-        if int(self.steps) != self.steps or self.steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {self.steps}")
+        check_steps(self.steps)
         if not 0.0 < self.sampling_probability <= 1.0:
             raise ValueError(
                 f"sampling_probability must be in (0, 1], got {self.sampling_probability}"
@@ -119,7 +91,8 @@ class DpPlan:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The `DpEvent` of this run: a Gaussian, Poisson-sampled if q < 1, composed T times."""
-        dpa = _events()
+        import dp_accounting as dpa
+
         if not self.is_private:
             return dpa.NonPrivateDpEvent()
         event: dp_accounting.DpEvent = dpa.GaussianDpEvent(self.noise_multiplier)
@@ -130,8 +103,8 @@ class DpPlan:
         return event
 
     def epsilon(self, delta: float, accountant: Accountant = "pld") -> float:
-        """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per plan."""
-        return _plan_epsilon(self, delta, accountant)
+        """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per event."""
+        return _event_epsilon(self.dp_event(), delta, accountant)
 
     def to_dict(self) -> dict:
         return {
@@ -144,13 +117,15 @@ class DpPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_epsilon(plan: DpPlan, delta: float, accountant: Accountant) -> float:
-    return compute_epsilon(plan.dp_event(), delta, accountant)
+def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
+    """`compute_epsilon`, cached (for hashable events: those of a `DpPlan`)."""
+    return compute_epsilon(event, delta, accountant)
 
 
 def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
     """A fresh `dp_accounting` accountant for zero-out neighbours (`REPLACE_SPECIAL`)."""
-    dpa = _dpa()
+    import dp_accounting as dpa
+
     relation = dpa.NeighboringRelation.REPLACE_SPECIAL
     if accountant == "pld":
         return dpa.pld.PLDAccountant(neighboring_relation=relation)
@@ -166,7 +141,8 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
     mu-GDP with mu = sqrt(sum_i count_i / sigma_i^2) (Dong, Roth & Su 2019; Panda et al. 2023,
     Prop. 2.1). A non-private Gaussian (sigma = 0) gives mu = inf.
     """
-    dpa = _events()
+    import dp_accounting as dpa
+
     if isinstance(event, dpa.NonPrivateDpEvent):
         return math.inf
     if isinstance(event, dpa.GaussianDpEvent):
@@ -185,7 +161,8 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
 
 
 def _contains_non_private(event) -> bool:
-    dpa = _events()
+    import dp_accounting as dpa
+
     if isinstance(event, dpa.NonPrivateDpEvent):
         return True
     if isinstance(event, dpa.ComposedDpEvent):
@@ -203,11 +180,10 @@ def compute_epsilon(
     For events made only of unsampled (full-batch) Gaussians, the privacy loss distribution is
     exactly that of one Gaussian with mu = sqrt(sum T_i / sigma_i^2), and "pld" returns its
     epsilon in closed form (`gdp_epsilon`): the value dp_accounting's PLD accountant computes
-    (it also merges self-composed Gaussians into one), without its discretization, and
-    in microseconds instead of about a second per event.
+    (it also merges self-composed Gaussians into one), without its discretization and
+    without building a discretized PLD at all.
     """
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    delta = check_delta(delta)
     if _contains_non_private(event):
         return math.inf  # without building the PLDs of the other parts
     if accountant == "pld":
@@ -224,8 +200,9 @@ def compute_epsilon(
 def event_to_dict(event: dp_accounting.DpEvent) -> dict:
     """A JSON-ready description of a `DpEvent`, with the event class names."""
     import attr
+    import dp_accounting
 
-    base = _events().DpEvent
+    base = dp_accounting.DpEvent
     out: dict = {"type": type(event).__name__}
     for field in attr.fields(type(event)):
         value = getattr(event, field.name)

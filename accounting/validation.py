@@ -8,12 +8,15 @@ import math
 __all__ = ["check_delta", "check_epsilon", "check_steps"]
 
 
-def check_epsilon(epsilon: float, *, allow_inf: bool = True) -> float:
-    """`epsilon` if it is > 0 (inf, the non-private reference, only if `allow_inf`)."""
+def check_epsilon(epsilon: float, *, allow_inf: bool = True, allow_zero: bool = False) -> float:
+    """`epsilon` if it is > 0 (>= 0 if `allow_zero`; inf, the non-private reference, only if
+    `allow_inf`)."""
     epsilon = float(epsilon)
-    if math.isnan(epsilon) or not epsilon > 0 or (math.isinf(epsilon) and not allow_inf):
+    low_ok = epsilon >= 0 if allow_zero else epsilon > 0
+    if math.isnan(epsilon) or not low_ok or (math.isinf(epsilon) and not allow_inf):
+        bound = ">= 0" if allow_zero else "> 0"
         suffix = " (or inf for non-private)" if allow_inf else " and finite"
-        raise ValueError(f"epsilon must be > 0{suffix}, got {epsilon}")
+        raise ValueError(f"epsilon must be {bound}{suffix}, got {epsilon}")
     return epsilon
 
 

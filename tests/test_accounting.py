@@ -154,24 +154,120 @@ def test_a_non_private_part_makes_the_composition_infinite_at_once():
         == math.inf
 
 
-def test_events_without_importing_the_accountants():
-    """A fresh process builds DpEvents without dp_accounting's PLD/RDP (and SciPy); the classes
-    are dp_accounting's own once it is imported."""
+def test_importing_accounting_leaves_dp_accounting_for_first_use():
+    """`import accounting` (which every dpprobe command does) loads neither dp_accounting nor
+    SciPy; the first event or epsilon imports dp_accounting as usual."""
     import subprocess
     import sys
 
     code = """
 import sys, accounting
+assert "dp_accounting" not in sys.modules and "scipy" not in sys.modules
 plan = accounting.DpPlan(1.5, 7)
-event = plan.dp_event()
-assert accounting.event_to_dict(event)["type"] == "SelfComposedDpEvent"
-assert plan.epsilon(1e-5) > 0  # full batch: the exact Gaussian DP closed form
-assert "dp_accounting.pld" not in sys.modules and "scipy.stats" not in sys.modules
-import dp_accounting
-assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.5), 7)
-assert isinstance(event, dp_accounting.DpEvent)
+assert accounting.event_to_dict(plan.dp_event())["type"] == "SelfComposedDpEvent"
+assert plan.epsilon(1e-5) > 0
+assert "dp_accounting" in sys.modules
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def _dp_accounting_sigma(epsilon, delta, steps, q, accountant):
+    """dp_accounting's own calibration of the same mechanism (zero-out neighbours), from its
+    analytic Gaussian's full-batch sigma down to q/2 of it (expanding upwards if needed)."""
+    relation = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+    make = {"pld": lambda: pld.PLDAccountant(relation),
+            "rdp": lambda: rdp.RdpAccountant(neighboring_relation=relation)}[accountant]
+
+    def event(sigma):
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        if q < 1:
+            gaussian = dp_accounting.PoissonSampledDpEvent(q, gaussian)
+        return dp_accounting.SelfComposedDpEvent(gaussian, steps)
+
+    full = math.sqrt(steps) * dp_accounting.get_sigma_gaussian(epsilon, delta)
+    bracket = dp_accounting.LowerEndpointAndGuess(q * full / 2, full)
+    return dp_accounting.calibrate_dp_mechanism(make, event, epsilon, delta, bracket,
+                                                tol=1e-7 * full)
+
+
+@pytest.mark.parametrize("epsilon,steps,q,accountant", [
+    (1.0, 1000, 0.1, "pld"),
+    (0.5, 100, 0.05, "pld"),
+    (0.5, 100, 0.999, "pld"),  # q near 1: the central-limit estimate is no lower bound
+    (2.0, 20, 1.0, "rdp"),
+    (1.0, 100, 0.01, "rdp"),
+    (2.0, 10, 0.5, "rdp"),
+    (1.0, 50, 0.99, "rdp"),
+])
+def test_calibration_equals_dp_accounting_calibration(epsilon, steps, q, accountant):
+    """The same sigma as dp_accounting's `calibrate_dp_mechanism` on its own, never above the
+    target, and tight."""
+    delta = 1e-5
+    sigma = accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps,
+                                                  sampling_probability=q, accountant=accountant)
+    reference = _dp_accounting_sigma(epsilon, delta, steps, q, accountant)
+    assert sigma == pytest.approx(reference, rel=5e-5)
+    spent = accounting.DpPlan(sigma, steps, q).epsilon(delta, accountant)
+    assert spent <= epsilon
+    assert accounting.DpPlan(sigma * (1 - 1e-4), steps, q).epsilon(delta, accountant) > epsilon
+
+
+@pytest.mark.parametrize("low,high", [(0.2, 0.4), (2.0, 4.0)])
+def test_calibration_widens_a_bracket_that_misses_the_target(monkeypatch, low, high):
+    kwargs = {"steps": 100, "sampling_probability": 0.05, "accountant": "rdp"}
+    sigma = accounting.calibrate_noise_multiplier(1.0, 1e-5, **kwargs)
+    monkeypatch.setattr(accounting.calibration, "_bracket",
+                        lambda *args: (low * sigma, high * sigma))
+    assert accounting.calibrate_noise_multiplier(1.0, 1e-5, **kwargs) == pytest.approx(
+        sigma, rel=1e-5)
+
+
+def test_sampled_pld_targets_below_the_floor_are_refused_at_once():
+    floor = accounting.calibration.MIN_SAMPLED_PLD_NOISE_MULTIPLIER
+    # RDP at the floor already meets epsilon = 100: refused before any PLD evaluation.
+    with pytest.raises(ValueError, match=f"epsilon=100 with q=0.5 .*below {floor:g}"):
+        accounting.calibrate_noise_multiplier(100.0, 1e-5, sampling_probability=0.5)
+    with pytest.raises(ValueError, match="above 1e\\+06"):
+        accounting.calibrate_noise_multiplier(1e-9, 1e-5, steps=1000)
+    with pytest.raises(ValueError, match="beyond what the accountants resolve"):
+        accounting.calibrate_noise_multiplier(1e300, 1e-5, sampling_probability=0.5)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.gdp_mu(-1.0, 1e-5),
+    lambda: accounting.gaussian_noise_multiplier(float("nan"), 1e-5),
+    lambda: accounting.calibrate_noise_multiplier(0.0, 1e-5),
+])
+def test_every_entry_point_checks_epsilon_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^epsilon must be > 0 \(or inf for non-private\), got"):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.gdp_epsilon(1.0, 0.0),
+    lambda: accounting.gdp_mu(1.0, 1.0),
+    lambda: accounting.gaussian_noise_multiplier(1.0, 2.0),
+    lambda: accounting.calibrate_noise_multiplier(1.0, -1e-5),
+    lambda: accounting.compute_epsilon(accounting.DpPlan(1.0, 1).dp_event(), 0.0),
+    lambda: accounting.DpPlan(1.0, 1).epsilon(1.0),
+    lambda: accounting.PrivacyLedger().epsilon(0.0),
+    lambda: accounting.PrivacyLedger().basic_composition(1.5),
+])
+def test_every_entry_point_checks_delta_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^delta must be in \(0, 1\), got"):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.DpPlan(1.0, 0),
+    lambda: accounting.DpPlan(1.0, 2.5),
+    lambda: accounting.DpPlan(1.0, True),
+    lambda: accounting.gaussian_noise_multiplier(1.0, 1e-5, steps=0),
+    lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, steps=-3),
+])
+def test_every_entry_point_checks_steps_the_same_way(call):
+    with pytest.raises(ValueError, match=r"^steps must be an integer >= 1, got"):
+        call()
