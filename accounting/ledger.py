@@ -25,6 +25,7 @@ import dataclasses
 import math
 from typing import Any
 
+from accounting import _dp_event
 from accounting.gaussian import gdp_epsilon
 from accounting.plan import (
     NEIGHBORING_RELATION,
@@ -86,8 +87,7 @@ class PrivacyLedger:
         k entries with the same plan enter as one `SelfComposedDpEvent` of count k: the same
         mechanism, which dp_accounting composes in one go instead of k.
         """
-        import dp_accounting as dpa
-
+        dpa = _dp_event.events()
         counts = collections.Counter(e.plan for e in self._touching(part, role))
         return dpa.ComposedDpEvent([
             plan.dp_event() if count == 1 else dpa.SelfComposedDpEvent(plan.dp_event(), count)

@@ -27,6 +27,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Literal
 
+from accounting import _dp_event
 from accounting.gaussian import gdp_epsilon
 from accounting.validation import check_delta, check_steps
 
@@ -91,7 +92,7 @@ class DpPlan:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The `DpEvent` of this run: a Gaussian, Poisson-sampled if q < 1, composed T times."""
-        import dp_accounting as dpa
+        dpa = _dp_event.events()
 
         if not self.is_private:
             return dpa.NonPrivateDpEvent()
@@ -141,7 +142,7 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
     mu-GDP with mu = sqrt(sum_i count_i / sigma_i^2) (Dong, Roth & Su 2019; Panda et al. 2023,
     Prop. 2.1). A non-private Gaussian (sigma = 0) gives mu = inf.
     """
-    import dp_accounting as dpa
+    dpa = _dp_event.events()
 
     if isinstance(event, dpa.NonPrivateDpEvent):
         return math.inf
@@ -161,7 +162,7 @@ def gaussian_mu(event: dp_accounting.DpEvent) -> float | None:
 
 
 def _contains_non_private(event) -> bool:
-    import dp_accounting as dpa
+    dpa = _dp_event.events()
 
     if isinstance(event, dpa.NonPrivateDpEvent):
         return True
@@ -200,9 +201,8 @@ def compute_epsilon(
 def event_to_dict(event: dp_accounting.DpEvent) -> dict:
     """A JSON-ready description of a `DpEvent`, with the event class names."""
     import attr
-    import dp_accounting
 
-    base = dp_accounting.DpEvent
+    base = _dp_event.events().DpEvent
     out: dict = {"type": type(event).__name__}
     for field in attr.fields(type(event)):
         value = getattr(event, field.name)

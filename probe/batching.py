@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
-from jax_privacy import batch_selection
 
 __all__ = ["PoissonStep", "pad_rows", "poisson_batches"]
 
@@ -68,6 +67,10 @@ def poisson_batches(num_examples: int, rates: Sequence[float], steps: Sequence[i
       rng: None (the private choice) seeds a generator from OS entropy; a seeded generator
         makes the batches public: for tests only.
     """
+    # Imported here: jax_privacy's __init__ loads its accountants, auditing and SciPy, which
+    # full-batch jobs never need (see benchmarks/startup.py).
+    from jax_privacy import batch_selection
+
     if physical_batch_size < 1:
         raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size}")
     rng = np.random.default_rng() if rng is None else rng  # OS entropy
