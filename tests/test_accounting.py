@@ -154,9 +154,10 @@ def test_a_non_private_part_makes_the_composition_infinite_at_once():
         == math.inf
 
 
-def test_importing_accounting_leaves_dp_accounting_for_first_use():
-    """`import accounting` (which every dpprobe command does) loads neither dp_accounting nor
-    SciPy; the first event or epsilon imports dp_accounting as usual."""
+def test_events_without_importing_the_accountants():
+    """`accounting._dp_event`: a fresh process builds DpEvents and full-batch epsilons without
+    dp_accounting's PLD/RDP (and SciPy); the classes are dp_accounting's own once it is
+    imported."""
     import subprocess
     import sys
 
@@ -164,9 +165,14 @@ def test_importing_accounting_leaves_dp_accounting_for_first_use():
 import sys, accounting
 assert "dp_accounting" not in sys.modules and "scipy" not in sys.modules
 plan = accounting.DpPlan(1.5, 7)
-assert accounting.event_to_dict(plan.dp_event())["type"] == "SelfComposedDpEvent"
-assert plan.epsilon(1e-5) > 0
-assert "dp_accounting" in sys.modules
+event = plan.dp_event()
+assert accounting.event_to_dict(event)["type"] == "SelfComposedDpEvent"
+assert plan.epsilon(1e-5) > 0  # full batch: the exact Gaussian DP closed form
+assert "dp_accounting.pld" not in sys.modules and "scipy.stats" not in sys.modules
+import dp_accounting
+assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.5), 7)
+assert isinstance(event, dp_accounting.DpEvent)
+assert accounting.DpPlan(1.5, 7, 0.1).epsilon(1e-5) > 0  # the accountants work after it
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
