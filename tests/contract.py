@@ -196,15 +196,15 @@ class TrainerContract:
     def test_noise_std_is_sigma_times_c(self):
         """With zero features the weight gradient is exactly 0, so after one step from zero
         w = -lr (noise / denominator): its std must be sigma C lr / denominator."""
-        n, d, sigma, clip, lr = 40, 64, 2.0, 0.7, 0.5
+        n, d, sigma, clip, lr = 40, 256, 2.0, 0.7, 0.5
         features = np.zeros((n, d), np.float32)
         labels = np.arange(n) % NUM_CLASSES
         q = 0.5 if self.sampled else 1.0
-        runs = [probe.RunSpec(self.plan(sigma, 1, clip, q), lr) for _ in range(4)]
+        runs = [probe.RunSpec(self.plan(sigma, 1, clip, q), lr) for _ in range(8)]
         result = self.train(features, labels, runs, self.spec)
         samples = np.asarray(result.params["w"], np.float64).ravel()
         expected = sigma * clip * lr / (q * n)
-        assert samples.size == 4 * d * NUM_CLASSES
+        assert samples.size == 8 * d * NUM_CLASSES  # enough to reject x0.67 and x1.5
         assert stats.kstest(samples, stats.norm(scale=expected).cdf).pvalue > 1e-4
         for wrong in (0.67, 1.5):
             assert stats.kstest(samples, stats.norm(scale=wrong * expected).cdf).pvalue < 1e-6
