@@ -50,3 +50,19 @@ def fixed_keys(count: int, seed: int):
     import jax
 
     return jax.random.split(jax.random.key(seed), count)
+
+
+def calibrated_runs(epsilons, steps, lr, q=1.0, delta=1e-5):
+    """One `RunSpec` per epsilon, sigma calibrated (inf: non-private, no clipping)."""
+    import math
+
+    import accounting
+    import probe
+
+    out = []
+    for eps in epsilons:
+        sigma = accounting.calibrate_noise_multiplier(eps, delta, steps=steps,
+                                                      sampling_probability=q)
+        plan = accounting.DpPlan(sigma, steps, q, clip_norm=1.0 if sigma > 0 else math.inf)
+        out.append(probe.RunSpec(plan, lr))
+    return out

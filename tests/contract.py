@@ -62,6 +62,28 @@ def plain_gradient_sum(features, labels, spec: probe.ProbeSpec) -> np.ndarray:
                            np.asarray(grads["b"], np.float64).sum(0)])
 
 
+def assert_leave_one_out_within_c(clipped_sum, nulled_sum, features, labels, first, clips):
+    """Removing row 0 or any adversarial row (from `first` on), or making it a null record
+    (`nulled_sum(features, labels, row, clips)`), moves each clip norm's sum by at most
+    C (1 + 1e-6)."""
+    full = clipped_sum(features, labels, clips)
+    assert np.isfinite(full).all()
+    for row in [0, *range(first, len(labels))]:
+        keep = np.arange(len(labels)) != row
+        for other in (clipped_sum(features[keep], labels[keep], clips),
+                      nulled_sum(features, labels, row, clips)):
+            moved = np.linalg.norm(full - other, axis=1)
+            assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+
+def assert_plain_gradient(clipped_sum, spec, rng, rtol):
+    """C = inf (and no noise) gives the plain sum of per-example gradients."""
+    features = (rng.normal(size=(24, 6)) * 3).astype(np.float32)
+    labels = np.arange(24) % NUM_CLASSES
+    np.testing.assert_allclose(clipped_sum(features, labels, [math.inf])[0],
+                               plain_gradient_sum(features, labels, spec), rtol=rtol, atol=rtol)
+
+
 class ClipperContract:
     """Subclass and define `clipped_sum(features, labels, clips, mask) -> (P, k) float64`: each
     clip norm's sum of clipped per-example gradients of the probe loss at zero init."""
@@ -82,17 +104,13 @@ class ClipperContract:
             pytest.skip("this clipper supports fewer view/dtype cases")
         views, dtype = self._cases()[case]
         features, labels, first = adversarial_rows(np.random.default_rng(case), views, dtype)
-        clips = [0.5, 1.0, 2.0]
-        full = self.clipped_sum(features, labels, clips)
-        assert np.isfinite(full).all()
-        for row in [0, *range(first, len(labels))]:
-            keep = np.arange(len(labels)) != row
-            removed = self.clipped_sum(features[keep], labels[keep], clips)
-            mask = keep.astype(np.float32)
-            masked = self.clipped_sum(features, labels, clips, mask)
-            for other in (removed, masked):
-                moved = np.linalg.norm(full - other, axis=1)
-                assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+        def masked_sum(features, labels, row, clips):
+            mask = (np.arange(len(labels)) != row).astype(np.float32)
+            return self.clipped_sum(features, labels, clips, mask)
+
+        assert_leave_one_out_within_c(self.clipped_sum, masked_sum, features, labels, first,
+                                      [0.5, 1.0, 2.0])
 
     def test_masked_rows_contribute_zero(self, rng):
         features = rng.normal(size=(12, 6)).astype(np.float32)
@@ -105,11 +123,7 @@ class ClipperContract:
                                    rtol=1e-5, atol=1e-6)
 
     def test_infinite_clip_gives_the_plain_gradient(self, rng):
-        features = (rng.normal(size=(20, 6)) * 3).astype(np.float32)
-        labels = np.arange(20) % NUM_CLASSES
-        np.testing.assert_allclose(self.clipped_sum(features, labels, [math.inf])[0],
-                                   plain_gradient_sum(features, labels, self.spec),
-                                   rtol=1e-5, atol=1e-5)
+        assert_plain_gradient(self.clipped_sum, self.spec, rng, rtol=1e-5)
 
 
 def count_compilations(fn) -> int:
@@ -158,18 +172,14 @@ class TrainerContract:
         """Removing any one example, or replacing it by a null record (a label outside the
         class set), moves every run's clipped sum by at most its C (1 + 1e-6)."""
         features, labels, first = adversarial_rows(np.random.default_rng(views), views, dtype)
-        clips = [0.5, 1.0, 2.0]
-        full = self.clipped_sum(features, labels, clips)
-        assert np.isfinite(full).all()
-        for row in [0, *range(first, len(labels))]:
-            keep = np.arange(len(labels)) != row
-            removed = self.clipped_sum(features[keep], labels[keep], clips)
-            nulled_labels = labels.copy()
-            nulled_labels[row] = -1
-            nulled = self.clipped_sum(features, nulled_labels, clips)
-            for other in (removed, nulled):
-                moved = np.linalg.norm(full - other, axis=1)
-                assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
+
+        def nulled_sum(features, labels, row, clips):
+            nulled = labels.copy()
+            nulled[row] = -1
+            return self.clipped_sum(features, nulled, clips)
+
+        assert_leave_one_out_within_c(self.clipped_sum, nulled_sum, features, labels, first,
+                                      [0.5, 1.0, 2.0])
 
     def test_null_records_contribute_nothing(self, rng):
         """Rows with NaN/Inf features, or that normalize to NaN, are null records: the same sum
@@ -187,11 +197,7 @@ class TrainerContract:
                                        rtol=1e-5, atol=1e-5)
 
     def test_unclipped_noiseless_step_is_the_plain_gradient(self, rng):
-        features = (rng.normal(size=(24, 6)) * 3).astype(np.float32)
-        labels = np.arange(24) % NUM_CLASSES
-        np.testing.assert_allclose(self.clipped_sum(features, labels, [math.inf])[0],
-                                   plain_gradient_sum(features, labels, self.spec),
-                                   rtol=1e-4, atol=1e-4)
+        assert_plain_gradient(self.clipped_sum, self.spec, rng, rtol=1e-4)
 
     def test_noise_std_is_sigma_times_c(self):
         """With zero features the weight gradient is exactly 0, so after one step from zero

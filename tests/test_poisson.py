@@ -7,25 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-import accounting
 import probe
-from tests.conftest import fixed_keys, random_problem
-
-
-def _runs(epsilons, steps, lr, q=1.0, delta=1e-5):
-    out = []
-    for eps in epsilons:
-        sigma = accounting.calibrate_noise_multiplier(eps, delta, steps=steps,
-                                                      sampling_probability=q)
-        plan = accounting.DpPlan(sigma, steps, q, clip_norm=1.0 if sigma > 0 else math.inf)
-        out.append(probe.RunSpec(plan, lr))
-    return out
+from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
 
 def test_poisson_masked_step_never_recompiles_and_samples_q_n(rng, caplog):
     features, labels, _ = random_problem(rng, n=500, d=8, c=3)
     q, steps = 0.1, 60
-    runs = _runs([2.0, 4.0], steps=steps, lr=0.1, q=q)
+    runs = calibrated_runs([2.0, 4.0], steps=steps, lr=0.1, q=q)
     spec = probe.ProbeSpec(3, optimizer="sgd")
     # Warm up: compile once.
     probe.train_probe_poisson(features, labels, runs, probe.make_keys(2), spec,
@@ -47,7 +36,7 @@ def test_poisson_masked_step_never_recompiles_and_samples_q_n(rng, caplog):
 def test_poisson_with_q_one_is_full_batch(rng):
     features, labels, _ = random_problem(rng, n=90, d=6, c=3)
     spec = probe.ProbeSpec(3, optimizer="momentum")
-    runs = _runs([1.0, math.inf], steps=3, lr=0.3)
+    runs = calibrated_runs([1.0, math.inf], steps=3, lr=0.3)
     keys = fixed_keys(2, 9)
     poisson = probe.train_probe_poisson(features, labels, runs, keys, spec,
                                         flags=probe.PerformanceFlags(physical_batch_size=32))
@@ -57,7 +46,7 @@ def test_poisson_with_q_one_is_full_batch(rng):
 
 
 def test_poisson_accounting_is_the_poisson_sampled_gaussian():
-    run = _runs([1.0], steps=50, lr=0.1, q=0.05)[0]
+    run = calibrated_runs([1.0], steps=50, lr=0.1, q=0.05)[0]
     event = run.plan.dp_event()
     assert "PoissonSampledDpEvent" in repr(event)
     assert run.plan.epsilon(1e-5) == pytest.approx(1.0, abs=1e-3)

@@ -1,23 +1,8 @@
 """Rows sharded over devices give the one-device result."""
 
-import math
 import subprocess
 import sys
 import textwrap
-
-import accounting
-import probe
-
-
-def _runs(epsilons, steps, lr, q=1.0, delta=1e-5):
-    out = []
-    for eps in epsilons:
-        sigma = accounting.calibrate_noise_multiplier(eps, delta, steps=steps,
-                                                      sampling_probability=q)
-        plan = accounting.DpPlan(sigma, steps, q, clip_norm=1.0 if sigma > 0 else math.inf)
-        out.append(probe.RunSpec(plan, lr))
-    return out
-
 
 SHARDED_SCRIPT = textwrap.dedent("""
     import os

@@ -5,26 +5,16 @@ import math
 import numpy as np
 import pytest
 
-import accounting
 import probe
-from tests.conftest import fixed_keys, random_problem
-
-
-def _runs(epsilons, steps, lr, q=1.0, delta=1e-5):
-    out = []
-    for eps in epsilons:
-        sigma = accounting.calibrate_noise_multiplier(eps, delta, steps=steps,
-                                                      sampling_probability=q)
-        plan = accounting.DpPlan(sigma, steps, q, clip_norm=1.0 if sigma > 0 else math.inf)
-        out.append(probe.RunSpec(plan, lr))
-    return out
+from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
 
 @pytest.mark.parametrize("views", [None, 3])
 def test_streamed_chunks_equal_in_memory(rng, views):
     features, labels, _ = random_problem(rng, n=203, d=10, c=4, views=views)
     spec = probe.ProbeSpec(4, optimizer="adam", normalization="l2")
-    runs = _runs([0.5, 4.0, math.inf], steps=4, lr=0.05) + _runs([1.0], steps=2, lr=0.1)
+    runs = (calibrated_runs([0.5, 4.0, math.inf], steps=4, lr=0.05)
+            + calibrated_runs([1.0], steps=2, lr=0.1))
     keys = fixed_keys(len(runs), 5)
     memory = probe.train_probe(features, labels, runs, keys, spec)
 
@@ -53,7 +43,7 @@ def test_streaming_from_a_zarr_store_equals_in_memory(tmp_path, rng):
         writer.write_chunk(chunk, features[a:b], labels[a:b])
     writer.finalize()
     spec = probe.ProbeSpec(3, optimizer="momentum")
-    runs = _runs([2.0], steps=3, lr=0.5)
+    runs = calibrated_runs([2.0], steps=3, lr=0.5)
     keys = fixed_keys(1, 2)
     streamed = probe.train_probe_streaming(
         lambda: extract.iter_split_chunks(str(tmp_path / "s.zarr"), "train"), runs, keys, spec,
@@ -66,6 +56,6 @@ def test_streaming_from_a_zarr_store_equals_in_memory(tmp_path, rng):
 def test_streaming_checks_the_row_count(rng):
     features, labels, _ = random_problem(rng, n=40, d=4, c=3)
     with pytest.raises(ValueError, match="held 40 rows, expected 41"):
-        probe.train_probe_streaming(lambda: [(features, labels)], _runs([1.0], 1, 0.1),
+        probe.train_probe_streaming(lambda: [(features, labels)], calibrated_runs([1.0], 1, 0.1),
                                     probe.make_keys(1), probe.ProbeSpec(3), num_examples=41,
                                     dim=4)
