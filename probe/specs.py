@@ -103,10 +103,6 @@ class PerformanceFlags:
     Attributes:
       physical_batch_size: Poisson training: rows per compiled call (a logical batch is cut
         into such physical batches, the last one padded and masked).
-      block_rows: in memory on one device: rows per block of the clipped sum (a block is read
-        once per step and stays in cache for both of the step's products). None: 1024 on a
-        CPU (about twice as fast as one block for T = 100 steps on 50k x 768, see
-        benchmarks/probe_sweep.py), all rows at once on an accelerator.
       rows_per_chunk: streaming: pad every chunk to this many rows (default: the first
         chunk's), so that one compiled kernel serves every chunk.
       prefetch_depth: streaming: chunks read ahead in a background thread.
@@ -117,25 +113,14 @@ class PerformanceFlags:
     """
 
     physical_batch_size: int = 256
-    block_rows: int | None = None
     rows_per_chunk: int | None = None
     prefetch_depth: int = 2
     mesh: Any = None
     feature_dtype: str | None = None
 
-    def resolved_block_rows(self) -> int | None:
-        """`block_rows`, with None resolved for the default JAX backend."""
-        if self.block_rows is not None:
-            return self.block_rows
-        import jax
-
-        return 1024 if jax.default_backend() == "cpu" else None
-
     def __post_init__(self):
         if self.physical_batch_size < 1:
             raise ValueError(f"physical_batch_size must be >= 1, got {self.physical_batch_size}")
-        if self.block_rows is not None and self.block_rows < 1:
-            raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
         if self.rows_per_chunk is not None and self.rows_per_chunk < 1:
             raise ValueError(f"rows_per_chunk must be >= 1, got {self.rows_per_chunk}")
         if self.prefetch_depth < 1:

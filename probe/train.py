@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
+from probe.clipping import clipped_grad_sum, feature_gram, zero_nonfinite_rows
 from probe.normalization import normalize_features
 from probe.sharding import shard_rows
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
@@ -76,61 +76,30 @@ def check_full_batch(runs: Sequence[RunSpec]) -> None:
             raise ValueError("this trainer is full batch; use train_probe_poisson for q < 1")
 
 
-def _block_sums(params, features, onehot, mask, clip, spec: ProbeSpec):
-    """Clipped sums of raw rows: rows that are not finite become null rows first (the input
-    boundary of every program), then `clipped_grad_sum`."""
+def _sum_fn(features, onehot, mask, spec: ProbeSpec):
+    """The clipped-sum function of the in-memory rows (non-finite rows nulled once per
+    program, fused with the float32 cast); the Gram matrix is computed once per program."""
     features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
-    return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                            finite_rows=True)
-
-
-def _sum_fn(features, onehot, mask, spec: ProbeSpec, block_rows: int | None):
-    """The clipped-sum function of the in-memory rows, in blocks of `block_rows` rows.
-
-    A step needs two products with the features (logits, then the clipped sum); done block by
-    block, a block is read from memory once and stays in cache for both, and float16 features
-    are widened to float32 one block at a time. The sum over rows is the same (up to float
-    summation order) whatever the blocks.
-    """
-    num_rows = features.shape[0]
-    if not block_rows or block_rows >= num_rows:
-        return lambda params, clip: _block_sums(params, features, onehot, mask, clip, spec)
-    num_blocks, tail = divmod(num_rows, block_rows)
+    gram = feature_gram(features if features.ndim == 3 else features[:, None, :])
 
     def sum_fn(params, clip):
-        def body(i, total):
-            rows = [jax.lax.dynamic_slice_in_dim(a, i * block_rows, block_rows)
-                    for a in (features, onehot, mask)]
-            return jax.tree.map(jnp.add, total, _block_sums(params, *rows, clip, spec))
-
-        zeros = jax.eval_shape(lambda: _block_sums(params, features[:block_rows],
-                                                   onehot[:block_rows], mask[:block_rows],
-                                                   clip, spec))
-        total = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros)
-        total = jax.lax.fori_loop(0, num_blocks, body, total)
-        if tail:
-            start = num_blocks * block_rows
-            rest = _block_sums(params, features[start:], onehot[start:], mask[start:], clip,
-                               spec)
-            total = jax.tree.map(jnp.add, total, rest)
-        return total
+        return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
+                                gram=gram, finite_rows=True)
 
     return sum_fn
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_rows"))
-def _first_step(features, onehot, mask, runs: RunArrays, *, spec, block_rows):
-    sum_fn = _sum_fn(features, onehot, mask, spec, block_rows)
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _first_step(features, onehot, mask, runs: RunArrays, *, spec):
+    sum_fn = _sum_fn(features, onehot, mask, spec)
     state = init_state(spec, runs, features.shape[-1])
     sums, num_clipped = shared_start_sums(spec, runs, features.shape[-1], sum_fn)
     return dp_update(spec, runs, state, sums, num_clipped, 0, runs.denominator)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_rows"),
-                   donate_argnames=("state",))
-def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec,
-                block_rows):
-    sum_fn = _sum_fn(features, onehot, mask, spec, block_rows)
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec):
+    sum_fn = _sum_fn(features, onehot, mask, spec)
 
     def body(step, state):
         sums, num_clipped = sum_fn(state.params, runs.clip)
@@ -170,15 +139,13 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     arrays = run_arrays(runs, keys, len(feats))
     if flags.mesh is None:  # on the device once, not once per block of steps
         data = jax.device_put((feats, onehot, mask))
-        block_rows = flags.resolved_block_rows()
     else:  # each device sums its own rows; XLA reduces the partial sums
         feats, onehot, mask, padding = shard_rows(flags.mesh, feats, onehot, mask)
-        data, block_rows = (feats, onehot, mask * padding), None
+        data = (feats, onehot, mask * padding)
     total = int(arrays.steps.max())
     with step_bar(total, progress, "probe steps") as bar:
-        state = _first_step(*data, arrays, spec=spec, block_rows=block_rows)
+        state = _first_step(*data, arrays, spec=spec)
         bar.update(1)
         for start, stop in step_blocks(total, bar):
-            state = _more_steps(state, start, stop, *data, arrays, spec=spec,
-                                   block_rows=block_rows)
+            state = _more_steps(state, start, stop, *data, arrays, spec=spec)
         return result(state, arrays)

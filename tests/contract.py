@@ -76,10 +76,10 @@ def assert_leave_one_out_within_c(clipped_sum, nulled_sum, features, labels, fir
             assert (moved <= np.array(clips) * (1 + 1e-6)).all(), (row, moved / clips)
 
 
-def assert_plain_gradient(clipped_sum, spec, rng, rtol):
+def assert_plain_gradient(clipped_sum, spec, rng, rtol, n=24, d=6):
     """C = inf (and no noise) gives the plain sum of per-example gradients."""
-    features = (rng.normal(size=(24, 6)) * 3).astype(np.float32)
-    labels = np.arange(24) % NUM_CLASSES
+    features = (rng.normal(size=(n, d)) * 3 / np.sqrt(d / 6)).astype(np.float32)
+    labels = np.arange(n) % NUM_CLASSES
     np.testing.assert_allclose(clipped_sum(features, labels, [math.inf])[0],
                                plain_gradient_sum(features, labels, spec), rtol=rtol, atol=rtol)
 
@@ -198,6 +198,11 @@ class TrainerContract:
 
     def test_unclipped_noiseless_step_is_the_plain_gradient(self, rng):
         assert_plain_gradient(self.clipped_sum, self.spec, rng, rtol=1e-4)
+
+    def test_plain_gradient_at_a_realistic_width(self, rng):
+        """d = 768 (a ViT's width), thousands of rows: the compiled programs XLA emits at this
+        size differ from the small tests' (an XLA CPU fusion once returned NaN there)."""
+        assert_plain_gradient(self.clipped_sum, self.spec, rng, rtol=1e-3, n=3000, d=768)
 
     def test_noise_std_is_sigma_times_c(self):
         """With zero features the weight gradient is exactly 0, so after one step from zero

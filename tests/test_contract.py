@@ -26,14 +26,6 @@ class TestInMemoryTrainer(TrainerContract):
         return probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), spec)
 
 
-class TestBlockedInMemoryTrainer(TrainerContract):
-    """In memory, the clipped sum summed over blocks of 5 rows (and a shorter tail)."""
-
-    def train(self, features, labels, runs, spec):
-        return probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), spec,
-                                 flags=probe.PerformanceFlags(block_rows=5))
-
-
 class TestShardedTrainer(TrainerContract):
     def train(self, features, labels, runs, spec):
         flags = probe.PerformanceFlags(mesh=probe.make_data_mesh(1))

@@ -155,21 +155,3 @@ def test_sign_sgd_equals_one_dp_adam_step_from_zero(rng, loss):
         assert clear.mean() > 0.99
         np.testing.assert_allclose(adam[key][clear], sign[key][clear], rtol=1e-3, atol=ulp)
         np.testing.assert_allclose(np.abs(sign[key] - start), 1e-3, atol=ulp)
-
-
-@pytest.mark.parametrize("block_rows", [1, 7, 50, 96, 1000])
-def test_blocked_sum_equals_one_block(rng, block_rows):
-    """Summing the clipped gradients block by block (any block size, with a tail) gives the
-    one-block result; views and float16 included."""
-    features, labels, _ = random_problem(rng, n=96, d=8, c=3, views=2)
-    features = features.astype(np.float16)
-    spec = probe.ProbeSpec(3, optimizer="adam")
-    runs = _runs([1.0, 8.0], steps=4, lr=1e-2)
-    keys = fixed_keys(2, 3)
-    whole = probe.train_probe(features, labels, runs, keys, spec,
-                              flags=probe.PerformanceFlags(block_rows=10_000))
-    blocked = probe.train_probe(features, labels, runs, keys, spec,
-                                flags=probe.PerformanceFlags(block_rows=block_rows))
-    for key in ("w", "b"):
-        np.testing.assert_allclose(blocked.params[key], whole.params[key], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(blocked.clipped_fraction, whole.clipped_fraction)
