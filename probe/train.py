@@ -136,7 +136,9 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     flags = flags or PerformanceFlags()
     check_full_batch(runs)
     feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
-    arrays = run_arrays(runs, keys, len(feats))
+    # N is public; in a multi-host job each process passes its own, equally many rows.
+    num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
+    arrays = run_arrays(runs, keys, num_examples)
     if flags.mesh is None:  # on the device once, not once per block of steps
         data = jax.device_put((feats, onehot, mask))
     else:  # each device sums its own rows; XLA reduces the partial sums
