@@ -20,7 +20,7 @@ import numpy as np
 from probe.batching import poisson_batches
 from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
-from probe.step import dp_update, init_state, result, run_arrays, step_bar
+from probe.step import add_parts, dp_update_jit, init_state_jit, result, run_arrays, step_bar
 from probe.train import prepare_inputs
 
 __all__ = ["train_probe_poisson"]
@@ -37,10 +37,6 @@ def _batch_sums(params, features, onehot, mask, clip, *, spec):
         return jax.tree.map(lambda s: s[0], sums), count[0]
 
     return jax.vmap(one)(params["w"], params["b"], features, onehot, mask, clip)
-
-
-_update = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
-_init = jax.jit(init_state, static_argnames=("spec", "dim"))
 
 
 def train_probe_poisson(
@@ -72,7 +68,7 @@ def train_probe_poisson(
     flags = flags or PerformanceFlags()
     feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
     arrays = run_arrays(runs, keys, len(feats))
-    state = _init(spec, arrays, feats.shape[-1])
+    state = init_state_jit(spec, arrays, feats.shape[-1])
     total = int(arrays.steps.max())
     batch_sizes = np.zeros((total, len(runs)), np.int64)
     batches = poisson_batches(len(feats), [r.plan.sampling_probability for r in runs],
@@ -80,14 +76,12 @@ def train_probe_poisson(
     with step_bar(total, progress, "probe steps (Poisson)") as bar:
         for step, batch in enumerate(batches):
             batch_sizes[step] = batch.sizes
-            sums, num_clipped = None, None
+            sums = None
             for index, batch_mask in zip(batch.index, batch.mask, strict=True):
-                part, part_clipped = _batch_sums(state.params, feats[index], onehot[index],
-                                                 batch_mask * mask[index], arrays.clip,
-                                                 spec=spec)
-                sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
-                num_clipped = part_clipped if num_clipped is None else num_clipped + part_clipped
-            state = _update(spec, arrays, state, sums, num_clipped, step,
-                            batch.sizes.astype(np.float32))
+                sums = add_parts(sums, _batch_sums(state.params, feats[index], onehot[index],
+                                                   batch_mask * mask[index], arrays.clip,
+                                                   spec=spec))
+            state = dp_update_jit(spec, arrays, state, *sums, step,
+                                  batch.sizes.astype(np.float32))
             bar.update(1)
     return result(state, arrays, batch_sizes)

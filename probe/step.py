@@ -31,8 +31,9 @@ from tqdm.auto import tqdm
 from probe.mechanism import noise_stddev, privatized_optimizer
 from probe.specs import Params, ProbeSpec, RunSpec, TrainResult
 
-__all__ = ["RunArrays", "State", "dp_update", "init_params", "init_state", "result",
-           "run_arrays", "shared_start_sums", "step_bar"]
+__all__ = ["RunArrays", "State", "add_parts", "dp_update", "dp_update_jit", "init_params",
+           "init_state", "init_state_jit", "result", "run_arrays", "shared_start_sums",
+           "step_bar", "step_blocks"]
 
 
 class RunArrays(NamedTuple):
@@ -126,6 +127,17 @@ def dp_update(spec: ProbeSpec, runs: RunArrays, state: State, sums: Params, num_
     return State(jax.tree.map(select, params, state.params),
                  jax.tree.map(select, opt_state, state.opt_state),
                  state.clipped_total + clipped)
+
+
+# For the trainers whose steps are Python loops (streamed, Poisson): one compiled call each.
+dp_update_jit = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
+init_state_jit = jax.jit(init_state, static_argnames=("spec", "dim"))
+
+
+def add_parts(total, part):
+    """`total` + `part` leaf by leaf (clipped sums and counts of row chunks or batches); `part`
+    when `total` is None (the first one)."""
+    return part if total is None else jax.tree.map(jnp.add, total, part)
 
 
 def shared_start_sums(spec: ProbeSpec, runs: RunArrays, dim: int, sum_fn):

@@ -22,7 +22,15 @@ from probe.batching import pad_rows
 from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
 from probe.normalization import normalize_features
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
-from probe.step import dp_update, init_params, init_state, result, run_arrays, step_bar
+from probe.step import (
+    add_parts,
+    dp_update_jit,
+    init_state_jit,
+    result,
+    run_arrays,
+    shared_start_sums,
+    step_bar,
+)
 from probe.train import check_full_batch, check_labels
 
 __all__ = ["train_probe_streaming"]
@@ -71,10 +79,6 @@ def _chunk_sums(params, features, labels, mask, clip, *, spec):
                             finite_rows=True)
 
 
-_update = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
-_init = jax.jit(init_state, static_argnames=("spec", "dim"))
-
-
 def train_probe_streaming(
     chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
     runs: Sequence[RunSpec],
@@ -101,27 +105,24 @@ def train_probe_streaming(
     flags = flags or PerformanceFlags()
     check_full_batch(runs)
     arrays = run_arrays(runs, keys, num_examples)
-    state = _init(spec, arrays, dim)
+    state = init_state_jit(spec, arrays, dim)
     total = int(arrays.steps.max())
-    rows = flags.rows_per_chunk
+
+    def sum_fn(params, clip):  # one pass over the chunks
+        sums, seen = None, 0
+        for features, labels, mask in _prefetch(_padded_chunks(chunks(), flags.rows_per_chunk),
+                                                flags.prefetch_depth):
+            sums = add_parts(sums, _chunk_sums(params, features, labels, mask, clip, spec=spec))
+            seen += int(mask.sum())
+        if seen != num_examples:  # public: the store's row count
+            raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
+        return sums
+
     with step_bar(total, progress, "probe steps (streamed)") as bar:
         for step in range(total):
-            # Step 0: every run sits at the same point, so one sum per distinct clip norm.
-            params, clip = (init_params(len(arrays.unique_clips), dim, spec),
-                            arrays.unique_clips) if step == 0 else (state.params, arrays.clip)
-            sums, num_clipped, seen = None, None, 0
-            for features, labels, mask in _prefetch(_padded_chunks(chunks(), rows),
-                                                    flags.prefetch_depth):
-                rows = rows or len(mask)
-                part, part_clipped = _chunk_sums(params, features, labels, mask, clip, spec=spec)
-                sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
-                num_clipped = part_clipped if num_clipped is None else num_clipped + part_clipped
-                seen += int(mask.sum())
-            if seen != num_examples:  # public: the store's row count
-                raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
-            if step == 0:
-                sums = jax.tree.map(lambda s: s[arrays.clip_index], sums)
-                num_clipped = num_clipped[arrays.clip_index]
-            state = _update(spec, arrays, state, sums, num_clipped, step, arrays.denominator)
+            sums, num_clipped = (shared_start_sums(spec, arrays, dim, sum_fn) if step == 0
+                                 else sum_fn(state.params, arrays.clip))
+            state = dp_update_jit(spec, arrays, state, sums, num_clipped, step,
+                                  arrays.denominator)
             bar.update(1)
     return result(state, arrays)
