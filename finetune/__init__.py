@@ -1,0 +1,1 @@
+"""dpprobe's full fine-tuning path: DP-SGD on every weight of a Flax NNX image model."""
