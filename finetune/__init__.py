@@ -1,6 +1,8 @@
 """Full finetuning: DP-SGD on every weight of a Flax NNX model (`finetune.train`), on the DP
-mechanism the probe uses (`probe.mechanism`, `probe.batching`) and `jax_privacy.clipped_grad`."""
+mechanism the probe uses (`probe.mechanism`, `probe.batching`) and `jax_privacy.clipped_grad`;
+the models in `finetune.models`."""
 
+from finetune import models
 from finetune.augment import augment_views
 from finetune.checkpoint import Checkpointer
 from finetune.train import (
@@ -25,6 +27,7 @@ __all__ = [
     "FinetuneSpec",
     "TrainState",
     "augment_views",
+    "models",
     "clipped_sum",
     "ema_decay_at",
     "evaluate_model",

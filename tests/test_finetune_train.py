@@ -251,3 +251,40 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(rng, tmp_path):
     with pytest.raises(ValueError, match="another run"):
         finetune.Checkpointer(tmp_path, every=2, config={"a": 2}).restore(
             finetune.init_state(nnx.state(TinyConvNet(nnx.Rngs(0)), nnx.Param), spec, 6))
+
+
+_SHARDED = """
+import numpy as np
+from flax import nnx
+import accounting, finetune, probe
+from tests.test_finetune_train import TinyConvNet, _flat
+images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
+labels = np.arange(64) % 3
+keys = probe.make_keys(2)
+spec = finetune.FinetuneSpec(3, learning_rate=0.2, augmult=2, crop_padding=1, flip=True)
+out = []
+for devices in (1, 4):
+    result = finetune.train_finetune(
+        TinyConvNet(nnx.Rngs(0)), images, labels, accounting.DpPlan(1.0, 3, 0.3, 1.0), spec,
+        keys=keys, rng=np.random.default_rng(1),
+        flags=finetune.FinetuneFlags(physical_batch_size=16, devices=devices))
+    out.append(_flat(nnx.state(result.model, nnx.Param)))
+assert np.abs(out[0]).max() > 0
+np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_data_parallel_over_four_devices_equals_one(tmp_path):
+    """--devices 4 (forced host devices) trains the same model as one device, up to the order
+    of float32 sums."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
