@@ -65,8 +65,9 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
 ALLOWED = [
     r"test_accuracy(_ema)?", r"(created|wall_seconds)", r"data\.num_train",
     r"privacy\.(epsilon|sampling|plan\.(sampling_probability|noise_multiplier))",
-    r"privacy\.dp_event\..*", r"ledger\..*(epsilon|sampling_probability|noise_multiplier|mu|"
-    r"event.*)",
+    r"privacy\.dp_event\..*",
+    r"ledger\.(.*\.)?(\w*epsilon\w*|sampling_probability|noise_multiplier|mu|event.*)",
+    r"ledger\.epsilon_by_role\.\w+",
 ]
 
 
@@ -86,6 +87,12 @@ def test_finetune_on_neighbouring_datasets_differs_only_in_dp_outputs(rng, tmp_p
     assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
 
 
+def _saved_steps(folder):
+    """The steps of the complete checkpoints (orbax writes `STEP.orbax-checkpoint-tmp` first,
+    then renames it)."""
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
 def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path):
     """Killed (SIGKILL) after a few checkpoints, the same command resumes from the latest one,
     runs only the remaining steps, and finishes."""
@@ -100,14 +107,14 @@ def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path):
     checkpoints = tmp_path / "run" / "checkpoint"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and child.poll() is None:
-        saved = [int(p.name) for p in checkpoints.glob("[0-9]*")] if checkpoints.exists() else []
+        saved = _saved_steps(checkpoints)
         if saved and max(saved) >= 6:
             break
         time.sleep(0.2)
     assert child.poll() is None, "the run ended before it could be killed"
     child.send_signal(signal.SIGKILL)
     child.wait()
-    saved = max(int(p.name) for p in checkpoints.glob("[0-9]*"))
+    saved = max(_saved_steps(checkpoints))
     assert not (tmp_path / "run" / "results.json").exists()
     resumed = subprocess.run([*command[:command.index("400")], "402", *command[
         command.index("400") + 1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -141,13 +148,13 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 12, 32, 3))
     monkeypatch.chdir(tmp_path)
     assert _finetune("--model", "vit_tiny_patch16_224", "--weights", "vit.pth", "--steps", "1",
-                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1",
+                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1", "--lr", "1e-5",
                      "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["model"]["weights_source"] == "file"
     saved = np.load(tmp_path / "run" / "model.npz")
     patch = [k for k in saved if k.startswith("params/") and "patch" in k and "kernel" in k]
     assert patch, sorted(saved)[:10]
-    # One DP step moves the patch embedding by little: it is still the file's.
-    kernel = source.patch_embed.proj.weight.detach().numpy()
-    assert np.abs(np.sort(saved[patch[0]].ravel()) - np.sort(kernel.ravel())).max() < 0.05
+    # One DP step at a tiny learning rate: the patch embedding is still the file's (HWIO).
+    kernel = source.patch_embed.proj.weight.detach().numpy().transpose(2, 3, 1, 0)
+    np.testing.assert_allclose(saved[patch[0]], kernel, atol=1e-3)
