@@ -148,8 +148,8 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 12, 32, 3))
     monkeypatch.chdir(tmp_path)
     assert _finetune("--model", "vit_tiny_patch16_224", "--weights", "vit.pth", "--steps", "1",
-                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1", "--lr", "1e-5",
-                     "--out", "run", "--quiet") == 0
+                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1",
+                     "--lr", "1e-5", "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["model"]["weights_source"] == "file"
     saved = np.load(tmp_path / "run" / "model.npz")
