@@ -45,8 +45,9 @@ def _data(side, channels, n, seed=0):
 
 
 def _jax_model(name, side, channels):
-    import finetune.models
     from flax import nnx
+
+    import finetune.models
 
     return finetune.models.create_model(name, CLASSES, image_size=side, in_channels=channels,
                                         rngs=nnx.Rngs(0))
@@ -124,10 +125,10 @@ def _torch_model(name, side, channels):
 
     from tests import torch_models
 
-    if name == "cnn":
-        return torch_models.TorchCNN(CLASSES, image_size=side, in_channels=channels)
+    if name == "cnn":  # 28 px: the flattened map is 4 x 4
+        return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)
     if name == "wrn16_4":
-        return torch_models.TorchWRN(CLASSES, in_channels=channels)
+        return torch_models.TorchWRN(CLASSES, depth=16, width=4, in_channels=channels)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=CLASSES,
                              img_size=side, in_chans=channels)
 
