@@ -379,7 +379,8 @@ TEXTS = {
         "Clopper-Pearson bound, with the ratio to the claim. Exit status 1 when a lower bound "
         "exceeds the claim.",
         epilog="A lower bound for this canary and this threat model, not a proof of privacy. "
-        + EPILOG,
+        "The claim is for zero-out neighbours (one record replaced by a null record; N public), "
+        "computed with the PLD accountant; noise keys and the row sample draw from OS entropy.",
     ),
     "verify": dict(
         help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
