@@ -1,5 +1,5 @@
-"""dpprobe's jobs (extract, probe, tune, account, audit, verify, info, demo) as a Python API,
-and the CLI.
+"""dpprobe's jobs (extract, probe, tune, finetune, account, audit, verify, info, demo)
+as a Python API, and the CLI.
 
 Each job is one module with its frozen config: `run_probe(ProbeConfig(...))`, or the config's
 fields as keywords, `run_probe(store, epsilons=[1, 8], delta=1e-5)`.
@@ -9,6 +9,7 @@ from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.demo_job import DemoConfig, run_demo
 from pipelines.extract_job import ExtractConfig, run_extract, run_extract_ray
+from pipelines.finetune_job import FinetuneConfig, run_finetune
 from pipelines.probe_job import ProbeConfig, run_probe
 from pipelines.reporting import probe_table, tune_report
 from pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
@@ -19,6 +20,7 @@ __all__ = [
     "AuditConfig",
     "DemoConfig",
     "ExtractConfig",
+    "FinetuneConfig",
     "InfoConfig",
     "ProbeConfig",
     "TuneConfig",
@@ -30,6 +32,7 @@ __all__ = [
     "run_demo",
     "run_extract",
     "run_extract_ray",
+    "run_finetune",
     "run_probe",
     "run_tune",
     "store_info",

@@ -332,6 +332,69 @@ def audit(p) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the report")
 
 
+def finetune(p) -> None:
+    from accounting import ACCOUNTANTS
+    from pipelines.finetune_job import DEFAULT_MODEL, FinetuneConfig
+
+    d = FinetuneConfig  # the defaults shown in --help
+    p.add_argument("--model", help=f"cnn (Tramer & Boneh's CNN), wrn16_4 (WRN-16-4 with "
+                   f"GroupNorm + weight standardization), or a timm ViT name (vit_*, deit_*) "
+                   f"(default {DEFAULT_MODEL})")
+    p.add_argument("--data", help=f"data spec, as for extract (default {d.data})")
+    p.add_argument("--test-data", help="the test split's data spec, for sources holding one "
+                   "split (npz:PATH, imagefolder:PATH); public: its accuracy is published")
+    p.add_argument("--data-dir", help="directory of Fashion-MNIST's gzipped IDX files")
+    p.add_argument("--weights", help="local .safetensors/.pth weights of the timm model")
+    p.add_argument("--random-init", action="store_true",
+                   help="a timm model with random weights (seeded by --seed); for tests")
+    p.add_argument("--resize", type=_integer,
+                   help="resize each image's short side to R (default: the data's size)")
+    p.add_argument("--crop", type=_integer,
+                   help="center-crop S x S after --resize: the model's input side (default: "
+                   "a square of the short side); ViTs adapt their position embeddings")
+    p.add_argument("--epsilon", type=_number,
+                   help=f"target epsilon; inf trains without noise (default {d.epsilon:g})")
+    p.add_argument("--delta", type=_number, help=f"target delta (default {d.delta:g})")
+    p.add_argument("--accountant", choices=ACCOUNTANTS, help="privacy accountant (default pld)")
+    p.add_argument("--batch-size", type=_integer,
+                   help=f"expected batch size B: Poisson rate q = B/N (default {d.batch_size})")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_number,
+                        help=f"training length in epochs, T = epochs N / B (default {d.epochs:g})")
+    length.add_argument("--steps", type=_integer, help="training length in steps T")
+    p.add_argument("--lr", dest="learning_rate", type=_number,
+                   help=f"learning rate (default {d.learning_rate:g})")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help=f"%(choices)s (default {d.optimizer})")
+    p.add_argument("--momentum", type=_number, help=f"momentum (default {d.momentum:g})")
+    p.add_argument("--schedule", choices=("constant", "cosine"),
+                   help=f"learning-rate schedule (default {d.schedule})")
+    p.add_argument("--warmup-steps", type=_integer, help="linear warm-up steps (default 0)")
+    p.add_argument("--clip-norm", type=_number, help=f"per-example clip norm C "
+                   f"(default {d.clip_norm:g})")
+    p.add_argument("--augmult", type=_integer, help=f"augmentation multiplicity K: views per "
+                   f"example, averaged before clipping (default {d.augmult})")
+    p.add_argument("--crop-padding", type=_integer,
+                   help=f"random crops of the image padded by P pixels (default {d.crop_padding})")
+    p.add_argument("--no-flip", dest="flip", action="store_false", help="no random flips")
+    p.add_argument("--ema-decay", type=_number,
+                   help=f"EMA of the parameters, 0 for none (default {d.ema_decay:g})")
+    p.add_argument("--physical-batch-size", type=_integer,
+                   help=f"examples per compiled call (default {d.physical_batch_size})")
+    p.add_argument("--microbatch-size", type=_integer,
+                   help="per-example gradients in microbatches of this size (less memory)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="bfloat16 forward/backward; clipping and noise stay float32")
+    p.add_argument("--devices", type=_integer, help="data parallel over N local devices")
+    p.add_argument("--seed", type=_integer,
+                   help="seed of the model's initialization only (default 0)")
+    p.add_argument("--out", help="folder for results.json and model.npz; a rerun with the same "
+                   "options resumes from its checkpoint")
+    p.add_argument("--checkpoint-every", type=_integer,
+                   help=f"steps between checkpoints (default {d.checkpoint_every})")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
 def demo(p) -> None:
     p.add_argument("--out", dest="out_dir", help="output directory (default runs/demo)")
     p.add_argument("--data", choices=DEMO_DATA,
@@ -350,6 +413,14 @@ TEXTS = {
         "imagefolder:PATH (one folder per class), cifar10:PATH, cifar100:PATH. "
         "Backbones: any timm model name (optionally .tag), scatternet, or none (npz:PATH "
         "holding features and labels).",
+    ),
+    "finetune": dict(
+        allow_abbrev=False,
+        help="train every weight of a backbone with DP-SGD on images",
+        description="DP-SGD on a whole model (Flax NNX): Poisson-sampled batches, per-example "
+        "clipping, augmentation multiplicity, EMA (De et al.; Beltran et al.). Reports the "
+        "test accuracy at the (epsilon, delta) it spent.",
+        epilog=EPILOG,
     ),
     "probe": dict(
         allow_abbrev=False,  # `--seed` must not silently mean `--seeds`

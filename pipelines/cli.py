@@ -18,6 +18,7 @@ from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
 from pipelines.demo_job import DemoConfig, run_demo
 from pipelines.extract_job import ExtractConfig, run_extract
+from pipelines.finetune_job import FinetuneConfig, run_finetune
 from pipelines.probe_job import ProbeConfig, run_probe
 from pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
 from pipelines.tune_job import TuneConfig, run_tune
@@ -78,6 +79,11 @@ def _tune(config: TuneConfig, args) -> int:
     return 0
 
 
+def _finetune(config: FinetuneConfig, args) -> int:
+    print(reporting.finetune_line(run_finetune(config)))
+    return 0
+
+
 def _account(config: AccountConfig, args) -> int:
     result = account(config)
     print(json.dumps(result, indent=2) if getattr(args, "json", False)
@@ -104,6 +110,7 @@ COMMANDS = {
     "extract": (arguments.extract, ExtractConfig, _extract),
     "probe": (arguments.probe, ProbeConfig, _probe),
     "tune": (arguments.tune, TuneConfig, _tune),
+    "finetune": (arguments.finetune, FinetuneConfig, _finetune),
     "account": (arguments.account, AccountConfig, _account),
     "audit": (arguments.audit, AuditConfig, _audit),
     "verify": (arguments.verify, VerifyConfig, _verify),

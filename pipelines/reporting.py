@@ -410,3 +410,14 @@ def plot_audit(results: dict, path) -> None:
                  f"runs per side, delta={claim['delta']:g} (PLD, zero-out); "
                  f"{100 * bounds['confidence']:g}% lower bounds", fontsize=9)
     _save_png(fig, path)
+
+
+def finetune_line(results: dict) -> str:
+    """One line: the model, its test accuracy (and its EMA's) and the guarantee."""
+    privacy = results["privacy"]
+    ema = results.get("test_accuracy_ema")
+    ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
+    return (f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
+            f"{100 * results['test_accuracy']:.2f}%{ema_text} at (epsilon "
+            f"{privacy['epsilon']:.3g}, delta {privacy['delta']:g}), {privacy['accountant']}, "
+            f"{privacy['neighboring_relation_text']}; {results['wall_seconds']:.0f} s")

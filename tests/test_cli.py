@@ -73,6 +73,7 @@ MINIMAL = {  # each command with only its required options, and the config field
     "tune": (["s.zarr", "--epsilon", "1"], {"store", "epsilon"}),
     "account": (["--epsilon", "1"], {"epsilon"}),
     "audit": (["s.zarr", "--epsilon", "1"], {"store", "epsilon"}),
+    "finetune": ([], set()),
     "verify": (["s.zarr"], {"store"}),
     "info": (["s.zarr"], {"store"}),
     "demo": ([], set()),

@@ -1,0 +1,37 @@
+"""Full finetuning: DP-SGD on every weight of a Flax NNX model (`finetune.train`), on the DP
+mechanism the probe uses (`probe.mechanism`, `probe.batching`) and `jax_privacy.clipped_grad`;
+the models in `finetune.models`."""
+
+from finetune import models
+from finetune.augment import augment_views
+from finetune.checkpoint import Checkpointer
+from finetune.train import (
+    SCHEDULES,
+    FinetuneFlags,
+    FinetuneResult,
+    FinetuneSpec,
+    TrainState,
+    clipped_sum,
+    ema_decay_at,
+    evaluate_model,
+    init_state,
+    print_progress,
+    train_finetune,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Checkpointer",
+    "FinetuneFlags",
+    "FinetuneResult",
+    "FinetuneSpec",
+    "TrainState",
+    "augment_views",
+    "models",
+    "clipped_sum",
+    "ema_decay_at",
+    "evaluate_model",
+    "init_state",
+    "print_progress",
+    "train_finetune",
+]

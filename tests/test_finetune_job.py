@@ -1,0 +1,160 @@
+"""`dpprobe finetune` end to end: results, the neighbour test, SIGKILL and resume, timm
+weights, BatchNorm refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pipelines import cli
+from tests.test_privacy import _differing_leaves
+
+CLASSES = np.array(["a", "b", "c", "d"])
+
+
+def _images(rng, n, side=16, channels=1):
+    shape = (n, side, side) if channels == 1 else (n, side, side, channels)
+    labels = rng.integers(0, 4, n)
+    images = rng.integers(0, 60, shape).astype(np.uint8)
+    images[labels == 1, : side // 2] += 150  # something to learn
+    return images, labels
+
+
+def _write(directory, train, test):
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / "train.npz", images=train[0], labels=train[1], class_names=CLASSES)
+    np.savez(directory / "test.npz", images=test[0], labels=test[1], class_names=CLASSES)
+
+
+FAST = ["--model", "cnn", "--batch-size", "40", "--steps", "4", "--augmult", "2",
+        "--physical-batch-size", "32", "--lr", "0.5", "--quiet"]
+
+
+def _finetune(*options):
+    return cli.main(["finetune", "--data", "npz:train.npz", "--test-data", "npz:test.npz",
+                     *options])
+
+
+def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
+    _write(tmp_path, _images(rng, 120), _images(rng, 40))
+    monkeypatch.chdir(tmp_path)
+    assert _finetune(*FAST, "--epsilon", "2", "--delta", "1e-4", "--out", "run") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    privacy = results["privacy"]
+    assert privacy["epsilon"] <= 2.0 and privacy["neighboring_relation"] == "zero_out"
+    assert privacy["plan"]["sampling_probability"] == pytest.approx(40 / 120)
+    assert privacy["plan"]["steps"] == 4 and privacy["noise_keys"] == "os-entropy"
+    assert 0 <= results["test_accuracy"] <= 1 and 0 <= results["test_accuracy_ema"] <= 1
+    assert results["ledger"]["epsilon"] == pytest.approx(privacy["epsilon"])
+    model = np.load(tmp_path / "run" / "model.npz")
+    assert any(k.startswith("params/") for k in model) and any(k.startswith("ema/")
+                                                               for k in model)
+    assert not (tmp_path / "run" / "checkpoint").exists()  # it held the noise key
+
+
+# Leaves that may differ between D and D minus one row: DP outputs, times, and what follows
+# from the dataset size N alone (public under zero-out neighbours: q = B/N, its sigma, epsilon).
+ALLOWED = [
+    r"test_accuracy(_ema)?", r"(created|wall_seconds)", r"data\.num_train",
+    r"privacy\.(epsilon|sampling|plan\.(sampling_probability|noise_multiplier))",
+    r"privacy\.dp_event\..*",
+    r"ledger\.(.*\.)?(\w*epsilon\w*|sampling_probability|noise_multiplier|mu|event.*)",
+    r"ledger\.epsilon_by_role\.\w+",
+]
+
+
+def test_finetune_on_neighbouring_datasets_differs_only_in_dp_outputs(rng, tmp_path,
+                                                                     monkeypatch):
+    (images, labels), test = _images(rng, 120), _images(rng, 40)
+    images[17] = 255
+    labels[17] = 3
+    outputs = []
+    for name, keep in (("D", slice(None)), ("D_minus_one_row", np.arange(120) != 17)):
+        _write(tmp_path / name, (images[keep], labels[keep]), test)
+        monkeypatch.chdir(tmp_path / name)
+        assert _finetune(*FAST, "--epsilon", "2", "--out", "run") == 0
+        outputs.append(json.loads((tmp_path / name / "run" / "results.json").read_text()))
+    differing = sorted(set(_differing_leaves(*outputs)))
+    leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
+    assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
+
+
+def _saved_steps(folder):
+    """The steps of the complete checkpoints (orbax writes `STEP.orbax-checkpoint-tmp` first,
+    then renames it)."""
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
+def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path):
+    """Killed (SIGKILL) after a few checkpoints, the same command resumes from the latest one,
+    runs only the remaining steps, and finishes."""
+    _write(tmp_path, _images(rng, 120), _images(rng, 40))
+    command = [sys.executable, "-m", "pipelines.cli", "finetune", "--data", "npz:train.npz",
+               "--test-data", "npz:test.npz", "--model", "cnn", "--batch-size", "40",
+               "--steps", "400", "--physical-batch-size", "32", "--checkpoint-every", "2",
+               "--out", "run"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    child = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoint"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and child.poll() is None:
+        saved = _saved_steps(checkpoints)
+        if saved and max(saved) >= 6:
+            break
+        time.sleep(0.2)
+    assert child.poll() is None, "the run ended before it could be killed"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    saved = max(_saved_steps(checkpoints))
+    assert not (tmp_path / "run" / "results.json").exists()
+    resumed = subprocess.run([*command[:command.index("400")], "402", *command[
+        command.index("400") + 1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert resumed.returncode != 0 and "another run" in resumed.stderr  # other options: refused
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr and f"at step {saved}" in resumed.stderr
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["privacy"]["plan"]["steps"] == 400
+    assert not checkpoints.exists()
+
+
+def test_batchnorm_models_are_refused(rng, tmp_path, monkeypatch, capsys):
+    _write(tmp_path, _images(rng, 40, 32, 3), _images(rng, 20, 32, 3))
+    monkeypatch.chdir(tmp_path)
+    assert _finetune("--model", "resnet10t", "--random-init", "--steps", "1") == 2
+    assert "BatchNorm" in capsys.readouterr().err
+
+
+def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypatch):
+    """--weights: the timm checkpoint is loaded (by timm) and converted, head replaced by a
+    zero head for the new classes; a ViT at 32 px trains a step."""
+    import timm
+    import torch
+
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    torch.save(source.state_dict(), tmp_path / "vit.pth")
+    _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 12, 32, 3))
+    monkeypatch.chdir(tmp_path)
+    assert _finetune("--model", "vit_tiny_patch16_224", "--weights", "vit.pth", "--steps", "1",
+                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1",
+                     "--lr", "1e-5", "--out", "run", "--quiet") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["model"]["weights_source"] == "file"
+    saved = np.load(tmp_path / "run" / "model.npz")
+    patch = [k for k in saved if k.startswith("params/") and "patch" in k and "kernel" in k]
+    assert patch, sorted(saved)[:10]
+    # One DP step at a tiny learning rate: the patch embedding is still the file's (HWIO).
+    kernel = source.patch_embed.proj.weight.detach().numpy().transpose(2, 3, 1, 0)
+    np.testing.assert_allclose(saved[patch[0]], kernel, atol=1e-3)
