@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract data clean
+.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit data clean
 
 install: $(STAMP)
 
@@ -49,6 +49,9 @@ bench-tune: install data
 
 bench-extract: install
 	$(BIN)/python benchmarks/extract.py
+
+bench-audit: install
+	$(BIN)/python benchmarks/audit.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

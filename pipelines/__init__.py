@@ -1,11 +1,12 @@
-"""dpprobe's jobs (extract, probe, tune, finetune, account, verify, info, demo) as a Python
-API, and the CLI.
+"""dpprobe's jobs (extract, probe, tune, finetune, account, audit, verify, info, demo)
+as a Python API, and the CLI.
 
 Each job is one module with its frozen config: `run_probe(ProbeConfig(...))`, or the config's
 fields as keywords, `run_probe(store, epsilons=[1, 8], delta=1e-5)`.
 """
 
 from pipelines.account_job import AccountConfig, account
+from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.demo_job import DemoConfig, run_demo
 from pipelines.extract_job import ExtractConfig, run_extract, run_extract_ray
 from pipelines.finetune_job import FinetuneConfig, run_finetune
@@ -16,6 +17,7 @@ from pipelines.tune_job import TuneConfig, linear_scaling_search, run_tune
 
 __all__ = [
     "AccountConfig",
+    "AuditConfig",
     "DemoConfig",
     "ExtractConfig",
     "FinetuneConfig",
@@ -26,6 +28,7 @@ __all__ = [
     "account",
     "linear_scaling_search",
     "probe_table",
+    "run_audit",
     "run_demo",
     "run_extract",
     "run_extract_ray",

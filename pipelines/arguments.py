@@ -307,6 +307,31 @@ def account(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def audit(p) -> None:
+    p.add_argument("store", help="feature store written by `dpprobe extract`")
+    p.add_argument("--epsilon", type=_number, required=True,
+                   help="the claim audited: the noise is calibrated for it, as `dpprobe probe` "
+                   "does")
+    p.add_argument("--delta", type=_number, help="delta of the claim and the bounds (default 1e-5)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
+                   help="%(choices)s: update rule audited (default sgd, which releases the "
+                   "noisy gradient itself: the tightest audit)")
+    p.add_argument("--steps", type=_integer, help="full-batch steps T (default 1)")
+    p.add_argument("--runs", type=_integer,
+                   help="probes trained with the canary, and as many without (default 10000)")
+    p.add_argument("--rows", type=_integer,
+                   help="rows of the train split drawn at random to train on (default 1000)")
+    p.add_argument("--loss", choices=LOSSES, metavar="LOSS", help="%(choices)s (default softmax)")
+    p.add_argument("--clip-norm", type=_number, help="per-example clip norm C (default 1)")
+    p.add_argument("--confidence", type=_number,
+                   help="confidence of every lower bound (default 0.95)")
+    p.add_argument("--runs-per-call", type=_integer,
+                   help="runs per compiled call (speed and memory only)")
+    p.add_argument("--out", help="write results JSON here")
+    p.add_argument("--plot", help="write a PNG of the score histograms and trade-off curves here")
+    p.add_argument("--quiet", action="store_true", help="print only the report")
+
+
 def finetune(p) -> None:
     from accounting import ACCOUNTANTS
     from pipelines.finetune_job import DEFAULT_MODEL, FinetuneConfig
@@ -416,6 +441,17 @@ TEXTS = {
         help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
         description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
         epilog=EPILOG,
+    ),
+    "audit": dict(
+        help="measure the privacy a probe's mechanism at least lacks, with canaries",
+        description="Train probes with a crafted canary row and with a null record in its "
+        "place (the production trainer and mechanism, noise calibrated for --epsilon), score "
+        "each, and bound epsilon from below at --delta: the Gaussian-DP fit and the "
+        "Clopper-Pearson bound, with the ratio to the claim. Exit status 1 when a lower bound "
+        "exceeds the claim.",
+        epilog="A lower bound for this canary and this threat model, not a proof of privacy. "
+        "The claim is for zero-out neighbours (one record replaced by a null record; N public), "
+        "computed with the PLD accountant; noise keys and the row sample draw from OS entropy.",
     ),
     "verify": dict(
         help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",

@@ -14,6 +14,7 @@ import sys
 
 from pipelines import arguments, records, reporting
 from pipelines.account_job import AccountConfig, account
+from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
 from pipelines.demo_job import DemoConfig, run_demo
 from pipelines.extract_job import ExtractConfig, run_extract
@@ -90,6 +91,12 @@ def _account(config: AccountConfig, args) -> int:
     return 0
 
 
+def _audit(config: AuditConfig, args) -> int:
+    results = run_audit(config)
+    print(reporting.audit_report(results))
+    return 1 if results["claim_refuted"] else 0
+
+
 def _demo(config: DemoConfig, args) -> int:
     results = run_demo(config)
     print(reporting.probe_table(results))
@@ -105,6 +112,7 @@ COMMANDS = {
     "tune": (arguments.tune, TuneConfig, _tune),
     "finetune": (arguments.finetune, FinetuneConfig, _finetune),
     "account": (arguments.account, AccountConfig, _account),
+    "audit": (arguments.audit, AuditConfig, _audit),
     "verify": (arguments.verify, VerifyConfig, _verify),
     "info": (arguments.info, InfoConfig, _info),
     "demo": (arguments.demo, DemoConfig, _demo),

@@ -19,11 +19,13 @@ from pipelines.files import atomic_write_bytes, atomic_write_text
 __all__ = [
     "accuracy_error_bars",
     "account_line",
+    "audit_report",
     "format_epsilon",
     "format_store_info",
     "format_table",
     "log",
     "plot_accuracy",
+    "plot_audit",
     "plot_title",
     "probe_table",
     "summarize_runs",
@@ -178,6 +180,13 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    _save_png(fig, path)
+
+
+def _save_png(fig, path) -> None:
+    """Write a matplotlib figure as PNG, atomically, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buffer = io.BytesIO()
     # The Software tag lets a later run recognize (and replace) its own plot, and only that.
@@ -325,6 +334,82 @@ def account_line(result: dict) -> str:
     return (f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
             f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
             f"({result['accountant'].upper()}, zero-out neighbours)")
+
+
+def audit_report(results: dict) -> str:
+    """What `dpprobe audit` prints: the claim, the lower bounds with their confidence and
+    ratios to the claim, the attack's statistics, the verdict and what it means."""
+    claim, audit, bounds = results["claim"], results["audit"], results["bounds"]
+    confidence = f"{100 * bounds['confidence']:g}%"
+    tpr = ", ".join(f"{100 * v:.2f}% at FPR {100 * float(f):g}%"
+                    for f, v in bounds["tpr_at_fpr"].items())
+    lines = [
+        f"audit: {audit['runs_per_side']} probes with the canary and {audit['runs_per_side']} "
+        f"without ({audit['optimizer']}, T={claim['steps']}, {audit['num_rows']} rows + the "
+        f"canary, full batch); {claim['neighboring_relation_text']}",
+        f"claimed: epsilon = {claim['epsilon']:.4f} at delta = {claim['delta']:g} (PLD ledger), "
+        f"i.e. mu = {claim['gdp_mu']:.4f} Gaussian DP (noise multiplier "
+        f"{claim['noise_multiplier']:.4g})",
+        f"lower bounds at {confidence} confidence, delta = {claim['delta']:g}:",
+        f"  Gaussian-DP fit: mu >= {bounds['gdp_mu_lower']:.4f} (estimate "
+        f"{bounds['gdp_mu_estimate']:.4f}, {bounds['gdp_mu_estimate_over_claim']:.3f} x the "
+        f"claimed mu), epsilon >= {bounds['gdp_epsilon_lower']:.4f} "
+        f"({100 * bounds['gdp_epsilon_lower_over_claim']:.1f}% of the claim)",
+        f"  Clopper-Pearson: epsilon >= {bounds['cp_epsilon_lower']:.4f} "
+        f"({100 * bounds['cp_epsilon_lower_over_claim']:.1f}% of the claim)",
+        f"attack: AUROC {bounds['auroc']:.4f}; TPR {tpr}",
+        ("CLAIM REFUTED: a lower bound exceeds the claimed privacy"
+         if results["claim_refuted"] else "consistent with the claim: no lower bound exceeds it"),
+        results["note"],
+    ]
+    return "\n".join(lines)
+
+
+def plot_audit(results: dict, path) -> None:
+    """PNG of an audit: the two score histograms with the tests' thresholds, and the empirical
+    trade-off curve (FNR against FPR) beside the claimed Gaussian-DP curve and the one of the
+    lower bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy import stats
+
+    claim, bounds, histogram = results["claim"], results["bounds"], results["histogram"]
+    fig, (scores_ax, tradeoff_ax) = plt.subplots(1, 2, figsize=(10.5, 4.2), dpi=120)
+    edges = np.asarray(histogram["edges"])
+    for side, color in (("out", "C0"), ("in", "C3")):
+        scores_ax.stairs(histogram[side], edges, fill=True, alpha=0.45, color=color,
+                         label=f"{side} (canary {'in' if side == 'in' else 'replaced by null'})")
+    scores_ax.axvline(bounds["gdp_threshold"], color="k", linestyle="--", linewidth=1,
+                      label="Gaussian-DP test threshold")
+    scores_ax.axvline(bounds["cp_threshold"], color="k", linestyle=":", linewidth=1,
+                      label="Clopper-Pearson test threshold")
+    scores_ax.set_xlabel("score: -<w[d, :], u> / lr")
+    scores_ax.set_ylabel("models")
+    scores_ax.legend(fontsize=7)
+    fpr = np.linspace(0.0, 1.0, 401)
+    for mu, style, label in (
+            (claim["gdp_mu"], "-",
+             f"claimed: mu = {claim['gdp_mu']:.3f} (eps {claim['epsilon']:.3g})"),
+            (bounds["gdp_mu_lower"], "--",
+             f"lower bound: mu = {bounds['gdp_mu_lower']:.3f} (eps "
+             f"{bounds['gdp_epsilon_lower']:.3g})")):
+        tradeoff_ax.plot(fpr, stats.norm.cdf(stats.norm.isf(fpr) - mu), style, color="k",
+                         linewidth=1, label=label)
+    tradeoff = results["tradeoff"]
+    tradeoff_ax.plot(tradeoff["fpr"], tradeoff["fnr"], color="C3", label="empirical")
+    tradeoff_ax.set_xlabel("false positive rate (type I)")
+    tradeoff_ax.set_ylabel("false negative rate (type II)")
+    tradeoff_ax.set_xlim(0, 1)
+    tradeoff_ax.set_ylim(0, 1)
+    tradeoff_ax.set_aspect("equal")
+    tradeoff_ax.legend(fontsize=7)
+    audit = results["audit"]
+    fig.suptitle(f"audit: {audit['optimizer']}, T={claim['steps']}, {audit['runs_per_side']} "
+                 f"runs per side, delta={claim['delta']:g} (PLD, zero-out); "
+                 f"{100 * bounds['confidence']:g}% lower bounds", fontsize=9)
+    _save_png(fig, path)
 
 
 def finetune_line(results: dict) -> str:

@@ -7,10 +7,30 @@
   * `probe.step`: the DP step the trainers share; `probe.train` (in memory, sharded with
     `probe.sharding`), `probe.streaming`, `probe.poisson`: the trainers;
   * `probe.specs`: `ProbeSpec`, `RunSpec` (privacy: the `DpPlan`), `PerformanceFlags` (speed
-    knobs that never change epsilon), `TrainResult`.
+    knobs that never change epsilon), `TrainResult`;
+  * `probe.canaries`: the audit's canary, trained with the production trainer;
+    `probe.auditing`: lower bounds on epsilon from canary scores (jax_privacy's auditor).
 """
 
+from probe.auditing import (
+    AuditBounds,
+    audit_bounds,
+    choose_thresholds,
+    gdp_mu_bounds,
+    one_run_epsilon_bound,
+    tradeoff_curve,
+)
 from probe.batching import pad_rows, poisson_batches
+from probe.canaries import (
+    CANARY_LABEL,
+    CANARY_NORM,
+    add_canary,
+    audit_learning_rate,
+    canary_direction,
+    canary_scores,
+    claimed_canary_scores,
+    train_canary_runs,
+)
 from probe.clipping import (
     LOSSES,
     clipped_grad_sum,
@@ -41,8 +61,11 @@ from probe.streaming import train_probe_streaming
 from probe.train import prepare_features, prepare_inputs, train_probe
 
 __all__ = [
+    "CANARY_LABEL",
+    "CANARY_NORM",
     "DEFAULT_LEARNING_RATES",
     "FEATURE_DTYPES",
+    "AuditBounds",
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
@@ -51,7 +74,14 @@ __all__ = [
     "ProbeSpec",
     "RunSpec",
     "TrainResult",
+    "add_canary",
     "add_noise",
+    "audit_bounds",
+    "audit_learning_rate",
+    "canary_direction",
+    "canary_scores",
+    "choose_thresholds",
+    "claimed_canary_scores",
     "clipped_grad_sum",
     "correct_counts",
     "evaluate",
@@ -59,6 +89,7 @@ __all__ = [
     "example_losses",
     "feature_gram",
     "gaussian_noise",
+    "gdp_mu_bounds",
     "gaussian_privatizer",
     "init_params",
     "linear_logits",
@@ -68,6 +99,7 @@ __all__ = [
     "noisy_correct_counts",
     "noise_stddev",
     "normalize_features",
+    "one_run_epsilon_bound",
     "pad_rows",
     "per_example_grad_norms",
     "poisson_batches",
@@ -76,6 +108,8 @@ __all__ = [
     "privatized_optimizer",
     "residuals",
     "shard_rows",
+    "tradeoff_curve",
+    "train_canary_runs",
     "train_probe",
     "train_probe_poisson",
     "train_probe_streaming",

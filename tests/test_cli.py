@@ -72,6 +72,8 @@ MINIMAL = {  # each command with only its required options, and the config field
     "probe": (["s.zarr"], {"store"}),
     "tune": (["s.zarr", "--epsilon", "1"], {"store", "epsilon"}),
     "account": (["--epsilon", "1"], {"epsilon"}),
+    "audit": (["s.zarr", "--epsilon", "1"], {"store", "epsilon"}),
+    "finetune": ([], set()),
     "verify": (["s.zarr"], {"store"}),
     "info": (["s.zarr"], {"store"}),
     "demo": ([], set()),
@@ -106,6 +108,7 @@ def test_choices_are_the_library_constants():
         "tune": model | {"search": SEARCHES,
                          "selection": tuple(s for s in SELECTIONS if s != "public")},
         "account": {"accountant": ACCOUNTANTS},
+        "audit": {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES},
         "extract": {"dtype": FEATURE_DTYPES, "split": ("train", "test", "all"),
                     "amp": ("auto", "off", "bf16", "fp16")},  # (no constants in extract)
         "demo": {"data": DEMO_DATA},
