@@ -1,9 +1,10 @@
 """Full finetuning: DP-SGD on every weight of a Flax NNX model (`finetune.train`), on the DP
 mechanism the probe uses (`probe.mechanism`, `probe.batching`) and `jax_privacy.clipped_grad`;
-the models in `finetune.models`."""
+the models in `finetune.models`; its one-run privacy audit in `finetune.canaries`."""
 
 from finetune import models
 from finetune.augment import augment_views
+from finetune.canaries import CanaryAudit, audit_finetune
 from finetune.checkpoint import Checkpointer
 from finetune.train import (
     SCHEDULES,
@@ -21,11 +22,13 @@ from finetune.train import (
 
 __all__ = [
     "SCHEDULES",
+    "CanaryAudit",
     "Checkpointer",
     "FinetuneFlags",
     "FinetuneResult",
     "FinetuneSpec",
     "TrainState",
+    "audit_finetune",
     "augment_views",
     "models",
     "clipped_sum",

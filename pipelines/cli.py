@@ -80,7 +80,11 @@ def _tune(config: TuneConfig, args) -> int:
 
 
 def _finetune(config: FinetuneConfig, args) -> int:
-    print(reporting.finetune_line(run_finetune(config)))
+    results = run_finetune(config)
+    print(reporting.finetune_line(results))
+    if "audit" in results:
+        print(reporting.finetune_audit_line(results["audit"]))
+        return 1 if results["audit"]["refuted"] else 0
     return 0
 
 

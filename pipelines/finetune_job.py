@@ -28,6 +28,8 @@ __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
 DEFAULT_MODEL = "cnn"
 # Inputs of models trained from scratch are scaled to [-1, 1] (public constants).
 _FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
+# Canaries of one audited run (each is an extra training row).
+MAX_CANARIES = 10_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,9 @@ class FinetuneConfig:
       out: a folder for results.json and model.npz (and checkpoints while it runs).
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
+      audit_canaries: m > 0 trains an audit model instead: m noise-image canaries (seeded by
+        `seed`), each in with probability 1/2, and the one-run lower bound on epsilon
+        (`finetune.canaries`); 0: off.
     """
 
     data: str = "fashion-mnist"
@@ -89,6 +94,7 @@ class FinetuneConfig:
     seed: int = 0
     out: str | None = None
     checkpoint_every: int = 50
+    audit_canaries: int = 0
     quiet: bool = False
 
     def __post_init__(self):
@@ -104,6 +110,9 @@ class FinetuneConfig:
             if getattr(self, name) is not None:
                 cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
         cfg.check_int("warmup_steps", self.warmup_steps, 0)
+        cfg.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
+        if self.audit_canaries == 1:
+            raise cfg.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
         cfg.check_int("crop_padding", self.crop_padding, 0)
         if not 0.0 <= self.ema_decay < 1.0:
             raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
@@ -133,7 +142,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input.
     model_is_timm = config.model not in finetune.models.MODEL_NAMES
     train, test, class_names = _load_images(config, rgb=model_is_timm)
-    num_examples, num_classes = len(train[1]), len(class_names)
+    num_real, num_classes = len(train[1]), len(class_names)
+    num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head.
@@ -178,8 +188,20 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     progress = None if quiet else finetune.print_progress(
         steps, q * num_examples, config.augmult, epsilon_at,
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
-    trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
-                                      checkpointer=checkpointer, progress=progress)
+    audit = None
+    if config.audit_canaries:
+        from finetune.canaries import audit_finetune
+
+        log(f"audit: {config.audit_canaries} canaries, each in with probability 1/2 (seed "
+            f"{config.seed}); this trains an audit model", quiet)
+        trained, audit = audit_finetune(model, *train, plan, spec,
+                                        canaries=config.audit_canaries, delta=config.delta,
+                                        seed=config.seed, accountant=config.accountant,
+                                        flags=flags, checkpointer=checkpointer,
+                                        progress=progress)
+    else:
+        trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
+                                          checkpointer=checkpointer, progress=progress)
 
     # Evaluate on the (public) test split.
     accuracy = finetune.evaluate_model(trained.model, *test, spec)
@@ -195,7 +217,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         "job": "finetune",
         "created": records.now(),
         "data": {"spec": config.data, "num_classes": num_classes, "class_names": class_names,
-                 "num_train": num_examples, "num_test": len(test[1]),
+                 "num_train": num_real, "num_test": len(test[1]),
                  "image_size": image_size, "channels": channels},
         "model": model_info,
         "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags),
@@ -210,12 +232,21 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
             "dataset_size_public": True,
             "sampling": f"Poisson, q = {q:g} (expected batch {config.batch_size})",
-        } | records.randomness(config.seed, "the model's initialization"),
+        } | records.randomness(config.seed, "the model's initialization"
+                                + (" and the audit's canaries and their in/out coins"
+                                   if audit else "")),
         "test_accuracy": accuracy,
         "test_accuracy_ema": ema_accuracy,
         "ledger": ledger.to_dict(config.delta, config.accountant),
         "wall_seconds": time.perf_counter() - start,
     }
+    if audit is not None:
+        results["audit"] = audit.to_dict() | {"model": (
+            f"an audit model: trained on the {num_real} real records and {audit.included} "
+            f"of the {audit.canaries} canaries ({audit.canaries - audit.included} null "
+            "records), so its accuracy is not the production model's; the privacy claim "
+            "covers the real records with the canaries present")}
+        results["privacy"]["num_canaries"] = config.audit_canaries
     if out is not None:
         _write_model(out / "model.npz", trained)
         reporting.write_json(out / "results.json", results)
@@ -286,8 +317,9 @@ def _resize_and_crop(image, resize: int | None, crop: int | None):
 
 def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
     """(model, mean, std, public description)."""
-    import finetune.models
     from flax import nnx
+
+    import finetune.models
 
     rngs = nnx.Rngs(config.seed)
     if config.model in finetune.models.MODEL_NAMES:

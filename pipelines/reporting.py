@@ -421,3 +421,14 @@ def finetune_line(results: dict) -> str:
             f"{100 * results['test_accuracy']:.2f}%{ema_text} at (epsilon "
             f"{privacy['epsilon']:.3g}, delta {privacy['delta']:g}), {privacy['accountant']}, "
             f"{privacy['neighboring_relation_text']}; {results['wall_seconds']:.0f} s")
+
+
+def finetune_audit_line(audit: dict) -> str:
+    """One line: the one-run lower bound against the claim (`finetune.canaries`)."""
+    verdict = ("CLAIM REFUTED" if audit["refuted"] else
+               "consistent with the claim (a weak one-run lower bound, not a proof of privacy)")
+    return (f"audit (one run, {audit['canaries']} canaries, {audit['included']} in): epsilon >= "
+            f"{audit['epsilon_lower']:.3f} at {100 * audit['confidence']:g}% confidence, delta "
+            f"{audit['delta']:g}; claimed {audit['claimed_epsilon']:.3f} (ratio "
+            f"{audit['ratio']:.3f}); AUROC {audit['auroc']:.3f}; {verdict}; the model is an "
+            "audit model (trained with the canaries)")
