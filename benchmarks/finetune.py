@@ -121,9 +121,16 @@ def dpprobe_non_private(name, side, channels, p, steps, repeats, mixed_precision
 
 
 def _torch_model(name, side, channels):
+    import importlib.util
+    import os
+
     import timm
 
-    from tests import torch_models
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                        "torch_models.py")  # the golden tests' PyTorch counterparts
+    spec = importlib.util.spec_from_file_location("_torch_models", path)
+    torch_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torch_models)
 
     if name == "cnn":  # 28 px: the flattened map is 4 x 4
         return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)
