@@ -376,7 +376,7 @@ def finetune(p) -> None:
                    f"example, averaged before clipping (default {d.augmult})")
     p.add_argument("--crop-padding", type=_integer,
                    help=f"random crops of the image padded by P pixels (default {d.crop_padding})")
-    p.add_argument("--no-flip", dest="flip", action="store_false", help="no random flips")
+    p.add_argument("--flip", action="store_true", help="random horizontal flips of the views")
     p.add_argument("--ema-decay", type=_number,
                    help=f"EMA of the parameters, 0 for none (default {d.ema_decay:g})")
     p.add_argument("--physical-batch-size", type=_integer,

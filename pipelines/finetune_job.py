@@ -73,18 +73,21 @@ class FinetuneConfig:
     epsilon: float = 3.0
     delta: float = 1e-5
     accountant: str = "pld"
+    # The defaults: Tramer & Boneh's recipe for their CNN, measured here at 86.4% on
+    # Fashion-MNIST at (3, 1e-5) (README, "dpprobe finetune"); augmentation multiplicity (K = 2,
+    # crops and flips) trailed it at equal steps, so it is off by default.
     batch_size: int = 2048
-    epochs: float = 40.0
+    epochs: float = 30.0
     steps: int | None = None
     learning_rate: float = 4.0
-    optimizer: str = "sgd"
+    optimizer: str = "momentum"
     momentum: float = 0.9
     schedule: str = "constant"
     warmup_steps: int = 0
-    clip_norm: float = 1.0
-    augmult: int = 4
-    crop_padding: int = 2
-    flip: bool = True
+    clip_norm: float = 0.1
+    augmult: int = 1
+    crop_padding: int = 0
+    flip: bool = False
     ema_decay: float = 0.999
     head_bias_init: float = 0.0
     physical_batch_size: int = 256
