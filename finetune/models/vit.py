@@ -107,7 +107,8 @@ class PatchEmbed(nnx.Module):
         if (h, w) != self.image_size:
             raise ValueError(f"input images must be {self.image_size}, got {(h, w)}")
         ph, pw = self.kernel.shape[:2]
-        patches = x.reshape(n, h // ph, ph, w // pw, pw, c)
+        gh, gw = h // ph, w // pw  # a remainder is dropped, as by timm's stride-p convolution
+        patches = x[:, :gh * ph, :gw * pw].reshape(n, gh, ph, gw, pw, c)
         tokens = jnp.einsum("nypxqc,pqcd->nyxd", patches, self.kernel[...])
         if self.bias is not None:
             tokens = tokens + self.bias[...]
