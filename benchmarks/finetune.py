@@ -229,24 +229,21 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--skip-opacus", action="store_true")
     args = parser.parse_args()
-    rows = []
-    for key in args.models.split(","):
+    header = (f"{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
+              f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
+    print(header, flush=True)
+    for key in args.models.split(","):  # each row as soon as it is measured
         name, side, channels, p = MODELS[key]
         dp = dpprobe_dp(name, side, channels, p, args.steps, args.repeats)
         plain = dpprobe_non_private(name, side, channels, p, args.steps, args.repeats)
-        opacus = (None, "-", None) if args.skip_opacus else opacus_and_torch(
+        opacus, mode, torch_rate = (None, "-", None) if args.skip_opacus else opacus_and_torch(
             name, side, channels, p, args.steps * 4, args.repeats)
-        rows.append((key, side, p, dp, plain, *opacus))
-        print(f"{key}: done", flush=True)
-    print(f"\n{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
-          f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
-    for key, side, p, dp, plain, opacus, mode, torch_rate in rows:
         ratio = f"{dp / opacus:11.2f}" if opacus else f"{'-':>11}"
         own = f"{opacus / torch_rate:12.2f}" if opacus else f"{'-':>12}"
         opacus_text = f"{opacus:8.0f}" if opacus else f"{'-':>8}"
         torch_text = f"{torch_rate:8.0f}" if torch_rate else f"{'-':>8}"
         print(f"{key:9} {side:3d} {p:4d} {dp:9.0f} {plain:9.0f} {dp / plain:6.2f} "
-              f"{opacus_text} {mode:>9} {torch_text} {ratio} {own}")
+              f"{opacus_text} {mode:>9} {torch_text} {ratio} {own}", flush=True)
     print("\ntargets: DP / non-private >= 0.7 (Beltran et al.: 0.51-0.69 JAX FP32 on GPU); "
           "ours / Opacus >= 2")
 
