@@ -44,6 +44,17 @@ def _data(side, channels, n, seed=0):
             rng.integers(0, CLASSES, n))
 
 
+def _images_per_second(run, images_per_step, steps, repeats):
+    """`run(steps)` after a compiling `run(1)`: images per second, median over repeats."""
+    run(1)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(steps)
+        times.append(time.perf_counter() - start)
+    return images_per_step * steps / statistics.median(times)
+
+
 def _jax_model(name, side, channels):
     from flax import nnx
 
@@ -68,13 +79,7 @@ def dpprobe_dp(name, side, channels, p, steps, repeats, mixed_precision=False):
         return finetune.train_finetune(model, images, labels, accounting.DpPlan(1.0, t, 1.0, 1.0),
                                        spec, flags=flags)
 
-    run(1)  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(steps)
-        times.append(time.perf_counter() - start)
-    return 4 * p * steps / statistics.median(times)
+    return _images_per_second(run, 4 * p, steps, repeats)
 
 
 def dpprobe_non_private(name, side, channels, p, steps, repeats, mixed_precision=False):
@@ -111,13 +116,7 @@ def dpprobe_non_private(name, side, channels, p, steps, repeats, mixed_precision
             params = update(params, total)
         return jax.block_until_ready(params)
 
-    run(1)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(steps)
-        times.append(time.perf_counter() - start)
-    return 4 * p * steps / statistics.median(times)
+    return _images_per_second(run, 4 * p, steps, repeats)
 
 
 def _torch_model(name, side, channels):
