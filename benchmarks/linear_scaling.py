@@ -1,21 +1,22 @@
-"""Linear-scaling private tuning vs non-private grid search, Fashion-MNIST ScatterNet features.
+"""`dpprobe tune` with its defaults vs a free-selection grid, Fashion-MNIST ScatterNet features.
 
 For each total epsilon (delta = 1e-5), side by side:
-  * linear scaling (Panda et al. Alg. 1) with private selection, every cost paid (the ledger's
-    PLD composition of every trial, every noisy count and the final run is the total epsilon):
-      - "train": noisy correct counts on the training data, eps_select = eps/20;
-      - "holdout": noisy counts on a 10% held-out part, which composes in parallel;
-  * the old carve-out: the same search, trials scored EXACTLY on a 10% held-out part, the
-    selection not paid (what dpprobe did before; its validation records had no guarantee);
-    emulated here by swapping the noisy counts for exact ones (benchmark only);
-  * non-private grid search over r = lr x T: every grid point trained with DP at the full
-    epsilon, the best picked on the same validation split without paying for the selection
-    (what published numbers usually do);
-  * Tramer & Boneh (2021): ScatterNet + linear, 89.7% at epsilon = 3 (tuning not counted).
+  * ours: `linear_scaling_search(store, epsilon, delta)` with no other option (what
+    `dpprobe tune STORE --epsilon E --delta 1e-5` runs), `--runs` times: median, min and max
+    test accuracy; every cost paid (the ledger's PLD composition of the standardization, every
+    trial, every noisy count and the final run is the total epsilon, printed);
+  * the r* each extrapolation rule (`pipelines.search.extrapolate`: linear, clipped, log) reads
+    off the same two stages, the test accuracy of its final run (the other rules' final runs
+    trained beside the job's, at the same budget), and the grid's accuracy at that r;
+  * a free-selection grid on the same features and the same recipe (per-example
+    normalization and private standardization from the store's backbone, momentum, the final
+    run's T): every r trained with DP on 90% of train at the budget the final run gets, the best
+    picked on the other 10% (exactly, not paid: how papers usually tune) and, as papers often
+    report, the best test accuracy of the grid ("oracle");
+  * Tramer & Boneh (2021): ScatterNet + linear, 89.7% at epsilon = 3 (their only published
+    Fashion-MNIST number; tuning not counted).
 
-Features: ScatterNet (J=2) on Fashion-MNIST (Debian's dataset-fashion-mnist), per-example
-GroupNorm with 27 groups, full-batch DP-SGD with momentum 0.9, clip 1.
-Run: .venv/bin/python benchmarks/linear_scaling.py [--epsilons 0.5,1,2,3,8] [--trials 5]
+Run: .venv/bin/python benchmarks/linear_scaling.py [--store STORE] [--epsilons 0.5,1,2,3,8]
 """
 
 from __future__ import annotations
@@ -40,112 +41,157 @@ def ensure_store(workdir: Path) -> str:
     return str(store)
 
 
-def grid_search(store: str, epsilon: float, grid, steps: int, validation_fraction: float,
-                seed: int) -> tuple[float, float, float]:
-    """DP training at the full epsilon for every r, best on validation; tuning not paid."""
+def ours(store: str, epsilon: float, steps: int) -> dict:
+    """One tune run with the defaults; the r* of every extrapolation rule from its stages, and
+    the final run of every other rule trained (with its own standardization and noise) at
+    the same budget: what the job would have given with that rule."""
+    from pipelines import linear_scaling_search, search
+
+    start = time.perf_counter()
+    result = linear_scaling_search(store, epsilon, DELTA, quiet=True)
+    seconds = time.perf_counter() - start
+    stages, line = result["stages"], result["line"]
+    points = [(s["epsilon_per_trial"], s["best_r"]) for s in stages]
+    rules = {kind: search.extrapolate(kind, *points[0], *points[1],
+                                      result["privacy"]["epsilon_final_alone"],
+                                      tuple(line["searched"]))["r_star"]
+             for kind in search.EXTRAPOLATIONS}
+    default = result["search"]["extrapolation"]
+    others = [kind for kind in rules if kind != default]
+    accs = {default: result["final"]["test_accuracy"]}
+    accs |= dict(zip(others, recipe_runs(store, epsilon, [rules[k] for k in others], steps)[
+        "test"].tolist(), strict=True))
+    return {"acc": result["final"]["test_accuracy"], "eps": result["ledger"]["epsilon"],
+            "r": result["chosen"]["r"], "steps": result["chosen"]["steps"], "rules": rules,
+            "rule_accs": accs, "seconds": seconds, "defaults": default}
+
+
+def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = None) -> dict:
+    """The tune recipe's final run at every r in `rs` (normalization and private
+    standardization from the store's backbone, momentum, T = `steps`, the budget the final run
+    gets in tune), tuning not paid. With `seed`, train on 90% of train and also report the
+    accuracy on the other 10% (exact, to pick an r for free)."""
     import accounting
     import extract
     import probe
-    from pipelines.search import _validation_split
+    from pipelines import TuneConfig, recipe, search
 
     x, y, attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, _ = extract.load_split(store, "test", dtype=None)
-    train_idx, val_idx = _validation_split(len(y), validation_fraction,
-                                           np.random.default_rng(seed))
-    spec = probe.ProbeSpec(10, optimizer="momentum", normalization="group", groups=27)
-    # (The grid's own selection reads validation exactly: the free tuning papers report.)
-    sigma = accounting.calibrate_noise_multiplier(epsilon, DELTA, steps=steps)
-    plan = accounting.DpPlan(sigma, steps, 1.0, 1.0)
-    runs = [probe.RunSpec(plan, r / steps) for r in grid]
-    result = probe.train_probe(x[train_idx], y[train_idx], runs, probe.make_keys(len(runs)),
-                               spec, progress=True)
-    val = probe.evaluate(result.params, x[val_idx], y[val_idx], normalization="group",
-                         groups=27)["top1"]
-    test = probe.evaluate(result.params, test_x, test_y, normalization="group",
-                          groups=27)["top1"]
-    best = int(np.argmax(val))
-    return float(test[best]), float(grid[best]), float(test.max())
+    train_idx = val_idx = None
+    if seed is not None:
+        train_idx, val_idx = search._validation_split(len(y), 0.1, np.random.default_rng(seed))
+    normalization, groups = recipe.backbone_normalization(attrs.get("backbone"))
+    config = TuneConfig(store, epsilon, DELTA)
+    spec = probe.ProbeSpec(10, optimizer=config.optimizer, normalization=normalization,
+                           groups=groups or 1)
+    features = probe.prepare_features(x if train_idx is None else x[train_idx], spec)
+    mu_standardize = accounting.gdp_mu(config.eps_standardize, DELTA)
+    standardizer = probe.private_standardizer(
+        features, noise_multiplier=math.sqrt(2) / mu_standardize,
+        clip_norm=probe.normalized_norm_bound(normalization, features.shape[-1]),
+        key=probe.make_keys(1)[0])
+    features = standardizer.apply(features)
+    mu_final = search.budget_split(epsilon, DELTA, config.eps0, config.eps1, config.eps_select,
+                                   config.eps_standardize)["mu_final"]
+    plan = accounting.DpPlan(math.sqrt(steps) / mu_final, steps, 1.0, config.clip_norm)
+    runs = [probe.RunSpec(plan, r / steps) for r in rs]
+    train_spec = probe.ProbeSpec(10, optimizer=spec.optimizer)  # already normalized
+    result = probe.train_probe(features, y if train_idx is None else y[train_idx], runs,
+                               probe.make_keys(len(runs)), train_spec)
+    params = standardizer.fold(result.params)
+    kwargs = dict(normalization=normalization, groups=groups or 1)
+    out = {"test": probe.evaluate(params, test_x, test_y, **kwargs)["top1"]}
+    if val_idx is not None:
+        out["val"] = probe.evaluate(params, x[val_idx], y[val_idx], **kwargs)["top1"]
+    return out
 
 
-def tune(store, epsilon, args, steps_choices, selection, exact_counts=False) -> dict:
-    """One private search; `exact_counts` swaps the noisy counts for exact ones (the old,
-    unpaid carve-out, for comparison only)."""
-    import probe
-    from pipelines import linear_scaling_search
+def free_grid(store: str, epsilon: float, grid, steps: int, seed: int) -> dict:
+    """The recipe at every r of the grid, the best picked without paying: on 10% of train
+    (exact) and on test (the grid's best test accuracy)."""
+    accs = recipe_runs(store, epsilon, grid, steps, seed)
+    best = int(np.argmax(accs["val"]))
+    return {"acc": float(accs["test"][best]), "r": float(grid[best]),
+            "oracle": float(accs["test"].max()),
+            "oracle_r": float(grid[int(np.argmax(accs["test"]))]), "curve": accs["test"]}
 
-    original = probe.noisy_correct_counts
-    if exact_counts:
-        probe.noisy_correct_counts = lambda params, x, y, sigma, **kw: probe.correct_counts(
-            params, x, y, **kw)
-    try:
-        start = time.perf_counter()
-        result = linear_scaling_search(
-            store, epsilon, DELTA, trials=args.trials, steps_choices=steps_choices,
-            r_range=(1.0, 3000.0), optimizer="momentum", normalization="group", groups=27,
-            selection=selection, seed=args.seed, quiet=True,
-        )
-    finally:
-        probe.noisy_correct_counts = original
-    return {"acc": result["final"]["test_accuracy"], "eps": result["ledger"]["epsilon"],
-            "r": result["chosen"]["r"], "seconds": time.perf_counter() - start}
+
+def at_r(grid, curve, r: float) -> float:
+    """Test accuracy of the grid interpolated at r (log r), flat beyond its ends."""
+    return float(np.interp(math.log(r), np.log(grid), curve))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/dpprobe-bench")
+    parser.add_argument("--store", help="a Fashion-MNIST ScatterNet store (default: extract one "
+                        "into --workdir)")
     parser.add_argument("--epsilons", default="0.5,1,2,3,8")
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--steps-choices", default="25,50,100")
-    parser.add_argument("--grid", default="3,10,30,100,300,1000,3000")
-    parser.add_argument("--grid-steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0, help="r proposals and splits only")
+    parser.add_argument("--runs", type=int, default=3, help="tune runs per epsilon (median)")
+    parser.add_argument("--grid", default="30,100,300,1000,3000,10000")
+    parser.add_argument("--seed", type=int, default=0, help="the grid's validation split only")
     args = parser.parse_args()
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    store = ensure_store(workdir)
+    if args.store:
+        store = args.store
+    else:
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        store = ensure_store(workdir)
 
-    epsilons = [float(e) for e in args.epsilons.split(",")]
-    steps_choices = tuple(int(s) for s in args.steps_choices.split(","))
+    from pipelines import TuneConfig
+
+    steps = TuneConfig.final_steps or max(TuneConfig.steps_choices)
     grid = np.array([float(r) for r in args.grid.split(",")])
     rows = []
-    for epsilon in epsilons:
-        row = {"epsilon": epsilon}
-        row["train"] = tune(store, epsilon, args, steps_choices, "train")
-        row["holdout"] = tune(store, epsilon, args, steps_choices, "holdout")
-        row["carve_out"] = tune(store, epsilon, args, steps_choices, "holdout",
-                                exact_counts=True)
+    for epsilon in (float(e) for e in args.epsilons.split(",")):
+        row = {"epsilon": epsilon,
+               "ours": [ours(store, epsilon, steps) for _ in range(args.runs)]}
         start = time.perf_counter()
-        row["grid"], row["grid_r"], row["grid_oracle"] = grid_search(
-            store, epsilon, grid, args.grid_steps, 0.1, args.seed)
+        row["grid"] = free_grid(store, epsilon, grid, steps, args.seed)
         row["grid_s"] = time.perf_counter() - start
         rows.append(row)
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if k != "grid"} | {
+            "grid": {k: v for k, v in row["grid"].items() if k != "curve"},
+            "grid_curve": np.round(100 * row["grid"]["curve"], 2).tolist()}, flush=True)
 
-    print(f"\nFashion-MNIST, ScatterNet (J=2) + GroupNorm(27) + linear, full-batch DP-SGD with "
-          f"momentum, delta={DELTA:g}; linear scaling: {args.trials} trials/stage, "
-          f"eps0 = eps/20, eps1 = eps/10; test accuracy of the final model (r* in brackets)")
-    header = (f"{'epsilon':>7s}  {'private sel. on train':>22s}  {'private sel. holdout':>21s}"
-              f"  {'old carve-out (unpaid)':>22s}  {'total eps':>9s}"
-              f"  {'non-private grid (free)':>23s}  {'Tramer&Boneh':>12s}")
+    rule = rows[0]["ours"][0]["defaults"]
+    print(f"\nFashion-MNIST, ScatterNet (J=2) features, `dpprobe tune STORE --epsilon E --delta "
+          f"{DELTA:g}` with its defaults (extrapolation: {rule}, final T = {steps}), "
+          f"{args.runs} runs each; test accuracy %")
+    header = (f"{'epsilon':>7s}  {'ours: median [min, max]':>25s}  {'total eps':>9s}  "
+              f"{'r* (median)':>11s}  {'free grid (val / oracle)':>26s}  {'grid best r':>11s}  "
+              f"{'Tramer&Boneh':>12s}")
     print(header)
     print("-" * len(header))
     for row in rows:
+        accs = sorted(100 * run["acc"] for run in row["ours"])
         tb = TRAMER_BONEH.get(row["epsilon"])
-        cells = [f"{100 * row[k]['acc']:6.2f}% ({row[k]['r']:6.4g})"
-                 for k in ("train", "holdout", "carve_out")]
-        print(f"{row['epsilon']:7g}  {cells[0]:>22s}  {cells[1]:>21s}  {cells[2]:>22s}  "
-              f"{max(row['train']['eps'], row['holdout']['eps']):9.4f}  "
-              f"{100 * row['grid']:14.2f}% (r={row['grid_r']:g})  "
-              f"{'-' if tb is None else f'{100 * tb:.1f}%':>12s}")
-    print(f"total eps: the ledger's PLD composition, every trial, count and the final run "
-          f"(zero-out neighbours); the carve-out's validation records were not covered. "
-          f"Non-private grid: {len(grid)} values of r, T={args.grid_steps}, each at the full "
-          f"epsilon, selection not accounted. Times (train / holdout / carve-out / grid): "
-          + ", ".join(f"eps {r['epsilon']:g}: {r['train']['seconds']:.0f} / "
-                      f"{r['holdout']['seconds']:.0f} / {r['carve_out']['seconds']:.0f} / "
-                      f"{r['grid_s']:.0f} s" for r in rows))
-    assert all(r[k]["eps"] <= r["epsilon"] for r in rows for k in ("train", "holdout"))
-    assert all(math.isfinite(r[k]["acc"]) for r in rows for k in ("train", "holdout"))
+        cell = f"{np.median(accs):.2f} [{accs[0]:.2f}, {accs[-1]:.2f}]"
+        grid_cell = f"{100 * row['grid']['acc']:.2f} / {100 * row['grid']['oracle']:.2f}"
+        print(f"{row['epsilon']:7g}  {cell:>25s}  {max(r['eps'] for r in row['ours']):9.4f}  "
+              f"{np.median([r['r'] for r in row['ours']]):11.4g}  {grid_cell:>26s}  "
+              f"{row['grid']['oracle_r']:11.4g}  "
+              f"{'-' if tb is None else f'{100 * tb:.1f}':>12s}")
+    print("\nExtrapolation rules on the same stages: median r*, the median test accuracy of "
+          "their final runs (each trained, all costs as in tune), and of the grid at that r")
+    kinds = list(rows[0]["ours"][0]["rules"])
+    print(f"{'epsilon':>7s}  " + "  ".join(f"{k:>27s}" for k in kinds))
+    for row in rows:
+        cells = []
+        for kind in kinds:
+            r_star = float(np.median([run["rules"][kind] for run in row["ours"]]))
+            acc = np.median([run["rule_accs"][kind] for run in row["ours"]])
+            grid_acc = np.median([at_r(grid, row["grid"]["curve"], run["rules"][kind])
+                                  for run in row["ours"]])
+            cells.append(f"{r_star:8.4g}: {100 * acc:5.2f}% (grid {100 * grid_acc:5.2f})")
+        print(f"{row['epsilon']:7g}  " + "  ".join(f"{c:>27s}" for c in cells))
+    print(f"\ntotal eps: the ledger's PLD composition (zero-out neighbours), tuning and "
+          f"selection included. Free grid: r in {args.grid}, T = {steps}, each run at the final "
+          f"run's budget, selection exact and unpaid. Seconds per tune run: "
+          + ", ".join(f"eps {r['epsilon']:g}: "
+                      f"{np.median([run['seconds'] for run in r['ours']]):.0f}" for r in rows))
+    assert all(run["eps"] <= row["epsilon"] for row in rows for run in row["ours"])
 
 
 if __name__ == "__main__":

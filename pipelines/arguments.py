@@ -198,8 +198,10 @@ def _model(p) -> None:
     p.add_argument("--clip-norm", type=_number, help="per-example clip norm C (default 1)")
     p.add_argument("--normalize", dest="normalization", choices=NORMALIZATIONS, metavar="NORM",
                    help="%(choices)s: per-example feature normalization (costs no privacy; "
-                   "default none)")
-    p.add_argument("--groups", type=_integer, help="groups of --normalize group (default 1)")
+                   "default: none for probe; for tune, from the store's backbone: group over "
+                   "ScatterNet's channel groups, else none)")
+    p.add_argument("--groups", type=_integer,
+                   help="groups of --normalize group (default 1; tune on ScatterNet: 27)")
 
 
 def probe(p) -> None:
@@ -248,7 +250,7 @@ def probe(p) -> None:
 
 
 def tune(p) -> None:
-    from pipelines.search import SEARCHES, SELECTIONS
+    from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
 
     p.add_argument("store", help="feature store written by `dpprobe extract`")
     p.add_argument("--epsilon", type=_number, required=True,
@@ -265,13 +267,22 @@ def tune(p) -> None:
                    help="smallest r of stage 0 (default 1)")
     p.add_argument("--r-max", dest="r_range", type=_number, action=_RangeEnd, end=1,
                    help="largest r of stage 0 (default 1000)")
+    p.add_argument("--extrapolation", choices=EXTRAPOLATIONS,
+                   help="how r* is read off the two stages: Panda et al.'s line (linear), the "
+                   "line clipped to the searched r range (clipped), or a power law (log)")
     p.add_argument("--steps-choices", type=_integers,
                    help="T values r is decomposed over, lr = r / T (default 25,50,100)")
     p.add_argument("--final-steps", type=_integer,
-                   help="T of the final run (default: the largest --steps-choices)")
+                   help="T of the final run (default 300)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
                    help="%(choices)s: update rule (default momentum 0.9, as Panda et al.)")
     _model(p)
+    p.add_argument("--standardize", action=argparse.BooleanOptionalAction,
+                   help="standardize each feature with a privately released mean and scale "
+                   "(Tramer & Boneh), paid from --eps-standardize (default: on after group or l2 "
+                   "normalization)")
+    p.add_argument("--eps-standardize", type=_number,
+                   help="budget of the standardization (default epsilon/10)")
     p.add_argument("--selection", choices=[s for s in SELECTIONS if s != "public"],
                    help="how trials are scored, privately: noisy correct counts on the training "
                    "data, paid from --eps-select (train, default), or on a held-out part of train "

@@ -267,10 +267,13 @@ def tune_report(results: dict) -> str:
             ("r", "r"), ("lr", "learning_rate"), ("steps", "steps"),
             ("noise mult", "noise_multiplier"), ("score % (DP)", "score")]))
     line, chosen, final = results["line"], results["chosen"], results["final"]
-    lines.append(f"linear scaling: r = {line['alpha']:.4g} * epsilon + {line['b']:.4g} -> r* = "
-                 f"{line['r_star']:.4g} at the final run's epsilon "
-                 f"{results['privacy']['epsilon_final_alone']:.4g}"
-                 + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else ""))
+    kind = line.get("extrapolation", "linear")
+    fit = (f"r = {line['alpha']:.4g} * epsilon + {line['b']:.4g}" if kind != "log"
+           else f"r = r1 (epsilon / eps1)^{line['exponent']:.3g}")
+    lines.append(f"linear scaling ({kind}): {fit} -> r* = {line['r_star']:.4g} at the final "
+                 f"run's epsilon {results['privacy']['epsilon_final_alone']:.4g}"
+                 + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else "")
+                 + (" (clipped to the searched range)" if line.get("clipped") else ""))
     lines.append(f"final run: lr = {chosen['learning_rate']:.4g}, T = {chosen['steps']}, "
                  f"noise multiplier = {chosen['noise_multiplier']:.4g} -> test accuracy "
                  f"{100 * final['test_accuracy']:.2f}%"

@@ -9,8 +9,9 @@ selection included, is (epsilon, delta)-DP for every record of the store's train
 (zero-out neighbours, N public).
 
 Budget split (Gaussian DP, exact for full-batch Gaussian mechanisms): the job is mu-GDP with
-mu^2 = mu_0^2 + mu_1^2 + mu_sel^2 + mu_f^2, where mu = gdp_mu(epsilon, delta), mu_s =
-gdp_mu(eps_s, delta) for the two search stages (each stage's trials together) and for the
+mu^2 = mu_std^2 + mu_0^2 + mu_1^2 + mu_sel^2 + mu_f^2, where mu = gdp_mu(epsilon, delta), mu_s =
+gdp_mu(eps_s, delta) for the private feature standardization (`probe.private_standardizer`,
+its two releases together), the two search stages (each stage's trials together) and the
 selection counts, and the final run gets the rest. A stage of n trials gives each trial
 mu_s / sqrt(n); a trial of T steps then needs noise multiplier sigma = sqrt(T) sqrt(n) / mu_s.
 
@@ -43,14 +44,17 @@ __all__ = [
     "StageResult",
     "Trial",
     "budget_split",
+    "extrapolate",
     "fit_linear_scaling",
     "search_line",
+    "EXTRAPOLATIONS",
     "SEARCHES",
     "SELECTIONS",
 ]
 
 SEARCHES: tuple[str, ...] = ("random", "grid")
 SELECTIONS: tuple[str, ...] = ("train", "holdout", "public")
+EXTRAPOLATIONS: tuple[str, ...] = ("linear", "clipped", "log")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +81,15 @@ class StageResult:
 
 
 def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
-                 eps_select: float | None = None) -> dict:
+                 eps_select: float | None = None, eps_standardize: float | None = None) -> dict:
     """mu of the whole job, of each search stage, of the selection counts (`eps_select`, when
-    they compose with training) and of the final run (Gaussian DP, exact)."""
+    they compose with training), of the private feature standardization (`eps_standardize`,
+    its two releases together) and of the final run (Gaussian DP, exact)."""
     named = [("epsilon", epsilon), ("eps0", eps0), ("eps1", eps1)]
     if eps_select is not None:
         named.append(("eps_select", eps_select))
+    if eps_standardize is not None:
+        named.append(("eps_standardize", eps_standardize))
     validation.check_delta(delta)
     for name, value in named:
         try:
@@ -94,7 +101,9 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
     mu = accounting.gdp_mu(epsilon, delta)
     mu0, mu1 = accounting.gdp_mu(eps0, delta), accounting.gdp_mu(eps1, delta)
     mu_select = 0.0 if eps_select is None else accounting.gdp_mu(eps_select, delta)
-    spent = mu0 * mu0 + mu1 * mu1 + mu_select * mu_select
+    mu_standardize = (0.0 if eps_standardize is None
+                      else accounting.gdp_mu(eps_standardize, delta))
+    spent = mu0 * mu0 + mu1 * mu1 + mu_select * mu_select + mu_standardize * mu_standardize
     if mu * mu - spent <= 0:
         raise ValueError(
             f"the search budgets ({', '.join(f'{n}={v:g}' for n, v in named[1:])}) use all of "
@@ -104,7 +113,8 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
     # A relative 1e-9 below the exact remainder, so that float rounding can never push the
     # composed total above the request.
     mu_final = math.sqrt(mu * mu - spent) * (1.0 - 1e-9)
-    return {"mu": mu, "mu0": mu0, "mu1": mu1, "mu_select": mu_select, "mu_final": mu_final,
+    return {"mu": mu, "mu0": mu0, "mu1": mu1, "mu_select": mu_select,
+            "mu_standardize": mu_standardize, "mu_final": mu_final,
             "epsilon_final": accounting.gdp_epsilon(mu_final, delta)}
 
 
@@ -112,6 +122,41 @@ def fit_linear_scaling(eps0: float, r0: float, eps1: float, r1: float) -> tuple[
     """(alpha, b) of the line r = alpha * epsilon + b through (eps0, r0) and (eps1, r1)."""
     alpha = (r1 - r0) / (eps1 - eps0)
     return alpha, r0 - alpha * eps0
+
+
+def extrapolate(kind: str, eps0: float, r0: float, eps1: float, r1: float,
+                epsilon_final: float, searched: tuple[float, float]) -> dict:
+    """r* at `epsilon_final` from the two stages' best (epsilon, r), and how it was made.
+
+    Args:
+      kind: "linear": Panda et al.'s line r = alpha * epsilon + b through the two points;
+        "clipped": that line, clipped to `searched`; "log": the line through the two points in
+        log-log space, r = r1 (epsilon / eps1)^k, i.e. a power law (k = 1 and b = 0 agree with
+        the linear rule; the exponent is clipped to [0, 1], so r* never grows faster than
+        epsilon).
+      searched: (lowest, highest) r any stage could propose.
+
+    Returns:
+      {"r_star", "alpha", "b" (the linear fit, reported for every kind), "exponent" (log only),
+      "fallback" (the r kept when the linear fit is not positive, else None), "clipped" (True
+      when "clipped" moved r*)}. All are functions of the stages' DP outputs.
+    """
+    if kind not in EXTRAPOLATIONS:
+        raise ValueError(f"extrapolation must be one of {EXTRAPOLATIONS}, got {kind!r}")
+    alpha, intercept = fit_linear_scaling(eps0, r0, eps1, r1)
+    out = {"alpha": alpha, "b": intercept, "exponent": None, "fallback": None, "clipped": False}
+    if kind == "log":
+        exponent = min(max(math.log(r1 / r0) / math.log(eps1 / eps0), 0.0), 1.0)
+        return out | {"r_star": r1 * (epsilon_final / eps1) ** exponent, "exponent": exponent}
+    r_star = alpha * epsilon_final + intercept
+    if not r_star > 0:
+        out["fallback"] = r_star = r1
+    if kind == "clipped":
+        low, high = searched
+        clipped = min(max(r_star, low), high)
+        out["clipped"] = clipped != r_star
+        r_star = clipped
+    return out | {"r_star": r_star}
 
 
 def _candidates(rng, count, low, high, search: str) -> np.ndarray:
@@ -145,6 +190,8 @@ def search_line(
     ledger: accounting.PrivacyLedger,
     eps_select: float | None = None,
     training_data: str = "all",
+    extrapolation: str = "linear",
+    eps_standardize: float | None = None,
 ) -> dict:
     """Panda et al. Alg. 1 up to the final run: two searches, a linear fit, an extrapolation.
 
@@ -153,13 +200,15 @@ def search_line(
     place data is touched. The trials are recorded in `ledger` as running on `training_data`;
     `eps_select` is the budget the scoring takes out of the total (None when the scoring
     composes in parallel or is free). `rng` drives only data-independent r proposals.
+    `extrapolation` is how r* is read off the two stages (`extrapolate`; Panda et al.: linear).
+    `eps_standardize` is the budget the caller spent on feature standardization (None: none).
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     low, high = r_range
     if not 0 < low < high:
         raise ValueError(f"r_range must satisfy 0 < low < high, got {r_range}")
-    budget = budget_split(epsilon, delta, eps0, eps1, eps_select)
+    budget = budget_split(epsilon, delta, eps0, eps1, eps_select, eps_standardize)
     # Each trial of a stage of n trials is (mu_s / sqrt(n))-GDP; its epsilon is the line's x.
     mu_trial = [mu / math.sqrt(trials) for mu in (budget["mu0"], budget["mu1"])]
     eps_trial = [accounting.gdp_epsilon(mu, delta) for mu in mu_trial]
@@ -169,8 +218,9 @@ def search_line(
             rs = _candidates(rng, trials, low, high, search)
         else:  # linear scaling: around (eps1 / eps0) r0, within a factor of 2
             center = stages[0].best_r * eps_trial[1] / eps_trial[0]
-            rs = _candidates(rng, trials, center / 2, center * 2, search) if trials > 1 else [
-                center]
+            spread = 2.0 if trials > 1 else 1.0
+            rs = (_candidates(rng, trials, center / spread, center * spread, search)
+                  if trials > 1 else [center])
         settings = [_decompose(r, steps_choices, rng, search, i) for i, r in enumerate(rs)]
         plans = [accounting.DpPlan(math.sqrt(t.steps) / mu_trial[stage], t.steps, 1.0, clip_norm)
                  for t in settings]
@@ -183,15 +233,12 @@ def search_line(
             epsilon_stage=accounting.gdp_epsilon(budget[f"mu{stage}"], delta),
             trials=settings, plans=plans, scores=scores, best=int(np.argmax(scores)),
         ))
-    alpha, intercept = fit_linear_scaling(stages[0].epsilon_per_trial, stages[0].best_r,
-                                          stages[1].epsilon_per_trial, stages[1].best_r)
-    r_star = alpha * budget["epsilon_final"] + intercept
-    fallback = None
-    if not r_star > 0:
-        fallback = stages[1].best_r
-        r_star = fallback
-    return {"budget": budget, "stages": stages, "alpha": alpha, "b": intercept,
-            "r_star": r_star, "fallback": fallback}
+    searched = (min(low, center / spread), max(high, center * spread))
+    fit = extrapolate(extrapolation, stages[0].epsilon_per_trial, stages[0].best_r,
+                      stages[1].epsilon_per_trial, stages[1].best_r, budget["epsilon_final"],
+                      searched)
+    return {"budget": budget, "stages": stages, "extrapolation": extrapolation,
+            "searched": searched} | fit
 
 
 def _validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarray, np.ndarray]:

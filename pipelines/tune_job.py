@@ -15,7 +15,7 @@ import numpy as np
 import accounting
 import extract
 from pipelines import config as cfg
-from pipelines import preflight, records, reporting, search
+from pipelines import preflight, recipe, records, reporting, search
 from pipelines.files import atomic_write_bytes
 from pipelines.reporting import log
 
@@ -43,10 +43,21 @@ class TuneConfig:
       trials: trials per stage.
       search: "random" (log-uniform r) or "grid" (geometric grid of r).
       r_range: range of r for the first stage.
+      extrapolation: how r* at the final run's epsilon is read off the two stages
+        (`pipelines.search.extrapolate`: "linear" as Panda et al., "clipped" to the searched
+        range, or "log", a power law).
       steps_choices: T values a trial's r is decomposed over (lr = r / T).
-      final_steps: T of the final run (default: the largest of `steps_choices`).
+      final_steps: T of the final run (default 300; None: the largest of `steps_choices`).
       optimizer: update rule (Panda et al.: "momentum", 0.9).
-      clip_norm, loss, normalization, groups: as for `run_probe`.
+      clip_norm, loss: as for `run_probe`.
+      normalization, groups: per-example feature normalization, as for `run_probe`; None
+        (default) chooses it from the store's backbone (`pipelines.recipe`): GroupNorm over
+        ScatterNet's channel groups, none otherwise. `groups` alone implies "group".
+      standardize: standardize every feature with a privately released mean and scale
+        (`probe.private_standardizer`, Tramer & Boneh's data normalization) after the
+        per-example normalization; None (default): when that normalization bounds the norm of
+        an example ("group" or "l2"), which the standardization's sensitivity needs.
+      eps_standardize: budget of the standardization's two releases (default epsilon/10).
       selection: "train" (default), "holdout" or "public" (the default with a
         `public_validation`), see `pipelines.search`.
       validation_fraction: share of train held out with selection "holdout".
@@ -65,13 +76,16 @@ class TuneConfig:
     trials: int = 5
     search: str = "random"
     r_range: tuple[float, float] = (1.0, 1000.0)
+    extrapolation: str = "clipped"
     steps_choices: tuple[int, ...] = (25, 50, 100)
-    final_steps: int | None = None
+    final_steps: int | None = 300
     optimizer: str = "momentum"
     loss: str = "softmax"
     clip_norm: float = 1.0
-    normalization: str = "none"
+    normalization: str | None = None
     groups: int | None = None
+    standardize: bool | None = None
+    eps_standardize: float | None = None
     selection: str | None = None
     validation_fraction: float = 0.1
     public_validation: str | tuple[np.ndarray, np.ndarray] | None = None
@@ -104,8 +118,16 @@ class TuneConfig:
                    "eps1": epsilon / 10 if self.eps1 is None else self.eps1}
         if eps_select is not None:
             budgets["eps_select"] = eps_select
+        if self.standardize is False:
+            if self.eps_standardize is not None:
+                raise ValueError("--eps-standardize is the budget of the standardization; it "
+                                 "does not combine with --no-standardize")
+        else:
+            budgets["eps_standardize"] = (epsilon / 10 if self.eps_standardize is None
+                                          else self.eps_standardize)
         budgets = {k: cfg.check_number(k, v, 0) for k, v in budgets.items()}
         budgets.setdefault("eps_select", None)
+        budgets.setdefault("eps_standardize", None)
         low, high = (cfg.check_number("r_range", r, 0) for r in self.r_range)
         if not low < high:
             raise ValueError(f"--r-min ({low:g}) must be below --r-max ({high:g})")
@@ -119,12 +141,23 @@ class TuneConfig:
         cfg.check_int("trials", self.trials)
         if self.final_steps is not None:
             cfg.check_int("final_steps", self.final_steps, 1, cfg.MAX_STEPS)
-        cfg.check_groups(self.groups, self.normalization)
+        if self.normalization is None and self.groups is not None:
+            cfg.freeze(self, normalization="group")
+        if self.normalization is not None:
+            cfg.check_groups(self.groups, self.normalization)
+        if self.standardize and self.normalization == "none":
+            raise ValueError("--standardize needs a per-example normalization that bounds each "
+                             "example's norm (--normalize group or l2), the sensitivity of its "
+                             "released statistics")
+        if self.extrapolation not in search.EXTRAPOLATIONS:
+            raise cfg.ConfigError("extrapolation", f"must be one of {search.EXTRAPOLATIONS}, "
+                                  f"got {self.extrapolation!r}")
         if self.search not in search.SEARCHES:
             raise cfg.ConfigError("search", f"must be one of {search.SEARCHES}, got "
                                   f"{self.search!r}")
         # Fails fast when the search budgets leave nothing for the final run.
-        search.budget_split(self.epsilon, self.delta, self.eps0, self.eps1, self.eps_select)
+        search.budget_split(self.epsilon, self.delta, self.eps0, self.eps1, self.eps_select,
+                            self.eps_standardize)
 
 
 def run_tune(config: TuneConfig | str, /, **options) -> dict:
@@ -165,7 +198,6 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     config = cfg.make_config(TuneConfig, config, "store", **options)
     start_time = time.perf_counter()
     epsilon, delta, selection, quiet = config.epsilon, config.delta, config.selection, config.quiet
-    budget = search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select)
 
     # Load the store; choose what trains and what scores.
     x, y, train_attrs = extract.load_split(config.store, "train", dtype=None)
@@ -193,20 +225,54 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
             quiet)
     import probe
 
+    normalization, groups = config.normalization, config.groups
+    if normalization is None:  # from the store's backbone: public provenance
+        normalization, groups = recipe.backbone_normalization(train_attrs.get("backbone"))
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
-                           normalization=config.normalization, groups=config.groups or 1)
+                           normalization=normalization, groups=groups or 1)
+    bound = probe.normalized_norm_bound(normalization, x.shape[-1])
+    standardize = math.isfinite(bound) if config.standardize is None else config.standardize
+    if standardize and not math.isfinite(bound):
+        raise ValueError(f"standardization needs a per-example normalization that bounds each "
+                         f"example's norm (group or l2), not {normalization!r}")
+    eps_standardize = config.eps_standardize if standardize else None
+    budget = search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select,
+                                 eps_standardize)
     # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
     mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
     count_sigma = math.sqrt(2 * config.trials) / mu_count if selection != "public" else 0.0
 
-    # Search: two stages; every trial and every count recorded in the ledger.
     ledger = accounting.PrivacyLedger()
 
+    # Private feature standardization (Tramer & Boneh's data normalization): two Gaussian
+    # releases on the training rows, in the ledger. Models train on the standardized features
+    # and are folded back (`Standardizer.fold`), so that every model scored, tested or saved
+    # applies to the features with the per-example normalization alone.
+    standardizer, train_spec = None, spec
+    if standardize:
+        normalized = probe.prepare_features(train_x, spec)
+        std_sigma = math.sqrt(2.0) / budget["mu_standardize"]
+        standardizer = probe.private_standardizer(
+            normalized, noise_multiplier=std_sigma, clip_norm=bound, key=probe.make_keys(1)[0],
+            mask=(train_y >= 0) & (train_y < num_classes))
+        ledger.record("standardization", accounting.DpPlan(std_sigma, 2, 1.0, bound),
+                      role="standardization", data=training_data,
+                      mechanism="Gaussian noise on the sums of the clipped features and of "
+                                "their clipped absolute deviations (two releases)")
+        train_x = standardizer.apply(normalized)
+        del normalized
+        train_spec = dataclasses.replace(spec, normalization="none", groups=1)
+
+    def train(runs):
+        params = _train(train_x, train_y, runs, train_spec, quiet)
+        return params if standardizer is None else standardizer.fold(params)
+
+    # Search: two stages; every trial and every count recorded in the ledger.
     def run_stage(stage, settings, plans):
         runs = [probe.RunSpec(p, t.learning_rate) for t, p in zip(settings, plans, strict=True)]
         log(f"tune: stage {stage}, {len(runs)} trials, r in [{min(t.r for t in settings):.3g}, "
             f"{max(t.r for t in settings):.3g}]", quiet)
-        params = _train(train_x, train_y, runs, spec, quiet)
+        params = train(runs)
         counts = _correct_counts(params, score_x, score_y,
                                  None if selection == "public" else count_sigma, spec)
         if selection != "public":
@@ -220,7 +286,8 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
         run_stage, epsilon=epsilon, delta=delta, eps0=config.eps0, eps1=config.eps1,
         trials=config.trials, r_range=config.r_range, steps_choices=config.steps_choices,
         search=config.search, clip_norm=config.clip_norm, rng=rng, ledger=ledger,
-        eps_select=config.eps_select, training_data=training_data)
+        eps_select=config.eps_select, training_data=training_data,
+        extrapolation=config.extrapolation, eps_standardize=eps_standardize)
 
     # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
     # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
@@ -231,13 +298,15 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     learning_rate = line["r_star"] / steps
     ledger.record("final", plan, role="final", data=training_data, r=line["r_star"],
                   learning_rate=learning_rate)
-    params = _train(train_x, train_y, [probe.RunSpec(plan, learning_rate)], spec, quiet)
+    params = train([probe.RunSpec(plan, learning_rate)])
     metrics = _test(params, test_x, test_y, spec)  # test is public; its only use
 
     # Record: DP outputs and public inputs only.
     total = ledger.epsilon(delta)
     return records.header("tune", config.store, train_attrs, test_attrs) | {
         "probe": spec.to_dict(),
+        "standardization": None if standardizer is None else (
+            {"epsilon": eps_standardize, "data": training_data} | standardizer.to_dict()),
         "method": "linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD",
         "privacy": {
             "epsilon_requested": epsilon,
@@ -251,6 +320,7 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
             "eps0": config.eps0,
             "eps1": config.eps1,
             "eps_select": config.eps_select,
+            "eps_standardize": eps_standardize,
             "epsilon_final_alone": budget["epsilon_final"],
         } | records.randomness(config.seed, "the r proposals" + (
             " and the holdout split" if selection == "holdout" else "")),
@@ -261,9 +331,12 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
         | ({"validation_fraction": config.validation_fraction} if selection == "holdout"
            else {}),
         "search": {"kind": config.search, "trials_per_stage": config.trials,
+                   "extrapolation": config.extrapolation,
                    "r_range": list(config.r_range), "steps_choices": list(config.steps_choices)},
         "stages": _stage_records(line["stages"]),
-        "line": {"alpha": line["alpha"], "b": line["b"], "r_star": line["r_star"],
+        "line": {"extrapolation": config.extrapolation, "alpha": line["alpha"], "b": line["b"],
+                 "exponent": line["exponent"], "r_star": line["r_star"],
+                 "searched": list(line["searched"]), "clipped": line["clipped"],
                  "fallback_used": line["fallback"] is not None},
         "chosen": {"r": line["r_star"], "learning_rate": learning_rate, "steps": steps,
                    "noise_multiplier": sigma},

@@ -6,6 +6,7 @@
   * `probe.clipping`: closed-form per-example clipping of linear models;
   * `probe.step`: the DP step the trainers share; `probe.train` (in memory, sharded with
     `probe.sharding`), `probe.streaming`, `probe.poisson`: the trainers;
+  * `probe.standardization`: private per-feature standardization (two Gaussian releases);
   * `probe.specs`: `ProbeSpec`, `RunSpec` (privacy: the `DpPlan`), `PerformanceFlags` (speed
     knobs that never change epsilon), `TrainResult`;
   * `probe.canaries`: the audit's canary, trained with the production trainer;
@@ -50,12 +51,13 @@ from probe.mechanism import (
     noise_stddev,
     privatized_optimizer,
 )
-from probe.normalization import NORMALIZATIONS, normalize_features
+from probe.normalization import NORMALIZATIONS, normalize_features, normalized_norm_bound
 from probe.optimizers import DEFAULT_LEARNING_RATES, OPTIMIZERS, make_optimizer
 from probe.poisson import train_probe_poisson
 from probe.selection import correct_counts, noisy_correct_counts
 from probe.sharding import make_data_mesh, shard_rows
 from probe.specs import FEATURE_DTYPES, Params, PerformanceFlags, ProbeSpec, RunSpec, TrainResult
+from probe.standardization import Standardizer, private_standardizer
 from probe.step import init_params
 from probe.streaming import train_probe_streaming
 from probe.train import prepare_features, prepare_inputs, train_probe
@@ -73,6 +75,7 @@ __all__ = [
     "PerformanceFlags",
     "ProbeSpec",
     "RunSpec",
+    "Standardizer",
     "TrainResult",
     "add_canary",
     "add_noise",
@@ -99,12 +102,14 @@ __all__ = [
     "noisy_correct_counts",
     "noise_stddev",
     "normalize_features",
+    "normalized_norm_bound",
     "one_run_epsilon_bound",
     "pad_rows",
     "per_example_grad_norms",
     "poisson_batches",
     "prepare_features",
     "prepare_inputs",
+    "private_standardizer",
     "privatized_optimizer",
     "residuals",
     "shard_rows",

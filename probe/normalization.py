@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["NORMALIZATIONS", "normalize_features"]
+__all__ = ["NORMALIZATIONS", "normalize_features", "normalized_norm_bound"]
 
 NORMALIZATIONS: tuple[str, ...] = ("none", "l2", "group")
 
@@ -40,4 +40,18 @@ def normalize_features(
         mean = grouped.mean(axis=-1, keepdims=True)
         var = grouped.var(axis=-1, keepdims=True)
         return ((grouped - mean) / jnp.sqrt(var + eps)).reshape(features.shape)
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {method!r}")
+
+
+def normalized_norm_bound(method: str, dim: int) -> float:
+    """The largest L2 norm an example can have after `normalize_features(method)`: 1 for
+    "l2"; sqrt(d) for "group" (each group of n features has mean 0 and sum of squares
+    n var / (var + eps) < n); inf for "none". A public bound, e.g. a clip norm that clips
+    nothing (float32 rounding aside)."""
+    if method == "l2":
+        return 1.0
+    if method == "group":
+        return float(np.sqrt(dim))
+    if method == "none":
+        return float("inf")
     raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {method!r}")

@@ -67,6 +67,31 @@ def test_fit_linear_scaling_is_the_line_through_two_points():
     assert alpha == pytest.approx(20.0) and b == pytest.approx(1.0)
 
 
+def test_extrapolations_of_two_points():
+    """linear: the line; clipped: the line within the searched range; log: the power law
+    through the two points in log-log space, its exponent clipped to [0, 1]."""
+    args = (0.1, 3.0, 0.3, 7.0, 8.0)  # the line r = 20 epsilon + 1
+    linear = search.extrapolate("linear", *args, (1.0, 100.0))
+    assert linear["r_star"] == pytest.approx(161.0) and not linear["clipped"]
+    clipped = search.extrapolate("clipped", *args, (1.0, 100.0))
+    assert clipped["r_star"] == 100.0 and clipped["clipped"]
+    assert search.extrapolate("clipped", *args, (1.0, 1e4))["r_star"] == pytest.approx(161.0)
+    log = search.extrapolate("log", *args, (1.0, 100.0))
+    k = math.log(7 / 3) / math.log(3)
+    assert log["exponent"] == pytest.approx(k)
+    assert log["r_star"] == pytest.approx(7.0 * (8.0 / 0.3) ** k)
+    # Through the origin the power law is the line (k = 1); steeper than linear is clipped.
+    assert search.extrapolate("log", 0.1, 2.0, 0.3, 6.0, 8.0, (1, 10))["r_star"] == (
+        pytest.approx(160.0))
+    assert search.extrapolate("log", 0.1, 1.0, 0.3, 6.0, 8.0, (1, 10))["exponent"] == 1.0
+    assert search.extrapolate("log", 0.1, 6.0, 0.3, 2.0, 8.0, (1, 10))["r_star"] == 2.0
+    # A falling line keeps stage 1's best r (then clipped to the range).
+    falling = search.extrapolate("clipped", 0.1, 9.0, 0.3, 2.0, 8.0, (3.0, 10.0))
+    assert falling["fallback"] == 2.0 and falling["r_star"] == 3.0
+    with pytest.raises(ValueError, match="extrapolation must be one of"):
+        search.extrapolate("cubic", *args, (1.0, 100.0))
+
+
 def test_noiseless_oracle_recovers_a_planted_line():
     alpha, b = 400.0, 0.5  # with 801 trials a stage, per-trial epsilons are ~0.0023 and ~0.0048
 

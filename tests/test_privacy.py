@@ -26,13 +26,14 @@ ALLOWED = [
     r"runs\[\*\]\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\]|learning_rate)",
     r"summary\[\*\]\.test_(top5_)?accuracy_(mean|std)",
     r"stages\[\*\]\.(best_r|trials\[\*\]\.(score|r|learning_rate))",
-    r"line\.(alpha|b|r_star|fallback_used)",
+    r"line\.(alpha|b|exponent|r_star|clipped|fallback_used|searched\[\*\])",
     r"chosen\.(r|learning_rate)",
     r"final\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\])",
     r"ledger\.entries\[\*\]\.(r|learning_rate)",
     r"(created|wall_seconds|provenance\.(train|test)\.(created|completed))",
     r"(num_train|provenance\.train\.(num_examples|dataset\.num_examples))",
     r"selection\.(num_scored|num_trained)",
+    r"standardization\.(clip_norms\[\*\]|floor|num_floored)",  # from the released mean, N
 ]
 
 
@@ -86,7 +87,9 @@ def neighbours():
      "--optimizer", "sgd", "--lr", "1", "--physical-batch-size", "32"],
     ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
      "--r-max", "30", "--seed", "3"],
-], ids=["probe-full-batch", "probe-poisson", "tune"])
+    ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
+     "--r-max", "30", "--seed", "3", "--normalize", "group", "--groups", "4", "--standardize"],
+], ids=["probe-full-batch", "probe-poisson", "tune", "tune-standardized"])
 def test_job_on_neighbouring_datasets_differs_only_in_dp_outputs(job, neighbours, tmp_path,
                                                                  monkeypatch):
     (d, d_minus), test = neighbours[:2], neighbours[2]

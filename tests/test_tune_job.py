@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
+import accounting
 from pipelines import TuneConfig, cli, run_tune, tune_job
 from pipelines.config import ConfigError
 
@@ -21,9 +22,15 @@ def test_search_total_epsilon_is_at_most_the_request(digits_store, selection):
         normalization="group", groups=27, selection=selection, seed=0, quiet=True,
     )
     ledger = result["ledger"]
-    # 2 stages x (3 trials + their noisy counts) + the final run
-    assert ledger["num_mechanisms"] == 9
+    # The standardization's two releases, 2 stages x (3 trials + their noisy counts), the final
+    assert ledger["num_mechanisms"] == 10
     assert sum(e["role"] == "selection" for e in ledger["entries"]) == 2
+    standardization = ledger["entries"][0]
+    assert standardization["role"] == "standardization" and standardization["steps"] == 2
+    assert standardization["data"] == {"train": "all", "holdout": "train part"}[selection]
+    assert result["standardization"]["epsilon"] == pytest.approx(0.2)
+    assert accounting.DpPlan(standardization["noise_multiplier"], 2).epsilon(1e-5) == (
+        pytest.approx(0.2, rel=1e-6))
     assert ledger["epsilon"] <= 2.0
     assert ledger["epsilon"] == pytest.approx(2.0, abs=1e-6)  # the final run gets the rest
     parts = {"train": ["all"], "holdout": ["train part", "validation part"]}[selection]
@@ -76,7 +83,8 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     monkeypatch.setattr(probe, "make_keys", recording)
     tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
                                  r_range=(1, 10), seed=7, quiet=True)
-    assert len(seen) == 5 and len(set(seen)) == 5
+    # standardization (1 key for its two releases), 2 + 2 trials, the final run
+    assert len(seen) == 6 and len(set(seen)) == 6
 
 
 def test_tune_config_fills_the_budgets_and_refuses_what_cannot_run():
@@ -110,3 +118,27 @@ def test_run_tune_writes_its_model_atomically_and_replaces_only_its_own(digits_s
     (tmp_path / "mine.npz").write_bytes(b"user data")
     with pytest.raises(ValueError, match="was not written by dpprobe"):
         run_tune(digits_store, **(options | {"model": str(tmp_path / "mine.npz")}))
+
+
+def test_default_normalization_comes_from_the_store_backbone(digits_store):
+    """ScatterNet: GroupNorm over whole channel groups (27 of its 81 channels per input
+    channel); anything else: none. Given options win; --groups alone means group."""
+    from pipelines import recipe
+
+    assert recipe.backbone_normalization({"name": "scatternet",
+                                          "coefficients_per_channel": 81}) == ("group", 27)
+    assert recipe.backbone_normalization({"name": "scatternet",
+                                          "coefficients_per_channel": 25}) == ("group", 25)
+    assert recipe.backbone_normalization({"name": "scatternet",
+                                          "coefficients_per_channel": 217}) == ("group", 7)
+    assert recipe.backbone_normalization({"name": "vit_tiny_patch16_224",
+                                          "library": "timm"}) == ("none", None)
+    assert recipe.backbone_normalization(None) == ("none", None)
+    assert TuneConfig("s.zarr", 1.0).normalization is None
+    assert TuneConfig("s.zarr", 1.0, groups=9).normalization == "group"
+    options = dict(trials=1, steps_choices=(2,), r_range=(1, 10), quiet=True)
+    result = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, **options)
+    assert (result["probe"]["normalization"], result["probe"]["groups"]) == ("group", 27)
+    result = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, normalization="l2",
+                                            **options)
+    assert (result["probe"]["normalization"], result["probe"]["groups"]) == ("l2", 1)
