@@ -67,23 +67,27 @@ class Standardizer:
         """The public description (the statistics themselves go with the model)."""
         return {"noise_multiplier": self.noise_multiplier,
                 "clip_norms": [float(c) for c in self.clip_norms], "floor": self.floor,
-                "num_floored": int(np.sum(self.scale <= self.floor))}
+                "num_floored": int(np.sum(self.scale <= np.float32(self.floor)))}
 
 
 def clipped_row_sum(rows: np.ndarray, clip_norm: float, mask=None) -> np.ndarray:
     """sum_i min(1, B / ||v_i||) v_i over the rows v_i of (N, d) (float64); rows that are not
     finite or whose `mask` is 0 contribute nothing (null rows). Each row contributes at most
-    `clip_norm` in L2."""
-    rows = np.asarray(rows, np.float64)
-    finite = np.isfinite(rows).all(axis=1)
-    if mask is not None:
-        finite &= np.asarray(mask) > 0
-    rows = np.where(finite[:, None], rows, 0.0)
-    norms = np.linalg.norm(rows, axis=1)
-    factor = np.minimum(1.0, clip_norm / np.maximum(norms, np.finfo(np.float64).tiny))
-    # A norm that overflowed to inf gets factor 0: a null row.
-    factor = np.where(np.isfinite(norms), factor, 0.0)
-    return factor @ rows
+    `clip_norm` in L2: rows are scaled to a hair below it (a relative 1e-12, far above float64
+    rounding), and a norm that overflows makes a null row. Floating-point warnings are
+    silenced: whether one fires would tell whether some row is null or zero."""
+    with np.errstate(all="ignore"):
+        rows = np.asarray(rows, np.float64)
+        finite = np.isfinite(rows).all(axis=1)
+        if mask is not None:
+            finite &= np.asarray(mask) > 0
+        rows = np.where(finite[:, None], rows, 0.0)
+        norms = np.linalg.norm(rows, axis=1)
+        bound = clip_norm * (1.0 - 1e-12)
+        over = norms > bound
+        factor = np.where(over, bound / np.where(over, norms, 1.0), 1.0)
+        factor = np.where(np.isfinite(norms), factor, 0.0)
+        return factor @ rows
 
 
 def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
@@ -96,7 +100,7 @@ def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
         after their per-example normalization. Rows are distinct individuals.
       noise_multiplier: sigma of each of the two releases.
       clip_norm: B, the L2 bound of each example's contribution to the mean (group-normalized
-        features have norm at most sqrt(d), so B = sqrt(d) clips nothing).
+        features have norm at most sqrt(d), so B = sqrt(d) clips nothing but float32 rounding).
       key: a secret key (`probe.make_keys`); the two releases use `fold_in(key, 0)` and 1.
       mask: optional (N,); rows with mask 0 are null rows (as the trainers treat a label
         outside the class set) and contribute nothing.
@@ -128,7 +132,9 @@ def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
         noise = np.asarray(gaussian_noise(jax.random.fold_in(key, index), dim), np.float64)
         return (total + noise_multiplier * bound * noise) / num_examples
 
-    mean = release(lambda v: v, clip_norm, 0)
+    # The mean is rounded to float32 (as released) before anything else is computed from it,
+    # so that B' and the floor written to the results are functions of the release.
+    mean = release(lambda v: v, clip_norm, 0).astype(np.float32).astype(np.float64)
     deviation_bound = clip_norm + float(np.linalg.norm(mean))
     scale = release(lambda v: np.abs(v - mean), deviation_bound, 1) * math.sqrt(math.pi / 2)
     floor = floor_multiple * noise_multiplier * deviation_bound / num_examples * math.sqrt(
