@@ -14,7 +14,17 @@ Levers (name: what changes from "group27-T300", the tune default without standar
   std-dp: + `probe.private_standardizer`, eps/10 (the tune default);
   adam: DP-Adam instead of momentum;  clip10, clip0.1: clip norm 10 or 0.1 (lr scaled by 1/C);
   wd: + weight decay 1e-3 (post-processing);  nonprivate: the recipe without noise (no
-  guarantee; the ceiling of the recipe at T = 300).
+  guarantee; the ceiling of the recipe at T = 300);
+  clip10-T300, clip30-T300: clip norm 10 or 30 at T = 300 (only the least confident examples
+    clipped; lr scaled by 1/C);
+  pool4: ScatterNet's 7 x 7 positions average-pooled to 4 x 4 before GroupNorm (d 3969 ->
+    1296: less noise per useful direction?);
+  pca1024-exact, whiten-exact: the GroupNorm features projected on their top 1024 principal
+    directions, and those scaled by eigenvalue^-1/4 and L2-normalized (partial whitening),
+    with the EXACT covariance (NOT private: an upper bound on what a private PCA could give);
+  poisson-q0.1: Poisson minibatches of expected size N/10 (masked DP-SGD, Beltran et al.),
+    T = 3000 (the same number of examples processed as T = 300 full batch), sigma calibrated
+    with PLD for (q, T).
 
 Run: .venv/bin/python benchmarks/tune_recipe.py --store STORE [--levers a,b] [--reps 3]
 """
@@ -43,7 +53,34 @@ LEVERS = {
     "clip0.1": ("group", 27, 100, "momentum", 0.1, None, (30.0, 60.0), {}),
     "wd": ("group", 27, 300, "momentum", 1.0, None, (2.0, 4.0), {"weight_decay": 1e-3}),
     "nonprivate": ("group", 27, 300, "momentum", 1.0, None, (1.0, 3.0, 10.0), {"sigma": 0}),
+    "clip10-T300": ("group", 27, 300, "momentum", 10.0, None, (0.05, 0.1), {}),
+    "clip30-T300": ("group", 27, 300, "momentum", 30.0, None, (0.017, 0.033), {}),
+    "pool4": ("group", 27, 300, "momentum", 1.0, "pool4", (2.0, 4.0, 8.0), {}),
+    "pca1024-exact": ("group", 27, 300, "momentum", 1.0, "pca", (1.0, 2.0), {"dims": 1024}),
+    "poisson-q0.1": ("group", 27, 3000, "momentum", 1.0, None, (0.05, 0.1, 0.2), {"q": 0.1}),
+    "whiten-exact": ("group", 27, 300, "momentum", 1.0, "pca", (5.0, 10.0, 20.0),
+                     {"dims": 1024, "power": 0.25}),
 }
+
+
+def _pool4(features):
+    """ScatterNet features (N, 81 * 7 * 7, channel-major) average-pooled 2 x 2 over the
+    edge-padded 8 x 8 positions: (N, 81 * 4 * 4)."""
+    v = np.asarray(features, np.float32).reshape(len(features), -1, 7, 7)
+    v = np.pad(v, ((0, 0), (0, 0), (0, 1), (0, 1)), mode="edge")
+    return v.reshape(len(v), v.shape[1], 4, 2, 4, 2).mean((3, 5)).reshape(len(v), -1)
+
+
+def _exact_pca(features, test, dims: int, power: float):
+    """Both splits on the top `dims` principal directions of the training features (exact
+    covariance: not private), scaled by eigenvalue^-power; L2-normalized when power > 0."""
+    values, vectors = np.linalg.eigh((features.T @ features).astype(np.float64) / len(features))
+    order = np.argsort(values)[::-1][:dims]
+    basis = (vectors[:, order] * values[order] ** -power).astype(np.float32)
+    features, test = features @ basis, test @ basis
+    if power > 0:
+        features, test = (v / np.linalg.norm(v, axis=1, keepdims=True) for v in (features, test))
+    return features, test
 
 
 def _decayed_spec(num_classes: int, optimizer: str, decay: float):
@@ -72,8 +109,12 @@ def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndar
 
     normalization, groups, steps, optimizer, clip, std, rates, extra = LEVERS[name]
     spec = probe.ProbeSpec(10, optimizer=optimizer, normalization=normalization, groups=groups)
+    if std == "pool4":
+        x, test_x = _pool4(x), _pool4(test_x)
     features = probe.prepare_features(x, spec)
     test = np.asarray(probe.normalize_features(test_x, normalization, groups=groups))
+    if std == "pca":
+        features, test = _exact_pca(features, test, extra["dims"], extra.get("power", 0.0))
     mu = accounting.gdp_mu(epsilon, DELTA)
     if std == "exact":
         mean, scale = features.mean(0), features.std(0) + 1e-5
@@ -86,14 +127,22 @@ def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndar
             key=probe.make_keys(1)[0])
         features, test = standardizer.apply(features), standardizer.apply(test)
         mu = math.sqrt(mu * mu - mu_std * mu_std)
-    sigma = 0.0 if extra.get("sigma") == 0 else math.sqrt(steps) / mu
-    plan = accounting.DpPlan(sigma, steps, 1.0, clip)
+    rate = extra.get("q", 1.0)
+    if extra.get("sigma") == 0:
+        sigma = 0.0
+    elif rate < 1:  # Poisson: PLD calibration at the budget the full-batch levers get
+        sigma = accounting.calibrate_noise_multiplier(accounting.gdp_epsilon(mu, DELTA), DELTA,
+                                                      steps=steps, sampling_probability=rate)
+    else:
+        sigma = math.sqrt(steps) / mu
+    plan = accounting.DpPlan(sigma, steps, rate, clip)
     runs = [probe.RunSpec(plan, lr) for lr in rates for _ in range(reps)]
     decay = extra.get("weight_decay", 0.0)
     train_spec = (_decayed_spec(10, optimizer, decay) if decay
                   else probe.ProbeSpec(10, optimizer=optimizer))
-    result = probe.train_probe(np.asarray(features, np.float32), y, runs,
-                               probe.make_keys(len(runs)), train_spec)
+    trainer = probe.train_probe if rate == 1 else probe.train_probe_poisson
+    result = trainer(np.asarray(features, np.float32), y, runs, probe.make_keys(len(runs)),
+                     train_spec)
     accs = probe.evaluate(result.params, test, test_y)["top1"]
     return accs.reshape(len(rates), reps)
 
