@@ -590,7 +590,9 @@ CASES = [
          r"--validation-fraction: must be in \(0, 1\)"),
     Case("tune-r-min-above-r-max", tune("--r-min", "10", "--r-max", "5"),
          r"--r-min \(10\) must be below --r-max \(5\)"),
-    Case("tune-groups-without-normalize", tune("--groups", "3"), r"--groups 3 needs --normalize"),
+    # tune: --groups alone means --normalize group (its normalization defaults to the backbone's)
+    Case("tune-groups-not-dividing", tune("--groups", "3"),
+         r"groups must divide the feature dim 8, got 3"),
     # --- account (no hangs, invariant 6) -------------------------------------------------------
     Case("account-epsilon-1000-q-half", ["account", "--epsilon", "1000", "-q", "0.5"],
          r"epsilon=1000 with q=0.5 .*below 0.3", timeout=10),
