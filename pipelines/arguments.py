@@ -201,7 +201,8 @@ def _model(p) -> None:
                    "default: none for probe; for tune, from the store's backbone: group over "
                    "ScatterNet's channel groups, else none)")
     p.add_argument("--groups", type=_integer,
-                   help="groups of --normalize group (default 1; tune on ScatterNet: 27)")
+                   help="groups of --normalize group (default 1; tune on ScatterNet: 27; for "
+                   "tune, --groups alone means --normalize group)")
 
 
 def probe(p) -> None:
