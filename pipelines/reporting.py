@@ -256,8 +256,14 @@ def plot_title(results: dict) -> str:
 
 
 def tune_report(results: dict) -> str:
-    """Trials, the fitted line, the final run and the ledger, for the terminal."""
-    lines = []
+    """The recipe, trials, the fitted line, the final run and the ledger, for the terminal."""
+    spec, standardization = results["probe"], results.get("standardization")
+    normalization = spec["normalization"] + (
+        f" ({spec['groups']} groups)" if spec["normalization"] == "group" else "")
+    lines = [f"recipe: per-example normalization {normalization}, "
+             + ("no standardization" if not standardization else
+                f"private feature standardization (epsilon {standardization['epsilon']:.4g})")
+             + f", {spec['optimizer']}"]
     for stage in results["stages"]:
         lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
                      f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "
