@@ -75,7 +75,7 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     import accounting
     import extract
     import probe
-    from pipelines import TuneConfig, recipe, search
+    from pipelines import TuneConfig, recipe, search, tune_job
 
     x, y, attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, _ = extract.load_split(store, "test", dtype=None)
@@ -86,20 +86,18 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     config = TuneConfig(store, epsilon, DELTA)
     spec = probe.ProbeSpec(10, optimizer=config.optimizer, normalization=normalization,
                            groups=groups or 1)
+    labels = y if train_idx is None else y[train_idx]
     features = probe.prepare_features(x if train_idx is None else x[train_idx], spec)
-    mu_standardize = accounting.gdp_mu(config.eps_standardize, DELTA)
-    standardizer = probe.private_standardizer(
-        features, noise_multiplier=math.sqrt(2) / mu_standardize,
-        clip_norm=probe.normalized_norm_bound(normalization, features.shape[-1]),
-        key=probe.make_keys(1)[0])
+    budget = search.budget_split(epsilon, DELTA, config.eps0, config.eps1, config.eps_select,
+                                 config.eps_standardize)
+    standardizer, _ = tune_job.private_standardization(features, labels, spec,
+                                                       budget["mu_standardize"])
     features = standardizer.apply(features)
-    mu_final = search.budget_split(epsilon, DELTA, config.eps0, config.eps1, config.eps_select,
-                                   config.eps_standardize)["mu_final"]
+    mu_final = budget["mu_final"]
     plan = accounting.DpPlan(math.sqrt(steps) / mu_final, steps, 1.0, config.clip_norm)
     runs = [probe.RunSpec(plan, r / steps) for r in rs]
     train_spec = probe.ProbeSpec(10, optimizer=spec.optimizer)  # already normalized
-    result = probe.train_probe(features, y if train_idx is None else y[train_idx], runs,
-                               probe.make_keys(len(runs)), train_spec)
+    result = probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), train_spec)
     params = standardizer.fold(result.params)
     kwargs = dict(normalization=normalization, groups=groups or 1)
     out = {"test": probe.evaluate(params, test_x, test_y, **kwargs)["top1"]}

@@ -106,6 +106,7 @@ def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndar
     """Test accuracy (learning rates x reps) of one lever."""
     import accounting
     import probe
+    from pipelines import tune_job
 
     normalization, groups, steps, optimizer, clip, std, rates, extra = LEVERS[name]
     spec = probe.ProbeSpec(10, optimizer=optimizer, normalization=normalization, groups=groups)
@@ -121,10 +122,7 @@ def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndar
         features, test = (features - mean) / scale, (test - mean) / scale
     elif std == "dp":
         mu_std = accounting.gdp_mu(epsilon / 10, DELTA)
-        standardizer = probe.private_standardizer(
-            features, noise_multiplier=math.sqrt(2) / mu_std,
-            clip_norm=probe.normalized_norm_bound(normalization, features.shape[-1]),
-            key=probe.make_keys(1)[0])
+        standardizer, _ = tune_job.private_standardization(features, y, spec, mu_std)
         features, test = standardizer.apply(features), standardizer.apply(test)
         mu = math.sqrt(mu * mu - mu_std * mu_std)
     rate = extra.get("q", 1.0)

@@ -180,6 +180,23 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     return results
 
 
+def private_standardization(normalized, labels, spec, mu: float):
+    """The tune job's private feature standardization of `normalized` (features after
+    `spec`'s per-example normalization, which bounds their norm): `probe.private_standardizer`
+    at mu-GDP (two Gaussian releases of noise multiplier sqrt(2) / mu, each example clipped to
+    the normalization's norm bound; labels outside the class set make null rows, as in
+    training). Returns (standardizer, its DpPlan for the ledger)."""
+    import probe
+
+    bound = probe.normalized_norm_bound(spec.normalization, normalized.shape[-1])
+    sigma = math.sqrt(2.0) / mu
+    labels = np.asarray(labels)
+    standardizer = probe.private_standardizer(
+        normalized, noise_multiplier=sigma, clip_norm=bound, key=probe.make_keys(1)[0],
+        mask=(labels >= 0) & (labels < spec.num_classes))
+    return standardizer, accounting.DpPlan(sigma, 2, 1.0, bound)
+
+
 def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None,
                           delta: float | None = None, /, **options) -> dict:
     """Tune r = lr x T privately with the linear scaling rule, then train the final probe.
@@ -251,12 +268,9 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     standardizer, train_spec = None, spec
     if standardize:
         normalized = probe.prepare_features(train_x, spec)
-        std_sigma = math.sqrt(2.0) / budget["mu_standardize"]
-        standardizer = probe.private_standardizer(
-            normalized, noise_multiplier=std_sigma, clip_norm=bound, key=probe.make_keys(1)[0],
-            mask=(train_y >= 0) & (train_y < num_classes))
-        ledger.record("standardization", accounting.DpPlan(std_sigma, 2, 1.0, bound),
-                      role="standardization", data=training_data,
+        standardizer, plan = private_standardization(normalized, train_y, spec,
+                                                     budget["mu_standardize"])
+        ledger.record("standardization", plan, role="standardization", data=training_data,
                       mechanism="Gaussian noise on the sums of the clipped features and of "
                                 "their clipped absolute deviations (two releases)")
         train_x = standardizer.apply(normalized)
