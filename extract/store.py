@@ -11,7 +11,16 @@ Layout:
     STORE/SPLIT/chunk_sha256    (num_chunks, 32) uint8: sha256 of each chunk's stored rows
 
 A row chunk is written (features, labels, checksum), then its `chunks_done` entry is set;
-`complete` is set only once every entry is set. Zarr's local store writes every file
+`complete` is set only once every entry is set. Every chunk the writer writes reaches the disk,
+also one whose values all equal the array's fill value (Zarr 3 skips those by default,
+`write_empty_chunks=False`: a labels chunk holding only class 0, rows sorted by class, or a
+features chunk of zeros would then leave no file). Writing them keeps one simple rule, a
+complete split has a file for every chunk, which a reader checks without decoding anything.
+Stores written before that rule (format version 1 as written by dpprobe 0.1.0) may lack such
+chunk files: a missing features or labels chunk is accepted exactly when the sha256 recorded for
+that chunk equals the sha256 of the rows Zarr reads in its place (the fill value), so those
+stores open and verify without re-extraction, and a chunk that held anything else is still
+reported missing. Zarr's local store writes every file
 atomically (temp file + rename), so a writer killed at any point (SIGKILL included) leaves a
 split that is not complete and whose done chunks are intact; rerunning the same job rewrites
 exactly the chunks that were not done. Chunks are independent files, so separate processes
@@ -44,6 +53,7 @@ __all__ = [
     "DamagedStoreError",
     "IncompleteSplitError",
     "StorePath",
+    "check_chunk_files",
     "check_out_path",
     "choose_rows_per_chunk",
     "chunk_checksum",
@@ -304,8 +314,7 @@ def _check_complete_split(group: zarr.Group, store: StorePath, split: str, attrs
                 f"{tuple(array.chunks)}, the split's attributes say {kind} {shape} in chunks "
                 f"{chunks}: the metadata was altered")
     if _is_local(store):
-        for name in ("chunks_done", "chunk_sha256", "features", "labels"):
-            _check_chunk_files(arrays[name], store, split, name, num_chunks)
+        check_chunk_files(group, store, split)
     try:
         done = np.asarray(arrays["chunks_done"][:])
     except Exception as err:  # noqa: BLE001
@@ -316,15 +325,51 @@ def _check_complete_split(group: zarr.Group, store: StorePath, split: str, attrs
                                 f"{np.flatnonzero(done == 0).tolist()[:10]} are not marked done")
 
 
-def _check_chunk_files(array: zarr.Array, store: StorePath, split: str, name: str,
-                       num_chunks: int) -> None:
-    rest = (0,) * (array.ndim - 1)
-    base = os.path.join(store, split, name)
-    for chunk in range(num_chunks):
-        key = array.metadata.encode_chunk_key((chunk, *rest))
-        if not os.path.isfile(os.path.join(base, key)):
+def check_chunk_files(group: zarr.Group, store: StorePath, split: str) -> None:
+    """Refuse a local split whose chunk files are not all on disk, naming the first missing one.
+
+    `chunks_done` and `chunk_sha256` never hold fill values once their chunk is written. A
+    missing `features` or `labels` chunk file is accepted exactly when the sha256 recorded for
+    that row chunk equals that of the rows Zarr reads in its place (the arrays' fill value):
+    the chunk held only fill values and an older writer skipped it (see the module docstring).
+    """
+    sums = None
+    for name in ("chunks_done", "chunk_sha256", "features", "labels"):
+        array = _array(group, store, split, name)
+        for chunk in _missing_chunks(array, os.path.join(store, split, name)):
+            if name in ("features", "labels"):
+                if sums is None:
+                    sums = np.asarray(_array(group, store, split, "chunk_sha256")[:])
+                if _is_fill_chunk(group, store, split, sums, chunk):
+                    continue
+            key = array.metadata.encode_chunk_key((chunk,) + (0,) * (array.ndim - 1))
             raise DamagedStoreError(f"{store}/{split}/{name}: chunk {chunk} (file {key}) is "
                                     "missing; the store is damaged (re-extract the split)")
+
+
+def _missing_chunks(array: zarr.Array, base: str) -> list[int]:
+    """Row-chunk indices of a local array whose chunk file is not on disk."""
+    rest = (0,) * (array.ndim - 1)
+    num_chunks = math.ceil(array.shape[0] / array.chunks[0])
+    return [chunk for chunk in range(num_chunks) if not os.path.isfile(
+        os.path.join(base, array.metadata.encode_chunk_key((chunk, *rest))))]
+
+
+def _is_fill_chunk(group: zarr.Group, store: StorePath, split: str, sums: np.ndarray,
+                   chunk: int) -> bool:
+    """Whether row chunk `chunk`, as Zarr reads it (fill values for a missing file), has the
+    sha256 recorded when it was written."""
+    features = _array(group, store, split, "features")
+    rows = features.chunks[0]
+    start, stop = chunk * rows, min((chunk + 1) * rows, features.shape[0])
+    if chunk >= len(sums):
+        return False
+    try:
+        block = np.asarray(features[start:stop])
+        labels = np.asarray(_array(group, store, split, "labels")[start:stop])
+    except Exception:  # noqa: BLE001 - an unreadable chunk is not a fill chunk
+        return False
+    return bytes(sums[chunk]) == chunk_checksum(block, labels)
 
 
 def split_attrs(store: StorePath, split: str) -> dict:

@@ -19,11 +19,11 @@ from extract.store import (
     FORMAT,
     DamagedStoreError,
     StorePath,
-    _check_chunk_files,
     _group,
     _is_local,
     _open_root,
     _split_names,
+    check_chunk_files,
     chunk_checksum,
     identity_differences,
 )
@@ -128,12 +128,11 @@ def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
             problems.append(f"{split}: marked complete but chunks {np.flatnonzero(done == 0)} "
                             "are not done")
         rows = attrs.get("rows_per_chunk") or features.chunks[0]
-        if _is_local(store):
-            for name in ("features", "labels"):
-                try:
-                    _check_chunk_files(group[name], store, split, name, int(done.size))
-                except DamagedStoreError as err:
-                    problems.append(f"{split}: {err}")
+        if _is_local(store) and attrs.get("complete"):
+            try:
+                check_chunk_files(group, store, split)
+            except DamagedStoreError as err:
+                problems.append(f"{split}: {err}")
         num_classes = attrs.get("num_classes")
         bad_chunks = 0
         for chunk in np.flatnonzero(done):

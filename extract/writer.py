@@ -208,10 +208,9 @@ class SplitWriter:
                 root = _open_root(store, "a")
                 self.group, self.resumed = self._open_or_create(
                     root, job, feature_shape, dtype, class_names, overwrite, existed)
-            self.features = self.group["features"]
-            self.labels = self.group["labels"]
-            self.chunks_done = self.group["chunks_done"]
-            self.checksums = self.group["chunk_sha256"]
+            self.features, self.labels, self.chunks_done, self.checksums = (
+                _every_chunk_written(self.group[name])
+                for name in ("features", "labels", "chunks_done", "chunk_sha256"))
         except BaseException:
             self.abandon()
             raise
@@ -363,6 +362,13 @@ class SplitWriter:
         return _mark_complete(self.group)
 
 
+def _every_chunk_written(array: zarr.Array) -> zarr.Array:
+    """The array, writing every chunk to disk, also one whose values all equal the fill value
+    (Zarr 3's default skips those; the store's rule is one file per chunk: `extract.store`).
+    The setting belongs to the opened array, not the store, so each writer sets it."""
+    return array.with_config({"write_empty_chunks": True})
+
+
 def _chunks_done_count(group: zarr.Group) -> int:
     try:
         return int(np.asarray(group["chunks_done"][:]).sum())
@@ -371,7 +377,8 @@ def _chunks_done_count(group: zarr.Group) -> int:
 
 
 def _chunks_done_files(group_dir: str) -> list[str]:
-    """Chunk files of a local split's `chunks_done` (only chunks marked done are written)."""
+    """Chunk files of a local split's `chunks_done`: only chunks marked done are written (the
+    writer never writes a 0 into it, so no file stands for a chunk not done)."""
     found = []
     for base, _, files in os.walk(os.path.join(group_dir, "chunks_done", "c")):
         found += [os.path.join(base, f) for f in files]
