@@ -300,7 +300,7 @@ def tune(p) -> None:
                    help="seed the r proposals and the holdout split (never the noise, which "
                    "always draws from OS entropy; the seed is not written to results)")
     p.add_argument("--out", help="write results JSON (with the ledger) here")
-    p.add_argument("--model", help="write the final probe (w, b) as .npz here")
+    p.add_argument("--save-model", "--model", dest="save_model", help="write the model file here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
