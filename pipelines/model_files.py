@@ -88,7 +88,7 @@ def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) 
                 run["epsilon_spent"], config.delta, config.accountant,
                 ledger.to_dict(config.delta, config.accountant),
                 "every record of the store's train split",
-                sweep_epsilon=results["ledger"]["epsilon"],
+                sweep_epsilon=results["ledger"]["epsilon_by_role"]["private"],
                 note="this run alone; the runs of the sweep together (releasing several of its "
                      "models, or choosing among them by their results) cost sweep_epsilon"),
             "training": {"recipe": spec.to_dict(), "learning_rate": lr, "steps": steps,

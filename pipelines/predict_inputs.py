@@ -100,9 +100,11 @@ def _spec(spec: str, config, model) -> Input:
     if precomputed and model.kind != "linear":
         raise ValueError(f"{path} holds features; {model.path} is a fine-tuned network that "
                          "takes images")
+    # An npz without class names holds labels in [0, K): the model's classes.
+    unnamed = kind == "npz" and not _npz_has(path, "class_names")
     splits = extract.open_source(spec, split=config.split, data_dir=config.data_dir,
-                                 precomputed=precomputed, num_classes=len(model.class_names)
-                                 if kind == "npz" else None)
+                                 precomputed=precomputed,
+                                 num_classes=len(model.class_names) if unnamed else None)
     split = splits[config.split] if config.split in splits else next(iter(splits.values()))
     _check_classes(model, split.class_names, spec)
     labels = np.asarray(split.labels, np.int32)

@@ -101,7 +101,6 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
     from tqdm.auto import tqdm
 
     writer = csv.writer(stream)
-    writer.writerow(columns)
     names = np.asarray(model.class_names, dtype=object)
     pending = collections.deque()  # (ids, labels) of chunks read but not yet predicted
 
@@ -110,9 +109,13 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
             pending.append((np.asarray(ids, dtype=object), labels))
             yield batch
 
-    with tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
-              file=sys.stderr, dynamic_ncols=True) as bar:
+    bar = None
+    try:
         for logits in model.iter_logits(batches()):
+            if bar is None:  # the first block went through: the input fits the model
+                writer.writerow(columns)
+                bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
+                           file=sys.stderr, dynamic_ncols=True)
             ids, labels = _take(pending, len(logits))
             probabilities = model.probabilities(logits)
             order = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
@@ -129,6 +132,11 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
                 counts["topk"] += int(np.sum((order == labels[:, None]).any(axis=1)))
             counts["rows"] += len(logits)
             bar.update(len(logits))
+    finally:
+        if bar is not None:
+            bar.close()
+    if bar is None:
+        writer.writerow(columns)
 
 
 def _take(pending: collections.deque, count: int):

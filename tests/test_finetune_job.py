@@ -54,9 +54,13 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert privacy["plan"]["steps"] == 4 and privacy["noise_keys"] == "os-entropy"
     assert 0 <= results["test_accuracy"] <= 1 and 0 <= results["test_accuracy_ema"] <= 1
     assert results["ledger"]["epsilon"] == pytest.approx(privacy["epsilon"])
-    model = np.load(tmp_path / "run" / "model.npz")
-    assert any(k.startswith("params/") for k in model) and any(k.startswith("ema/")
-                                                               for k in model)
+    import dpmodel
+
+    model = dpmodel.load_model(tmp_path / "run" / "model.safetensors")
+    assert model.document["parameters"]["released"] == "EMA"
+    assert results["model"]["released_parameters"] == "EMA"
+    assert model.document["training"]["reported"]["test_accuracy"] == results["test_accuracy_ema"]
+    assert model.privacy.epsilon == privacy["epsilon"] and model.class_names == list(CLASSES)
     assert not (tmp_path / "run" / "checkpoint").exists()  # it held the noise key
 
 
@@ -152,7 +156,9 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
                      "--lr", "1e-5", "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["model"]["weights_source"] == "file"
-    saved = np.load(tmp_path / "run" / "model.npz")
+    from dpmodel import read_model_file
+
+    saved, _ = read_model_file(tmp_path / "run" / "model.safetensors")
     patch = [k for k in saved if k.startswith("params/") and "patch" in k and "kernel" in k]
     assert patch, sorted(saved)[:10]
     # One DP step at a tiny learning rate: the patch embedding is still the file's (HWIO).

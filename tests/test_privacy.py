@@ -13,6 +13,7 @@ import pytest
 
 import accounting
 import probe
+from dpmodel import read_model_file
 from pipelines import cli
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +199,12 @@ def test_same_seed_draws_different_noise_and_the_seed_is_never_written(digits_st
     outputs = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.json"
-        model = tmp_path / f"{name}.npz"
+        model = tmp_path / f"{name}.safetensors"
         assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2",
                          "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
                          "--groups", "27", "--seed", "12345", "--out", str(out),
                          "--model", str(model), "--quiet"]) == 0
-        outputs.append((json.loads(out.read_text()), np.load(model)["w"]))
+        outputs.append((json.loads(out.read_text()), read_model_file(model)[0]["head/w"]))
     (a, w_a), (b, w_b) = outputs
     # Same seed, same r proposals of stage 0 (the seed drives only them) ...
     assert [t["r"] for t in a["stages"][0]["trials"]] == [t["r"] for t in b["stages"][0]["trials"]]

@@ -75,7 +75,7 @@ def copy_to_timm(model, timm_model: Any) -> None:
         raise ValueError("not every parameter of the NNX model has a timm counterpart")
     with torch.no_grad():
         for param, tensor in pairs:
-            value = torch.from_numpy(np.asarray(param[...], np.float32))
+            value = torch.from_numpy(np.array(param[...], np.float32))
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape mismatch copying into timm: {tuple(value.shape)} into "
                                  f"{tuple(tensor.shape)}")
