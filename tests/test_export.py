@@ -124,6 +124,14 @@ def test_scatternet_probe_exports_to_torch_and_onnx(digits_store, tmp_path):
     _compare(tmp_path / "models" / "eps8.safetensors", images, tmp_path)
 
 
+@pytest.mark.slow
+def test_timm_backbone_probe_exports_to_torch_and_onnx(timm_probe, tmp_path):
+    """A probe on a timm backbone's features as one module: the backbone (its weights from the
+    recorded, sha256-checked file), timm's mean/std, the normalization and the head."""
+    images = np.load(timm_probe / "test.npz")["images"][:4]
+    _compare(timm_probe / "m" / "eps8.safetensors", images, tmp_path)
+
+
 def test_timm_format_is_refused_for_a_probe(digits_store, tmp_path, capsys):
     assert cli.main(["probe", digits_store, "--epsilons", "8", "--seeds", "1",
                      "--save-model", str(tmp_path), "--quiet"]) == 0
