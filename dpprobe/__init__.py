@@ -21,9 +21,11 @@ from pipelines import (
     AccountConfig,
     AuditConfig,
     DemoConfig,
+    ExportConfig,
     ExtractConfig,
     FinetuneConfig,
     InfoConfig,
+    PredictConfig,
     ProbeConfig,
     TuneConfig,
     VerifyConfig,
@@ -31,16 +33,16 @@ from pipelines import (
     linear_scaling_search,
     run_audit,
     run_demo,
+    run_export,
     run_extract,
     run_extract_ray,
     run_finetune,
+    run_predict,
     run_probe,
     run_tune,
     store_info,
     verify,
 )
-from pipelines.export_job import ExportConfig, run_export
-from pipelines.predict_job import PredictConfig, run_predict
 from pipelines.records import VERSION as __version__
 
 __all__ = [

@@ -75,20 +75,33 @@ ALLOWED = [
 ]
 
 
+MODEL_ALLOWED = ["created", r"training\.reported\.test_accuracy", r"training\.data\.num_train",
+                 *[a.replace("ledger", r"privacy\.ledger") for a in ALLOWED if "ledger" in a],
+                 r"privacy\.(epsilon|plan\.(sampling_probability|noise_multiplier))"]
+
+
 def test_finetune_on_neighbouring_datasets_differs_only_in_dp_outputs(rng, tmp_path,
                                                                      monkeypatch):
+    from dpmodel import read_model_file
+
     (images, labels), test = _images(rng, 120), _images(rng, 40)
     images[17] = 255
     labels[17] = 3
-    outputs = []
+    outputs, models = [], []
     for name, keep in (("D", slice(None)), ("D_minus_one_row", np.arange(120) != 17)):
         _write(tmp_path / name, (images[keep], labels[keep]), test)
         monkeypatch.chdir(tmp_path / name)
         assert _finetune(*FAST, "--epsilon", "2", "--out", "run") == 0
         outputs.append(json.loads((tmp_path / name / "run" / "results.json").read_text()))
+        models.append(read_model_file(tmp_path / name / "run" / "model.safetensors")[1])
     differing = sorted(set(_differing_leaves(*outputs)))
     leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
     assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
+    # The model file's description: the same public inputs and DP outputs.
+    differing = sorted(set(_differing_leaves(*models)))
+    leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in MODEL_ALLOWED)]
+    assert not leaked, f"model file: non-DP leaves differ between D and D minus one row: {leaked}"
+    assert "fingerprint" not in json.dumps(models[0])
 
 
 def _saved_steps(folder):
