@@ -1,9 +1,9 @@
 """`dpprobe predict` streams: peak memory and throughput on stores of 10^5 and 10^6 rows.
 
-Each size runs in its own process (peak RSS is per process): a store of N x d float16 random
-features (written through `extract.SplitWriter`), a probe model file of random weights for it
-(a benchmark input, not a trained model), then `run_predict` to a CSV. Bounded memory means the
-peak RSS does not grow with N (the features alone are N x d x 2 bytes).
+For each size, one process writes a store of N x d float16 random features (through
+`extract.SplitWriter`) and a probe model file of random weights for it (a benchmark input, not
+a trained model); another runs `run_predict` to a CSV and reports its peak RSS (per process).
+Bounded memory means that peak does not grow with N (the features alone are N x d x 2 bytes).
 
     python benchmarks/predict.py [--rows 100000,1000000] [--dim 64]
 """
@@ -20,12 +20,12 @@ import time
 import _path  # noqa: F401  (first: this folder off the import path)
 
 
-def one(rows: int, dim: int, folder: str) -> dict:
+def make(rows: int, dim: int, folder: str) -> None:
     import numpy as np
 
     import dpmodel
     import extract
-    from pipelines import model_files, run_predict
+    from pipelines import model_files
 
     store = os.path.join(folder, "s.zarr")
     attrs = {"backbone": {"name": "none", "weights_source": "precomputed embeddings"},
@@ -51,6 +51,12 @@ def one(rows: int, dim: int, folder: str) -> dict:
     model = os.path.join(folder, "m.safetensors")
     model_files.write_model(model, dpmodel.linear_arrays(
         rng.normal(size=(dim, 10)).astype(np.float32), np.zeros(10, np.float32)), document)
+
+
+def predict(rows: int, dim: int, folder: str) -> dict:
+    from pipelines import run_predict
+
+    store, model = os.path.join(folder, "s.zarr"), os.path.join(folder, "m.safetensors")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     result = run_predict(model, data=store, out=os.path.join(folder, "p.csv"), quiet=True)
@@ -66,15 +72,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="100000,1000000")
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--step", nargs=3, help=argparse.SUPPRESS)  # make|predict ROWS DIR
     args = parser.parse_args()
-    if args.one:
-        with tempfile.TemporaryDirectory() as folder:
-            print(json.dumps(one(args.one, args.dim, folder)))
+    if args.step:
+        step, rows, folder = args.step
+        result = (make if step == "make" else predict)(int(rows), args.dim, folder)
+        print(json.dumps(result))
         return
     for rows in (int(r) for r in args.rows.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--one", str(rows), "--dim",
-                              str(args.dim)], capture_output=True, text=True, check=True)
+        with tempfile.TemporaryDirectory() as folder:
+            for step in ("make", "predict"):
+                out = subprocess.run([sys.executable, __file__, "--step", step, str(rows),
+                                      folder, "--dim", str(args.dim)], capture_output=True,
+                                     text=True, check=True)
         print(out.stdout.strip().splitlines()[-1], flush=True)
 
 

@@ -16,7 +16,10 @@ import numpy as np
 
 from dpmodel.format import read_model_file
 
-__all__ = ["Model", "Privacy", "load_model"]
+__all__ = ["EMBED_BATCH", "Model", "Privacy", "load_model"]
+
+# Images per backbone forward pass (memory only).
+EMBED_BATCH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +174,16 @@ class Model:
             self._backbone = load_backbone(self.document["backbone"], self.path,
                                            weights=self.weights)
         backbone = self._backbone
-        try:
-            batch = torch.stack([backbone.transform(image) for image in images])
-        except RuntimeError as err:
-            raise ValueError(f"images of different sizes for a backbone without --resize/--crop "
-                             f"({str(err).splitlines()[0]})") from err
-        return backbone.forward(batch).cpu().numpy()
+        out = []
+        for start in range(0, len(images), EMBED_BATCH):
+            try:
+                batch = torch.stack([backbone.transform(image)
+                                     for image in images[start:start + EMBED_BATCH]])
+            except RuntimeError as err:
+                raise ValueError(f"images of different sizes for a backbone without --resize/"
+                                 f"--crop ({str(err).splitlines()[0]})") from err
+            out.append(backbone.forward(batch).cpu().numpy())
+        return np.concatenate(out)
 
     def _network_logits(self, batches) -> Iterator[np.ndarray]:
         import finetune
