@@ -84,8 +84,12 @@ def _header(path: str) -> tuple[dict, int]:
                              "damaged or another format)") from err
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} is not a dpprobe model file (bad header)")
-    ends = [entry.get("data_offsets", [0, 0])[1] for key, entry in header.items()
-            if key != "__metadata__" and isinstance(entry, dict)]
+    try:
+        ends = [int(entry["data_offsets"][1]) for key, entry in header.items()
+                if key != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError) as err:
+        raise ModelFileError(f"{path} is not a dpprobe model file (a damaged safetensors "
+                             "header)") from err
     return header, 8 + length + max(ends, default=0)
 
 

@@ -38,6 +38,8 @@ def _compare(model_path, images, tmp_path, formats=("torch", "onnx")) -> dict:
             session = onnxruntime.InferenceSession(str(out))
             theirs = session.run(None, {session.get_inputs()[0].name: x})[0]
         diffs[fmt] = np.abs(theirs - ours).max()
+    print(f"{model_path}: max |logit difference| vs dpprobe "
+          + ", ".join(f"{fmt} {diff:.2e}" for fmt, diff in diffs.items()))  # pytest -s shows it
     for fmt, diff in diffs.items():
         assert diff <= TOLERANCE, (fmt, diffs)
     return diffs
