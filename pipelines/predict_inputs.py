@@ -39,6 +39,9 @@ def open_input(config, model) -> Input:
     if len(data) == 1 and not os.path.exists(data[0]):
         extract.parse_data_spec(data[0])  # a one-line error for what is neither
         return _spec(data[0], config, model)
+    archives = [path for path in data if path.endswith(".npz") and os.path.isfile(path)]
+    if archives:
+        raise ValueError(f"{archives[0]} is an npz archive: give it as npz:{archives[0]}")
     return _files(data, model)
 
 

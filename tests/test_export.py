@@ -46,7 +46,7 @@ def _compare(model_path, images, tmp_path, formats=("torch", "onnx")) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,side,channels", [("cnn", 28, 1), ("wrn16_4", 16, 3)])
+@pytest.mark.parametrize("family,side,channels", [("cnn", 28, 1), ("wrn16_4", 8, 3)])
 def test_from_scratch_networks_export_to_torch_and_onnx(family, side, channels, tmp_path):
     model = fm.create_model(family, len(CLASSES), image_size=side, in_channels=channels,
                             rngs=nnx.Rngs(0))
@@ -123,7 +123,9 @@ def test_scatternet_probe_exports_to_torch_and_onnx(digits_store, tmp_path):
                      "--groups", "27", "--save-model", str(tmp_path / "models"),
                      "--quiet"]) == 0
     images = open_source("digits")["test"].array[:6]
-    _compare(tmp_path / "models" / "eps8.safetensors", images, tmp_path)
+    # --format torch is the same module (`to_torch`, compared here) through torch.export, as
+    # for the other families; ONNX is ScatterNet's own case (its FFTs).
+    _compare(tmp_path / "models" / "eps8.safetensors", images, tmp_path, formats=("onnx",))
 
 
 @pytest.mark.slow
