@@ -31,8 +31,8 @@ class Privacy:
     delta: float
     accountant: str
     neighboring_relation: str
-    neighboring_relation_text: str
-    ledger: dict
+    neighboring_relation_text: str = dataclasses.field(repr=False)
+    ledger: dict = dataclasses.field(repr=False)
 
 
 def load_model(path: str | os.PathLike) -> Model:
