@@ -23,9 +23,6 @@ from pipelines.files import atomic_writer
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
-# Rows read per chunk (a multiple of both evaluation blocks: memory only).
-CHUNK_ROWS = 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
