@@ -7,7 +7,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit data clean
+.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict \
+	data clean
 
 install: $(STAMP)
 
@@ -52,6 +53,9 @@ bench-extract: install
 
 bench-audit: install
 	$(BIN)/python benchmarks/audit.py
+
+bench-predict: install
+	$(BIN)/python benchmarks/predict.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

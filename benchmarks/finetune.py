@@ -6,7 +6,7 @@ same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest m
                      update per step): images per second over T steps after a warm-up run
   non-private        the same model: jax.grad of the summed loss per physical batch, the 4
                      gradients added, one SGD update per step (jitted), the same images
-  Opacus             the PyTorch counterpart (tests/torch_models.py, or timm's ViT) made private
+  Opacus             the PyTorch counterpart (dpmodel/torch_models.py, or timm's ViT) made private
                      by Opacus with Poisson sampling (expected batch p), in its fastest mode:
                      ghost clipping where every layer supports it, per-sample hooks otherwise,
                      functorch for layers hooks do not know (the table says which)
@@ -120,16 +120,9 @@ def dpprobe_non_private(name, side, channels, p, steps, repeats, mixed_precision
 
 
 def _torch_model(name, side, channels):
-    import importlib.util
-    import os
-
     import timm
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
-                        "torch_models.py")  # the golden tests' PyTorch counterparts
-    spec = importlib.util.spec_from_file_location("_torch_models", path)
-    torch_models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(torch_models)
+    from dpmodel import torch_models  # the golden tests' PyTorch counterparts
 
     if name == "cnn":  # 28 px: the flattened map is 4 x 4
         return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)

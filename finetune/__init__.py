@@ -6,6 +6,7 @@ from finetune import models
 from finetune.augment import augment_views
 from finetune.canaries import CanaryAudit, audit_finetune
 from finetune.checkpoint import Checkpointer
+from finetune.evaluation import EVAL_BATCH_SIZE, evaluate_model, iter_logits, normalize_images
 from finetune.train import (
     SCHEDULES,
     FinetuneFlags,
@@ -14,13 +15,13 @@ from finetune.train import (
     TrainState,
     clipped_sum,
     ema_decay_at,
-    evaluate_model,
     init_state,
     print_progress,
     train_finetune,
 )
 
 __all__ = [
+    "EVAL_BATCH_SIZE",
     "SCHEDULES",
     "CanaryAudit",
     "Checkpointer",
@@ -35,6 +36,8 @@ __all__ = [
     "ema_decay_at",
     "evaluate_model",
     "init_state",
+    "iter_logits",
+    "normalize_images",
     "print_progress",
     "train_finetune",
 ]

@@ -43,6 +43,7 @@ from flax import nnx
 
 from accounting import DpPlan
 from finetune.augment import views_of
+from finetune.evaluation import normalize_images
 from probe.batching import poisson_batches
 from probe.clipping import zero_nonfinite_rows
 from probe.mechanism import make_keys, noise_stddev, privatized_optimizer
@@ -55,7 +56,6 @@ __all__ = [
     "FinetuneSpec",
     "TrainState",
     "ema_decay_at",
-    "evaluate_model",
     "print_progress",
     "train_finetune",
 ]
@@ -194,11 +194,7 @@ def ema_decay_at(step: int | jax.Array, decay: float):
 
 
 def _inputs(images, spec: FinetuneSpec) -> jax.Array:
-    x = images.astype(jnp.float32)
-    if images.dtype == jnp.uint8:
-        x = x / 255.0
-    mean, std = jnp.asarray(spec.mean, jnp.float32), jnp.asarray(spec.std, jnp.float32)
-    return (x - mean) / std
+    return normalize_images(images, spec.mean, spec.std)
 
 
 def _null_if_nonfinite(grads):
@@ -378,26 +374,6 @@ def _placement(flags: FinetuneFlags):
 # ------------------------------------------------------------------------------------------
 # Evaluation on public data.
 # ------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _correct(graphdef, params, rest, images, labels, mask, *, spec: FinetuneSpec):
-    logits = nnx.merge(graphdef, params, rest)(_inputs(images, spec))
-    return jnp.sum((jnp.argmax(logits, -1) == labels) * mask)
-
-
-def evaluate_model(model: nnx.Module, images, labels, spec: FinetuneSpec, *,
-                   batch_size: int = 256) -> float:
-    """Top-1 accuracy of `model` on (public) images and labels, in padded batches."""
-    from probe.batching import pad_rows
-
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    correct = 0
-    for start in range(0, len(labels), batch_size):
-        x, y, mask = pad_rows(images[start:start + batch_size], labels[start:start + batch_size],
-                              rows=batch_size)
-        correct += int(_correct(graphdef, params, rest, x, y, mask, spec=spec))
-    return correct / len(labels)
 
 
 def print_progress(total_steps: int, expected_batch: float, views: int,

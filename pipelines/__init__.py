@@ -1,4 +1,5 @@
-"""dpprobe's jobs (extract, probe, tune, finetune, account, audit, verify, info, demo)
+"""dpprobe's jobs (extract, probe, tune, finetune, account, audit, verify, info, demo, predict,
+export)
 as a Python API, and the CLI.
 
 Each job is one module with its frozen config: `run_probe(ProbeConfig(...))`, or the config's
@@ -8,8 +9,10 @@ fields as keywords, `run_probe(store, epsilons=[1, 8], delta=1e-5)`.
 from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.demo_job import DemoConfig, run_demo
+from pipelines.export_job import ExportConfig, run_export
 from pipelines.extract_job import ExtractConfig, run_extract, run_extract_ray
 from pipelines.finetune_job import FinetuneConfig, run_finetune
+from pipelines.predict_job import PredictConfig, run_predict
 from pipelines.probe_job import ProbeConfig, run_probe
 from pipelines.reporting import probe_table, tune_report
 from pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
@@ -19,9 +22,11 @@ __all__ = [
     "AccountConfig",
     "AuditConfig",
     "DemoConfig",
+    "ExportConfig",
     "ExtractConfig",
     "FinetuneConfig",
     "InfoConfig",
+    "PredictConfig",
     "ProbeConfig",
     "TuneConfig",
     "VerifyConfig",
@@ -30,9 +35,11 @@ __all__ = [
     "probe_table",
     "run_audit",
     "run_demo",
+    "run_export",
     "run_extract",
     "run_extract_ray",
     "run_finetune",
+    "run_predict",
     "run_probe",
     "run_tune",
     "store_info",

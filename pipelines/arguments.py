@@ -300,7 +300,7 @@ def tune(p) -> None:
                    help="seed the r proposals and the holdout split (never the noise, which "
                    "always draws from OS entropy; the seed is not written to results)")
     p.add_argument("--out", help="write results JSON (with the ledger) here")
-    p.add_argument("--model", help="write the final probe (w, b) as .npz here")
+    p.add_argument("--save-model", "--model", dest="save_model", help="write the model file here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -400,8 +400,8 @@ def finetune(p) -> None:
     p.add_argument("--devices", type=_integer, help="data parallel over N local devices")
     p.add_argument("--seed", type=_integer,
                    help="seed of the model's initialization only (default 0)")
-    p.add_argument("--out", help="folder for results.json and model.npz; a rerun with the same "
-                   "options resumes from its checkpoint")
+    p.add_argument("--out", help="folder for results.json and model.safetensors; a rerun with "
+                   "the same options resumes from its checkpoint")
     p.add_argument("--checkpoint-every", type=_integer,
                    help=f"steps between checkpoints (default {d.checkpoint_every})")
     p.add_argument("--audit-canaries", type=_integer, metavar="M",

@@ -12,13 +12,15 @@ import json
 import os
 import sys
 
-from pipelines import arguments, records, reporting
+from pipelines import arguments, model_arguments, records, reporting
 from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
 from pipelines.demo_job import DemoConfig, run_demo
+from pipelines.export_job import ExportConfig, run_export
 from pipelines.extract_job import ExtractConfig, run_extract
 from pipelines.finetune_job import FinetuneConfig, run_finetune
+from pipelines.predict_job import PredictConfig, predict_line, run_predict
 from pipelines.probe_job import ProbeConfig, run_probe
 from pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
 from pipelines.tune_job import TuneConfig, run_tune
@@ -101,6 +103,18 @@ def _audit(config: AuditConfig, args) -> int:
     return 1 if results["claim_refuted"] else 0
 
 
+def _predict(config: PredictConfig, args) -> int:
+    result = run_predict(config)
+    print(predict_line(result), file=sys.stderr)
+    return 0
+
+
+def _export(config: ExportConfig, args) -> int:
+    result = run_export(config)
+    print(f"load it with: {result['load']}", file=sys.stderr)
+    return 0
+
+
 def _demo(config: DemoConfig, args) -> int:
     results = run_demo(config)
     print(reporting.probe_table(results))
@@ -108,11 +122,15 @@ def _demo(config: DemoConfig, args) -> int:
     return 0
 
 
-# name: (its options, its config, what runs it, the parser's texts)
+def _probe_options(p) -> None:
+    arguments.probe(p)
+    model_arguments.probe_save_model(p)
+
+
 # name: (its options, its config, what runs it)
 COMMANDS = {
     "extract": (arguments.extract, ExtractConfig, _extract),
-    "probe": (arguments.probe, ProbeConfig, _probe),
+    "probe": (_probe_options, ProbeConfig, _probe),
     "tune": (arguments.tune, TuneConfig, _tune),
     "finetune": (arguments.finetune, FinetuneConfig, _finetune),
     "account": (arguments.account, AccountConfig, _account),
@@ -120,7 +138,10 @@ COMMANDS = {
     "verify": (arguments.verify, VerifyConfig, _verify),
     "info": (arguments.info, InfoConfig, _info),
     "demo": (arguments.demo, DemoConfig, _demo),
+    "predict": (model_arguments.predict, PredictConfig, _predict),
+    "export": (model_arguments.export, ExportConfig, _export),
 }
+TEXTS = arguments.TEXTS | model_arguments.TEXTS
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -137,7 +158,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_options, config_class, run) in COMMANDS.items():
         # Options not given stay unset, so that the config's defaults apply.
-        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **arguments.TEXTS[name])
+        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **TEXTS[name])
         p.set_defaults(func=run, config_class=config_class, parser=p)
         if only in (None, name):
             add_options(p)

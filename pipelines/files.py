@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["atomic_write_bytes", "atomic_write_text"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer"]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file in the same directory, then rename), with
-    the permissions of a file the user creates (0666 minus the umask; mkstemp's are 0600)."""
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write `path` through, atomically: a temp file in the same directory,
+    renamed onto `path` when the block ends, removed if it raises (nothing is written then),
+    with the permissions of a file the user creates (0666 minus the umask; mkstemp's are
+    0600). For outputs written piece by piece (`dpprobe predict`'s CSV)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
@@ -25,6 +31,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically (`atomic_writer`)."""
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

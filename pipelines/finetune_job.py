@@ -8,9 +8,7 @@ train (checkpointed, resumable) -> evaluate the model and its EMA -> record.
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ import numpy as np
 
 import accounting
 from pipelines import config as cfg
-from pipelines import files, preflight, records, reporting
+from pipelines import model_files, preflight, records, reporting
 from pipelines.reporting import log
 
 __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
@@ -54,7 +52,8 @@ class FinetuneConfig:
       ema_decay: EMA of the parameters (0 turns it off).
       physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
       seed: drives only the model's initialization (never a mechanism).
-      out: a folder for results.json and model.npz (and checkpoints while it runs).
+      out: a folder for results.json and model.safetensors (the released model: the EMA
+        parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
       audit_canaries: m > 0 trains an audit model instead: m noise-image canaries (seeded by
@@ -137,7 +136,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
     out = Path(config.out) if config.out else None
     if out is not None:
-        for name in ("results.json", "model.npz"):
+        for name in ("results.json", model_files.MODEL_FILE):
             preflight.check_output_paths(**{"--out": out / name})
     start = time.perf_counter()
     quiet = config.quiet
@@ -250,8 +249,16 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             "records), so its accuracy is not the production model's; the privacy claim "
             "covers the real records with the canaries present")}
         results["privacy"]["num_canaries"] = config.audit_canaries
+    released = "EMA" if trained.ema_model is not None else "final iterate"
+    results["model"]["released_parameters"] = released
     if out is not None:
-        _write_model(out / "model.npz", trained)
+        model_files.finetune_model(
+            out / model_files.MODEL_FILE, results,
+            trained.ema_model if released == "EMA" else trained.model, released=released,
+            name=config.model, image_size=image_size, channels=channels, resize=config.resize,
+            crop=config.crop, rgb=model_is_timm, mean=mean, std=std,
+            timm_architecture=model_info.get("architecture"))
+        results["model_file"] = str(out / model_files.MODEL_FILE)
         reporting.write_json(out / "results.json", results)
         checkpointer.close()
         shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
@@ -286,36 +293,16 @@ def _load_images(config: FinetuneConfig, *, rgb: bool):
 def _as_array(split, resize: int | None, crop: int | None, rgb: bool) -> np.ndarray:
     """The split as uint8 (N, S, S, C): as stored when no resize or crop is asked and the
     images are square arrays; else each image resized (short side to `resize`, bicubic) and
-    center-cropped (to `crop`, or to a square)."""
+    center-cropped (to `crop`, or to a square) by `finetune.images`."""
+    from finetune.images import as_channels, images_to_array
+
     array = split.array
     if array is None or resize or crop or array.shape[1] != array.shape[2]:
-        images = []
-        for start in range(0, len(split), 1024):
-            images += [np.asarray(_resize_and_crop(image, resize, crop))
-                       for image in split.images(range(start, min(start + 1024, len(split))))]
-        array = np.stack(images)
-    if array.ndim == 3:
-        array = array[..., None]
-    if rgb and array.shape[-1] == 1:
-        array = np.repeat(array, 3, axis=-1)
-    return np.ascontiguousarray(array, dtype=np.uint8)
-
-
-def _resize_and_crop(image, resize: int | None, crop: int | None):
-    from PIL import Image
-
-    if image.mode not in ("L", "RGB"):
-        image = image.convert("RGB")
-    width, height = image.size
-    if resize:
-        scale = resize / min(width, height)
-        width, height = max(1, round(width * scale)), max(1, round(height * scale))
-        image = image.resize((width, height), Image.BICUBIC)
-    side = crop or min(width, height)
-    if side > min(width, height):
-        raise ValueError(f"--crop {side} exceeds the image's short side {min(width, height)}")
-    left, top = (width - side) // 2, (height - side) // 2
-    return image.crop((left, top, left + side, top + side))
+        array = np.concatenate([
+            images_to_array(split.images(range(start, min(start + 1024, len(split)))), resize,
+                            crop, rgb)
+            for start in range(0, len(split), 1024)])
+    return as_channels(array, rgb)
 
 
 def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
@@ -346,19 +333,3 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
     prep = backbone.preprocessing
     info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}
     return model, tuple(prep["mean"]), tuple(prep["std"]), info | {"input": f"{image_size} px"}
-
-
-def _write_model(path: Path, trained) -> None:
-    """The trained parameters and their EMA (DP outputs) as npz, keyed by parameter path."""
-    from flax import nnx
-
-    arrays = {}
-    for prefix, model in (("params", trained.model), ("ema", trained.ema_model)):
-        if model is None:
-            continue
-        for keys, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            arrays[prefix + "/" + "/".join(map(str, keys))] = np.asarray(value[...])
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    os.makedirs(path.parent, exist_ok=True)
-    files.atomic_write_bytes(path, buffer.getvalue())

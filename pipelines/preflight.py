@@ -92,16 +92,39 @@ def _written_by_dpprobe(path: str) -> bool:
 
             with Image.open(path) as image:
                 return image.info.get("Software") == PNG_SOFTWARE
-        if head.startswith(b"PK"):
+        if head.startswith(b"PK"):  # an old probe npz, or a `dpprobe export --format torch`
             with zipfile.ZipFile(path) as archive:
-                return sorted(archive.namelist()) == ["b.npy", "w.npy"]
+                names = archive.namelist()
+                return sorted(names) == ["b.npy", "w.npy"] or any(
+                    n.endswith("dpprobe_export.json") for n in names)
+        if dpmodel_file(path):
+            return True
         with open(path, encoding="utf-8") as f:
             text = f.read(1 << 16)
         if text.lstrip().startswith("{"):
             with open(path, encoding="utf-8") as f:
                 return "dpprobe_version" in json.load(f)
         header = text.splitlines()[0].split(",") if text else []
-        return "epsilon" in header and "test_accuracy" in header
+        return ("epsilon" in header and "test_accuracy" in header) or header[:3] == [
+            "id", "prediction", "probability"]
+    return False
+
+
+def dpmodel_file(path: str) -> bool:
+    """A model file (`dpmodel.format`), a timm state dict or an ONNX model that dpprobe wrote."""
+    import dpmodel
+
+    if dpmodel.is_model_file(path):
+        return True
+    from dpmodel.format import safetensors_metadata
+
+    if "dpprobe_export" in safetensors_metadata(path):
+        return True
+    if path.endswith(".onnx"):
+        import onnx
+
+        proto = onnx.load(path, load_external_data=False)
+        return any(p.key == "dpprobe_export" for p in proto.metadata_props)
     return False
 
 
@@ -125,6 +148,8 @@ def check_probe_job(config) -> None:
     values): outputs, that the store's splits agree, that the devices are present."""
     check_output_paths(**{"--out": config.out, "--csv": config.csv, "--plot": config.plot,
                           "--diagnostics": config.diagnostics})
+    if config.save_model:
+        check_model_folder(config)
     check_store_splits_agree(config.store)
     if config.devices is not None and config.devices > 1:
         import jax
@@ -136,9 +161,27 @@ def check_probe_job(config) -> None:
                              "count=N makes N)")
 
 
+def check_model_folder(config) -> None:
+    """`probe --save-model DIR`: a folder (or a new path), and every model file it will hold
+    writable (a file there that dpprobe did not write is refused)."""
+    from pipelines.model_files import probe_model_name
+
+    folder = os.fspath(config.save_model)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"--save-model {folder} is an existing file; give a folder")
+    rates = config.learning_rates or [None]
+    for epsilon in config.epsilons:
+        for steps in config.steps:
+            for rate in rates:
+                name = probe_model_name(epsilon, steps, rate or 0.0,
+                                        many_steps=len(config.steps) > 1,
+                                        many_rates=len(rates) > 1)
+                check_output_paths(**{"--save-model": os.path.join(folder, name)})
+
+
 def check_tune_job(config) -> None:
     """What `run_tune` can check before its search: the output paths, the store's splits."""
-    check_output_paths(**{"--out": config.out, "--model": config.model})
+    check_output_paths(**{"--out": config.out, "--save-model": config.save_model})
     check_store_splits_agree(config.store)
 
 

@@ -47,6 +47,8 @@ class ProbeConfig:
         outputs and public inputs only, see `pipelines.records`).
       diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
         sizes, the data fingerprint) to this local file, for debugging; never share it.
+      save_model: a folder for one model file per epsilon (its first seed's run;
+        `pipelines.model_files.probe_models`).
     """
 
     store: str
@@ -70,6 +72,7 @@ class ProbeConfig:
     csv: str | None = None
     plot: str | None = None
     diagnostics: str | None = None
+    save_model: str | None = None
     quiet: bool = False
 
     def __post_init__(self):
@@ -214,6 +217,12 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
     if config.plot:
         reporting.plot_accuracy(summary, config.plot, title=reporting.plot_title(results))
+    if config.save_model:
+        from pipelines import model_files
+
+        results["model_files"] = model_files.probe_models(
+            config, results, grid, plans, result.params, spec, train_attrs)
+        log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
     results["wall_seconds"] = time.perf_counter() - start
     return results
 

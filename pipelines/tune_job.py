@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import time
 from collections.abc import Sequence
@@ -16,7 +15,6 @@ import accounting
 import extract
 from pipelines import config as cfg
 from pipelines import preflight, recipe, records, reporting, search
-from pipelines.files import atomic_write_bytes
 from pipelines.reporting import log
 
 __all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation", "run_tune"]
@@ -64,7 +62,8 @@ class TuneConfig:
       public_validation: `npz:PATH` or (features, labels), public.
       seed: drives only data-independent randomness: the r proposals and the holdout split.
         Noise and counts always draw from OS entropy.
-      out, model: write results JSON, and the final probe as npz (`run_tune` only).
+      out, save_model: write results JSON, and the final probe as a model file
+        (`pipelines.model_files.tune_model`; `run_tune` only).
     """
 
     store: str
@@ -91,7 +90,7 @@ class TuneConfig:
     public_validation: str | tuple[np.ndarray, np.ndarray] | None = None
     seed: int | None = None
     out: str | None = None
-    model: str | None = None
+    save_model: str | None = None
     quiet: bool = False
 
     def __post_init__(self):
@@ -161,19 +160,19 @@ class TuneConfig:
 
 
 def run_tune(config: TuneConfig | str, /, **options) -> dict:
-    """`linear_scaling_search` on a store; writes results JSON (and the model as npz).
+    """`linear_scaling_search` on a store; writes results JSON (and the model file).
 
     Takes a `TuneConfig`, or the store and the config's fields as keywords.
     """
     config = cfg.make_config(TuneConfig, config, "store", **options)
     preflight.check_tune_job(config)
     results = linear_scaling_search(config)
-    params = results.pop("params")
-    if config.model:
-        buffer = io.BytesIO()
-        np.savez(buffer, w=params["w"][0], b=params["b"][0])
-        atomic_write_bytes(config.model, buffer.getvalue())
-        results["model_file"] = str(config.model)
+    params, standardizer = results.pop("params"), results.pop("standardizer")
+    if config.save_model:
+        from pipelines import model_files
+
+        model_files.tune_model(config, results, params, standardizer)
+        results["model_file"] = str(config.save_model)
     if config.out:
         reporting.write_json(config.out, results)
     results["params"] = params
@@ -364,6 +363,7 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
                   "includes_tuning": True}],
         "ledger": ledger.to_dict(delta),
         "params": params,
+        "standardizer": standardizer,
         "wall_seconds": time.perf_counter() - start_time,
     }
 

@@ -42,7 +42,7 @@ from probe.clipping import (
     residuals,
     zero_nonfinite_rows,
 )
-from probe.evaluation import evaluate, evaluate_chunks
+from probe.evaluation import EVAL_BLOCK_ROWS, block_logits, evaluate, evaluate_chunks, fixed_blocks
 from probe.mechanism import (
     add_noise,
     gaussian_noise,
@@ -66,6 +66,7 @@ __all__ = [
     "CANARY_LABEL",
     "CANARY_NORM",
     "DEFAULT_LEARNING_RATES",
+    "EVAL_BLOCK_ROWS",
     "FEATURE_DTYPES",
     "AuditBounds",
     "LOSSES",
@@ -81,6 +82,7 @@ __all__ = [
     "add_noise",
     "audit_bounds",
     "audit_learning_rate",
+    "block_logits",
     "canary_direction",
     "canary_scores",
     "choose_thresholds",
@@ -91,6 +93,7 @@ __all__ = [
     "evaluate_chunks",
     "example_losses",
     "feature_gram",
+    "fixed_blocks",
     "gaussian_noise",
     "gdp_mu_bounds",
     "gaussian_privatizer",

@@ -1,14 +1,18 @@
 """Accuracy of stacked linear probes: top-1, top-k and per-class, for every run at once.
 
-Rows are processed in fixed-size blocks (the last one padded and masked), so memory stays
-O(block (d + P C)) for any test set and one compiled kernel serves every block.
+Rows are cut into blocks of `EVAL_BLOCK_ROWS` consecutive rows whatever the chunks they arrive
+in (the last block padded and masked), so memory stays O(block (d + P C)) for any test set and
+one compiled kernel serves every block. Each run's logits are computed on their own
+(`block_logits`: a loop over the runs inside the compiled program), because a matmul over P
+stacked runs rounds differently from one over a single run: this way a released model
+(`dpmodel`, one run) given the same rows computes bitwise the logits its job evaluated, and
+predicts the same class on every row.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +22,64 @@ from probe.batching import pad_rows
 from probe.clipping import linear_logits
 from probe.normalization import normalize_features
 
-__all__ = ["count_totals", "evaluate", "evaluate_chunks"]
+__all__ = ["EVAL_BLOCK_ROWS", "block_logits", "count_totals", "evaluate", "evaluate_chunks",
+           "fixed_blocks"]
+
+# Rows per compiled evaluation call (speed and memory only).
+EVAL_BLOCK_ROWS = 1024
 
 
-@functools.partial(jax.jit, static_argnames=("num_classes", "top_k", "normalization", "groups"))
-def _counts(params, features, labels, mask, *, num_classes, top_k, normalization, groups):
+@functools.partial(jax.jit, static_argnames=("normalization", "groups"))
+def block_logits(params: dict, features, *, normalization: str = "none",
+                 groups: int = 1) -> jax.Array:
+    """Logits of P stacked linear probes on one block of raw features.
+
+    Args:
+      params: {"w": (P, d, C), "b": (P, C)}.
+      features: (n, d) or (n, views, d), raw (normalized here, per example).
+      normalization, groups: the per-example normalization the probes were trained with.
+
+    Returns:
+      (n, P, C) float32; with views, the mean of the views' logits. Run p's logits are computed
+      as if it were alone (`jax.lax.map` over the runs), so they do not depend on P.
+    """
     features = normalize_features(features.astype(jnp.float32), normalization, groups=groups)
-    logits = linear_logits(params, features)  # (N, P, C) or (N, V, P, C)
+
+    def one_run(weights):
+        w, b = weights
+        return linear_logits({"w": w[None], "b": b[None]}, features)[..., 0, :]
+
+    logits = jnp.moveaxis(jax.lax.map(one_run, (params["w"], params["b"])), 0, -2)
     if features.ndim == 3:  # several views of a test example: average their logits
         logits = logits.mean(axis=1)
+    return logits
+
+
+def fixed_blocks(chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+                 rows: int = EVAL_BLOCK_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray,
+                                                                np.ndarray]]:
+    """(features, labels, mask) blocks of exactly `rows` consecutive rows, cut from
+    (features, labels) chunks of any sizes; the last block is padded and its mask is 0 there."""
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    count = 0
+    for features, labels in chunks:
+        features, labels = np.asarray(features), np.asarray(labels, np.int32)
+        pending.append((features, labels))
+        count += len(labels)
+        while count >= rows:
+            block_x = np.concatenate([f for f, _ in pending]) if len(pending) > 1 else pending[0][0]
+            block_y = np.concatenate([y for _, y in pending]) if len(pending) > 1 else pending[0][1]
+            yield block_x[:rows], block_y[:rows], np.ones(rows, np.float32)
+            pending = [(block_x[rows:], block_y[rows:])]
+            count -= rows
+    if count:
+        block_x = np.concatenate([f for f, _ in pending])
+        block_y = np.concatenate([y for _, y in pending])
+        yield pad_rows(block_x, block_y, rows=rows)
+
+
+@functools.partial(jax.jit, static_argnames=("num_classes", "top_k"))
+def _counts(logits, labels, mask, *, num_classes, top_k):
     # Rank of the true class, ties broken towards the lower class index (as top-k and argmax
     # do): it is in the top k iff fewer than k classes rank above it. No sort needed.
     onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
@@ -51,7 +104,7 @@ def evaluate_chunks(
     top_k: int = 5,
     normalization: str = "none",
     groups: int = 1,
-    block_rows: int | None = None,
+    block_rows: int = EVAL_BLOCK_ROWS,
 ) -> dict[str, np.ndarray]:
     """Accuracy of each stacked run over (features, labels) chunks (e.g. streamed from disk).
 
@@ -61,7 +114,7 @@ def evaluate_chunks(
         per-example normalization the probe was trained with is applied here).
       top_k: k of the top-k accuracy (clamped to the number of classes).
       normalization, groups: as in `ProbeSpec`.
-      block_rows: rows per compiled block (default: the first chunk's, at most 8192).
+      block_rows: rows per compiled block (speed and memory only).
 
     Returns:
       {"top1": (P,), f"top{top_k}": (P,), "per_class": (P, C)} as fractions in [0, 1]; a class
@@ -79,28 +132,21 @@ def evaluate_chunks(
 
 def count_totals(params: dict, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *,
                  top_k: int = 5, normalization: str = "none", groups: int = 1,
-                 block_rows: int | None = None) -> list[np.ndarray]:
+                 block_rows: int = EVAL_BLOCK_ROWS) -> list[np.ndarray]:
     """Exact counts of each stacked run over (features, labels) chunks: [top-1 hits (P,),
     top-k hits (P,), per-class hits (P, C), examples per class (C,)] (float64).
 
-    Rows are cut into fixed blocks (the last padded and masked), one compiled kernel for all.
+    Rows are cut into fixed blocks (`fixed_blocks`), one compiled kernel for all.
     """
     num_classes = int(params["w"].shape[-1])
-    kwargs = dict(num_classes=num_classes, top_k=min(top_k, num_classes),
-                  normalization=normalization, groups=groups)
     params = jax.device_put(params)  # once, not once per block
     totals = None
-    for features, labels in chunks:
-        features, labels = np.asarray(features), np.asarray(labels, np.int32)
-        if not block_rows:  # the first chunk in equal blocks of at most 8192 rows
-            num_blocks = max(1, math.ceil(len(labels) / 8192))
-            block_rows = max(1, math.ceil(len(labels) / num_blocks))
-        for start in range(0, len(labels), block_rows):
-            x, y, mask = pad_rows(features[start:start + block_rows],
-                                  labels[start:start + block_rows], rows=block_rows)
-            counts = [np.asarray(c, np.float64) for c in _counts(params, x, y, mask, **kwargs)]
-            totals = counts if totals is None else [
-                t + c for t, c in zip(totals, counts, strict=True)]
+    for x, y, mask in fixed_blocks(chunks, block_rows):
+        logits = block_logits(params, x, normalization=normalization, groups=groups)
+        counts = [np.asarray(c, np.float64) for c in _counts(
+            logits, y, mask, num_classes=num_classes, top_k=min(top_k, num_classes))]
+        totals = counts if totals is None else [
+            t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:
         raise ValueError("no examples to evaluate")
     return totals

@@ -66,3 +66,32 @@ def calibrated_runs(epsilons, steps, lr, q=1.0, delta=1e-5):
         plan = accounting.DpPlan(sigma, steps, q, clip_norm=1.0 if sigma > 0 else math.inf)
         out.append(probe.RunSpec(plan, lr))
     return out
+
+
+@pytest.fixture(scope="session")
+def timm_probe(tmp_path_factory):
+    """A store of a random-init timm ViT's features (weights from a local file), a probe
+    trained on it, and the images."""
+    import timm
+    import torch
+
+    from pipelines import cli
+    from tests.test_finetune_job import _images
+
+    folder = tmp_path_factory.mktemp("timm_probe")
+    rng = np.random.default_rng(1)
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    torch.save(source.state_dict(), folder / "vit.pth")
+    for split, n in (("train", 64), ("test", 40)):
+        images, labels = _images(rng, n, 32, 3)
+        np.savez(folder / f"{split}.npz", images=images, labels=labels,
+                 class_names=np.array(["a", "b", "c", "d"]))
+        assert cli.main(["extract", "--backbone", "vit_tiny_patch16_224", "--weights",
+                         str(folder / "vit.pth"), "--crop", "32", "--data",
+                         f"npz:{folder / f'{split}.npz'}", "--split", split, "--out",
+                         str(folder / "s.zarr"), "--dtype", "float32", "--quiet"]) == 0
+    assert cli.main(["probe", str(folder / "s.zarr"), "--epsilons", "8", "--seeds", "1",
+                     "--steps", "10", "--optimizer", "momentum", "--lr", "1",
+                     "--save-model", str(folder / "m"), "--quiet"]) == 0
+    return folder

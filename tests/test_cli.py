@@ -77,6 +77,9 @@ MINIMAL = {  # each command with only its required options, and the config field
     "verify": (["s.zarr"], {"store"}),
     "info": (["s.zarr"], {"store"}),
     "demo": ([], set()),
+    "predict": (["--model", "m.safetensors", "--data", "s.zarr"], {"model", "data"}),
+    "export": (["out.onnx", "--model", "m.safetensors", "--format", "onnx"],
+               {"out", "model", "format"}),
 }
 
 
@@ -99,6 +102,7 @@ def test_choices_are_the_library_constants():
     from accounting import ACCOUNTANTS
     from extract.store import FEATURE_DTYPES
     from pipelines.demo_job import DEMO_DATA
+    from pipelines.export_job import FORMATS
     from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
 
     model = {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES,
@@ -114,6 +118,8 @@ def test_choices_are_the_library_constants():
         "demo": {"data": DEMO_DATA},
         "verify": {},
         "info": {},
+        "predict": {},
+        "export": {"format": FORMATS},
     }
     for command, options in expected.items():
         argv, _ = MINIMAL[command]

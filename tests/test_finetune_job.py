@@ -54,9 +54,13 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert privacy["plan"]["steps"] == 4 and privacy["noise_keys"] == "os-entropy"
     assert 0 <= results["test_accuracy"] <= 1 and 0 <= results["test_accuracy_ema"] <= 1
     assert results["ledger"]["epsilon"] == pytest.approx(privacy["epsilon"])
-    model = np.load(tmp_path / "run" / "model.npz")
-    assert any(k.startswith("params/") for k in model) and any(k.startswith("ema/")
-                                                               for k in model)
+    import dpmodel
+
+    model = dpmodel.load_model(tmp_path / "run" / "model.safetensors")
+    assert model.document["parameters"]["released"] == "EMA"
+    assert results["model"]["released_parameters"] == "EMA"
+    assert model.document["training"]["reported"]["test_accuracy"] == results["test_accuracy_ema"]
+    assert model.privacy.epsilon == privacy["epsilon"] and model.class_names == list(CLASSES)
     assert not (tmp_path / "run" / "checkpoint").exists()  # it held the noise key
 
 
@@ -71,20 +75,33 @@ ALLOWED = [
 ]
 
 
+MODEL_ALLOWED = ["created", r"training\.reported\.test_accuracy", r"training\.data\.num_train",
+                 *[a.replace("ledger", r"privacy\.ledger") for a in ALLOWED if "ledger" in a],
+                 r"privacy\.(epsilon|plan\.(sampling_probability|noise_multiplier))"]
+
+
 def test_finetune_on_neighbouring_datasets_differs_only_in_dp_outputs(rng, tmp_path,
                                                                      monkeypatch):
+    from dpmodel import read_model_file
+
     (images, labels), test = _images(rng, 120), _images(rng, 40)
     images[17] = 255
     labels[17] = 3
-    outputs = []
+    outputs, models = [], []
     for name, keep in (("D", slice(None)), ("D_minus_one_row", np.arange(120) != 17)):
         _write(tmp_path / name, (images[keep], labels[keep]), test)
         monkeypatch.chdir(tmp_path / name)
         assert _finetune(*FAST, "--epsilon", "2", "--out", "run") == 0
         outputs.append(json.loads((tmp_path / name / "run" / "results.json").read_text()))
+        models.append(read_model_file(tmp_path / name / "run" / "model.safetensors")[1])
     differing = sorted(set(_differing_leaves(*outputs)))
     leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
     assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
+    # The model file's description: the same public inputs and DP outputs.
+    differing = sorted(set(_differing_leaves(*models)))
+    leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in MODEL_ALLOWED)]
+    assert not leaked, f"model file: non-DP leaves differ between D and D minus one row: {leaked}"
+    assert "fingerprint" not in json.dumps(models[0])
 
 
 def _saved_steps(folder):
@@ -152,7 +169,9 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
                      "--lr", "1e-5", "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["model"]["weights_source"] == "file"
-    saved = np.load(tmp_path / "run" / "model.npz")
+    from dpmodel import read_model_file
+
+    saved, _ = read_model_file(tmp_path / "run" / "model.safetensors")
     patch = [k for k in saved if k.startswith("params/") and "patch" in k and "kernel" in k]
     assert patch, sorted(saved)[:10]
     # One DP step at a tiny learning rate: the patch embedding is still the file's (HWIO).

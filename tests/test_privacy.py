@@ -13,6 +13,7 @@ import pytest
 
 import accounting
 import probe
+from dpmodel import read_model_file
 from pipelines import cli
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +103,46 @@ def test_job_on_neighbouring_datasets_differs_only_in_dp_outputs(job, neighbours
     assert differing, "the two runs should differ somewhere (the noise, at least)"
     leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
     assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
+
+
+# The model files (`probe --save-model`, `tune --save-model`): their descriptions may differ
+# only in DP outputs, N and what follows from them (timestamps included); the arrays are DP
+# outputs (the noised head, the released standardization).
+MODEL_ALLOWED = [
+    r"created", r"training\.reported\.(test_accuracy|test_top5_accuracy)",
+    r"training\.num_train", r"backbone\.train_split\.(created|completed|num_examples)",
+    r"backbone\.train_split\.dataset\.num_examples",
+    r"training\.(chosen\.(r|learning_rate)|line\.(alpha|b|exponent|r_star|clipped|"
+    r"fallback_used|searched\[\*\]))",
+    r"privacy\.ledger\.entries\[\*\]\.(r|learning_rate)",
+    r"transforms\[\*\]\.(clip_norms\[\*\]|floor|num_floored|plan\.(r|learning_rate))",
+]
+
+
+@pytest.mark.parametrize("job", [
+    ["probe", "emb.zarr", "--epsilons", "1,4", "--seeds", "2", "--optimizer", "momentum",
+     "--steps", "5", "--lr", "0.5", "--save-model", "models"],
+    ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
+     "--r-max", "30", "--seed", "3", "--normalize", "group", "--groups", "4", "--standardize",
+     "--save-model", "models/tuned.safetensors"],
+], ids=["probe", "tune-standardized"])
+def test_model_files_on_neighbouring_datasets_differ_only_in_dp_outputs(job, neighbours,
+                                                                       tmp_path, monkeypatch):
+    (d, d_minus), test = neighbours[:2], neighbours[2]
+    documents = []
+    for name, (features, labels) in (("D", d), ("D_minus_one_row", d_minus)):
+        _store(tmp_path / name, features, labels, *test, monkeypatch)
+        assert cli.main([*job, "--delta", "1e-4", "--quiet"]) == 0
+        files = sorted((tmp_path / name / "models").iterdir())
+        assert files
+        documents.append({f.name: read_model_file(f)[1] for f in files})
+        text = json.dumps(documents[-1])
+        assert "fingerprint" not in text and "clipped_fraction" not in text
+    assert documents[0].keys() == documents[1].keys()
+    for file in documents[0]:
+        differing = sorted(set(_differing_leaves(documents[0][file], documents[1][file])))
+        leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in MODEL_ALLOWED)]
+        assert not leaked, f"{file}: non-DP leaves differ between D and D minus one row: {leaked}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +239,12 @@ def test_same_seed_draws_different_noise_and_the_seed_is_never_written(digits_st
     outputs = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.json"
-        model = tmp_path / f"{name}.npz"
+        model = tmp_path / f"{name}.safetensors"
         assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2",
                          "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
                          "--groups", "27", "--seed", "12345", "--out", str(out),
                          "--model", str(model), "--quiet"]) == 0
-        outputs.append((json.loads(out.read_text()), np.load(model)["w"]))
+        outputs.append((json.loads(out.read_text()), read_model_file(model)[0]["head/w"]))
     (a, w_a), (b, w_b) = outputs
     # Same seed, same r proposals of stage 0 (the seed drives only them) ...
     assert [t["r"] for t in a["stages"][0]["trials"]] == [t["r"] for t in b["stages"][0]["trials"]]

@@ -106,18 +106,25 @@ def test_tune_config_fills_the_budgets_and_refuses_what_cannot_run():
 
 
 def test_run_tune_writes_its_model_atomically_and_replaces_only_its_own(digits_store, tmp_path):
-    model = tmp_path / "probe.npz"
+    import dpmodel
+
+    model = tmp_path / "probe.safetensors"
     options = dict(epsilon=1.0, trials=1, steps_choices=(2,), r_range=(1, 10), quiet=True,
-                   model=str(model))
+                   save_model=str(model))
     results = run_tune(digits_store, **options)
-    with np.load(model) as saved:
-        assert saved["w"].shape == results["params"]["w"][0].shape
-        assert np.array_equal(saved["b"], results["params"]["b"][0])
+    arrays, document = dpmodel.read_model_file(model)
+    assert np.array_equal(arrays["head/b"], results["params"]["b"][0])
+    assert np.array_equal(arrays["head/w"], results["params"]["w"][0])
+    # Every transform the probe was trained behind: GroupNorm 27, the folded standardization.
+    assert document["transforms"][0] == {"op": "normalize", "method": "group", "groups": 27,
+                                         "privacy": document["transforms"][0]["privacy"]}
+    assert document["transforms"][1]["op"] == "standardize"
+    assert document["privacy"]["epsilon"] == results["privacy"]["epsilon_total"]
     run_tune(digits_store, **options)  # its own model is replaced
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.npz"]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.safetensors"]  # no temp file
     (tmp_path / "mine.npz").write_bytes(b"user data")
     with pytest.raises(ValueError, match="was not written by dpprobe"):
-        run_tune(digits_store, **(options | {"model": str(tmp_path / "mine.npz")}))
+        run_tune(digits_store, **(options | {"save_model": str(tmp_path / "mine.npz")}))
 
 
 def test_default_normalization_comes_from_the_store_backbone(digits_store):

@@ -360,53 +360,8 @@ def vit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
     model = nnx.eval_shape(lambda: VisionTransformer(config, num_classes, rngs=nnx.Rngs(0)))
     model.head = zero_head(config.embed_dim, num_classes, head_bias_init=head_bias_init,
                            rngs=rngs)
-    _copy_timm_weights(model, timm_model, include_head=keep_head)
+    from finetune.models.timm_weights import copy_from_timm
+
+    copy_from_timm(model, timm_model, include_head=keep_head)
     check_no_batchnorm(model)
     return model
-
-
-def _copy_timm_weights(model: VisionTransformer, timm_model: Any, *, include_head: bool) -> None:
-    """Set every `nnx.Param` of `model` (all but a new head) from the matching timm tensor."""
-    pairs = [(model.patch_embed.kernel, timm_model.patch_embed.proj.weight.permute(2, 3, 1, 0)),
-             (model.pos_embed, timm_model.pos_embed)]
-    if model.patch_embed.bias is not None:
-        pairs.append((model.patch_embed.bias, timm_model.patch_embed.proj.bias))
-    if model.cls_token is not None:
-        pairs.append((model.cls_token, timm_model.cls_token))
-    for ours, theirs in [(model.norm_pre, timm_model.norm_pre), (model.norm, timm_model.norm),
-                         (model.fc_norm, timm_model.fc_norm)]:
-        if ours is not None:
-            pairs += _norm_pairs(ours, theirs)
-    for ours, theirs in zip(model.blocks, timm_model.blocks, strict=True):
-        pairs += _norm_pairs(ours.norm1, theirs.norm1) + _norm_pairs(ours.norm2, theirs.norm2)
-        for attn_or_mlp, layer in [("attn", "qkv"), ("attn", "proj"), ("mlp", "fc1"),
-                                   ("mlp", "fc2")]:
-            pairs += _linear_pairs(getattr(getattr(ours, attn_or_mlp), layer),
-                                   getattr(getattr(theirs, attn_or_mlp), layer))
-        if ours.ls1 is not None:
-            pairs += [(ours.ls1, theirs.ls1.gamma), (ours.ls2, theirs.ls2.gamma)]
-    if include_head:
-        pairs += _linear_pairs(model.head, timm_model.head)
-    for param, tensor in pairs:
-        value = jnp.asarray(tensor.detach().cpu().float().numpy())
-        if value.shape != param.shape:
-            raise ValueError(f"shape mismatch copying timm weights: {value.shape} into "
-                             f"{param.shape}")
-        param.set_value(value)
-    unset = [path for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Param) and isinstance(node.get_value(), jax.ShapeDtypeStruct)]
-    if unset:
-        raise ValueError(f"timm weights left these parameters unset: {unset}")
-
-
-def _norm_pairs(norm: nnx.LayerNorm, torch_norm: Any) -> list:
-    """(scale, weight), (bias, bias)."""
-    return [(norm.scale, torch_norm.weight), (norm.bias, torch_norm.bias)]
-
-
-def _linear_pairs(linear: nnx.Linear, torch_linear: Any) -> list:
-    """(kernel, weight^T), and the bias when there is one."""
-    pairs = [(linear.kernel, torch_linear.weight.T)]
-    if linear.bias is not None:
-        pairs.append((linear.bias, torch_linear.bias))
-    return pairs

@@ -1,0 +1,48 @@
+"""Model files for the tests of `dpmodel`: a network file written from a model built in the
+test (no training needed to test a format, a prediction or an export), and small image sets."""
+
+import numpy as np
+
+import dpmodel
+from pipelines import model_files
+
+CLASSES = ["a", "b", "c", "d"]
+
+
+def network_file(path, model, *, name: str, side: int, channels: int, mean=(0.5,),
+                 std=(0.5,), rgb: bool = False, timm_architecture=None) -> str:
+    """A model file holding `model` (an NNX network) as the finetune job writes it."""
+    document = model_files.header("finetune", CLASSES) | dpmodel.network_document(
+        model, name=name, num_classes=len(CLASSES), image_size=side, channels=channels,
+        resize=None, crop=None, rgb=rgb, mean=tuple(mean) * (channels // len(mean)),
+        std=tuple(std) * (channels // len(std)), timm_architecture=timm_architecture) | {
+        "parameters": {"released": "final iterate"},
+        "privacy": {"epsilon": 1.0, "delta": 1e-5, "accountant": "pld",
+                    "neighboring_relation": "zero_out", "ledger": {}},
+        "training": {}}
+    model_files.write_model(path, dpmodel.network_arrays(model), document)
+    return str(path)
+
+
+def perturb_nnx(model, scale: float = 0.3, seed: int = 0) -> None:
+    """Every parameter plus N(0, scale^2) noise (the zero head too), so logits depend on all."""
+    import jax
+    from flax import nnx
+
+    key = jax.random.key(seed)
+    for i, (_, param) in enumerate(p for p in nnx.iter_graph(model) if isinstance(p[1],
+                                                                                 nnx.Param)):
+        param[...] = param[...] + scale * jax.random.normal(jax.random.fold_in(key, i),
+                                                            param.shape)
+
+
+def uint8_images(n: int, side: int, channels: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    shape = (n, side, side) if channels == 1 else (n, side, side, channels)
+    return rng.integers(0, 256, shape).astype(np.uint8)
+
+
+def nchw01(images: np.ndarray) -> np.ndarray:
+    """uint8 NHW[C] images as the exported modules' input: float32 NCHW in [0, 1]."""
+    x = images.astype(np.float32) / np.float32(255.0)
+    return (x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)).copy()
