@@ -9,6 +9,7 @@ import pytest
 from dp_accounting import pld
 
 import accounting
+import dp
 from pipelines import TuneConfig, cli, run_tune, tune_job
 from pipelines.config import ConfigError
 
@@ -73,7 +74,7 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     import probe
 
     seen = []
-    original = probe.make_keys
+    original = dp.make_keys
 
     def recording(count):
         keys = original(count)
