@@ -72,6 +72,7 @@ def _setup(epsilon: float, optimizer: str, steps: int, num_examples: int, runs: 
            significance: float = 0.05):
     """The claim's plan, the audit's run, and the thresholds chosen on the claim."""
     import accounting
+    import dp
     import probe
 
     spec = probe.ProbeSpec(num_classes=10, optimizer=optimizer)
@@ -82,16 +83,17 @@ def _setup(epsilon: float, optimizer: str, steps: int, num_examples: int, runs: 
     simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
                                              count=200_000, include=include, rng=rng)
                  for include in (True, False)]
-    thresholds = probe.choose_thresholds(*simulated, DELTA, significance, sizes=(runs, runs))
+    thresholds = dp.choose_thresholds(*simulated, DELTA, significance, sizes=(runs, runs))
     return spec, plan, run, thresholds
 
 
 def _bounds(features, labels, spec, run, thresholds, runs: int):
+    import dp
     import probe
 
     scores = [probe.train_canary_runs(features, labels, [run] * runs, spec, include=include)
               for include in (True, False)]
-    return probe.audit_bounds(*scores, delta=DELTA, gdp_threshold=thresholds[0],
+    return dp.audit_bounds(*scores, delta=DELTA, gdp_threshold=thresholds[0],
                               cp_threshold=thresholds[1])
 
 
@@ -150,9 +152,10 @@ def bugs(features, labels, runs: int) -> list[dict]:
     """The broken mechanisms of tests/test_audit.py, in this process only."""
     import jax
 
+    import dp.noise
     import probe
 
-    original_noise, original_clipper = probe.mechanism.gaussian_noise, probe.train.clipped_grad_sum
+    original_noise, original_clipper = dp.noise.gaussian_noise, probe.train.clipped_grad_sum
 
     def skips_the_last_row(params, features, onehot, clip_norm, *, mask=None, **kwargs):
         last = (np.arange(features.shape[0]) == features.shape[0] - 1).astype(np.float32)
@@ -164,7 +167,7 @@ def bugs(features, labels, runs: int) -> list[dict]:
         return jax.tree.map(lambda a, b: a + b, clipped, unclipped), count
 
     broken = {
-        "noise halved": (probe.mechanism, "gaussian_noise",
+        "noise halved": (dp.noise, "gaussian_noise",
                          lambda key, size: 0.5 * original_noise(key, size)),
         "canary unclipped": (probe.train, "clipped_grad_sum", skips_the_last_row),
     }

@@ -73,6 +73,7 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     gets in tune), tuning not paid. With `seed`, train on 90% of train and also report the
     accuracy on the other 10% (exact, to pick an r for free)."""
     import accounting
+    import dp
     import extract
     import probe
     from pipelines import TuneConfig, recipe, search, tune_job
@@ -97,7 +98,7 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     plan = accounting.DpPlan(math.sqrt(steps) / mu_final, steps, 1.0, config.clip_norm)
     runs = [probe.RunSpec(plan, r / steps) for r in rs]
     train_spec = probe.ProbeSpec(10, optimizer=spec.optimizer)  # already normalized
-    result = probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), train_spec)
+    result = probe.train_probe(features, labels, runs, dp.make_keys(len(runs)), train_spec)
     params = standardizer.fold(result.params)
     kwargs = dict(normalization=normalization, groups=groups or 1)
     out = {"test": probe.evaluate(params, test_x, test_y, **kwargs)["top1"]}

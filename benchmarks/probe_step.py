@@ -3,8 +3,8 @@
   non-private      jax.grad of the mean softmax loss + Adam, in a jitted loop (the floor)
   dpprobe API      `probe.train_probe` (public API), one DP-Adam run: the cost of one more
                    step, (time(T = 1 + K) - time(T = 1)) / K, and the whole T = 1 call
-  dpprobe step     one jitted step from `probe.clipped_grad_sum` + `probe.gaussian_noise` +
-                   `probe.make_optimizer` (the only internals used, all in `internal_rows`)
+  dpprobe step     one jitted step from `probe.clipped_grad_sum` + `dp.gaussian_noise` +
+                   `dp.make_optimizer` (the only internals used, all in `internal_rows`)
   vmap(grad)       per-example gradients by jax.vmap(jax.grad), clipped, summed, noised + Adam
   Opacus           one full-batch DP-Adam step of a private nn.Linear, per-sample gradients
                    (grad_sample_mode="hooks") and ghost clipping ("ghost": per-example norms
@@ -85,10 +85,11 @@ def non_private_steps(features, onehot, params, extra_steps, repeats):
 def api_steps(features, labels, classes, extra_steps, repeats):
     """dpprobe through its public API: one DP-Adam run of `probe.train_probe`."""
     import accounting
+    import dp
     import probe
 
     spec = probe.ProbeSpec(classes, optimizer="adam")
-    keys = probe.make_keys(1)
+    keys = dp.make_keys(1)
 
     def run(steps):
         runs = [probe.RunSpec(accounting.DpPlan(SIGMA, steps, clip_norm=CLIP), LR)]
@@ -100,12 +101,13 @@ def api_steps(features, labels, classes, extra_steps, repeats):
 
 def internal_rows(features, onehot, params, key, repeats):
     """The only use of dpprobe internals: one jitted DP step built from `probe.clipped_grad_sum`,
-    `probe.gaussian_noise` and `probe.make_optimizer`, and the noise alone. Returns
+    `dp.gaussian_noise` and `dp.make_optimizer`, and the noise alone. Returns
     (rows, noise-free clipped sums) for the agreement check with vmap(grad)."""
+    import dp
     import probe
 
     n = features.shape[0]
-    tx = probe.make_optimizer("adam")
+    tx = dp.make_optimizer("adam", LR)
     state = tx.init(params)
     size = params["w"].size + params["b"].size
     # As in the trainers, where the features are checked once per program.
@@ -121,14 +123,14 @@ def internal_rows(features, onehot, params, key, repeats):
     @jax.jit
     def dp_step(params, state, key):
         sums = clipped_sums(params)
-        noise = probe.gaussian_noise(key, size)
+        noise = dp.gaussian_noise(key, size)
         grads = {"w": (sums["w"] + SIGMA * CLIP * noise[: sums["w"].size].reshape(
                      sums["w"].shape)) / n,
                  "b": (sums["b"] + SIGMA * CLIP * noise[sums["w"].size:]) / n}
         updates, state = tx.update(grads, state, params)
-        return jax.tree.map(lambda p, u: p - LR * u, params, updates), state
+        return jax.tree.map(lambda p, u: p + u, params, updates), state
 
-    noise = jax.jit(lambda key: probe.gaussian_noise(key, size))
+    noise = jax.jit(lambda key: dp.gaussian_noise(key, size))
     rows = [("DP step, one jitted call (probe internals)",
              _time(lambda: dp_step(params, state, key), repeats)),
             ("noise only: float64 sampler (dpprobe)", _time(lambda: noise(key), repeats))]

@@ -112,6 +112,7 @@ def train_probe_in_memory(data, sigmas, optimizer: str, steps: int, lr: float,
     """`probe.train_probe` on features already in memory, all runs in one program (training
     only, like `opacus_runs` minus its evaluation); (median seconds, mean test accuracy)."""
     import accounting
+    import dp
     import probe
 
     x, y, xt, yt = data
@@ -119,7 +120,7 @@ def train_probe_in_memory(data, sigmas, optimizer: str, steps: int, lr: float,
     runs = [probe.RunSpec(accounting.DpPlan(s, steps, clip_norm=1.0), lr) for s in sigmas]
 
     def train():
-        return probe.train_probe(x, y, runs, probe.make_keys(len(runs)), spec)
+        return probe.train_probe(x, y, runs, dp.make_keys(len(runs)), spec)
 
     train()  # compile
     times, result = [], None
@@ -201,7 +202,7 @@ def step_ratio(repeats: int, extra_steps: int = 20) -> tuple[float, float]:
 
 IMAGENET_CHILD = """
 import json, sys, time, numpy as np
-import accounting, extract, probe
+import accounting, dp, extract, probe
 store, steps = sys.argv[1], int(sys.argv[2])
 attrs = extract.split_attrs(store, "train")
 sigma = accounting.calibrate_noise_multiplier(8.0, 1e-6, steps=steps)
@@ -210,7 +211,7 @@ spec = probe.ProbeSpec(1000, optimizer="adam")
 times = []
 start = time.perf_counter()
 result = probe.train_probe_streaming(
-    lambda: extract.iter_split_chunks(store, "train", dtype=None), runs, probe.make_keys(1),
+    lambda: extract.iter_split_chunks(store, "train", dtype=None), runs, dp.make_keys(1),
     spec, num_examples=attrs["num_examples"], dim=attrs["feature_dim"])
 total = time.perf_counter() - start
 # VmHWM: this process's own peak RSS (ru_maxrss would include the parent's at fork time).

@@ -96,8 +96,9 @@ def _decayed_spec(num_classes: int, optimizer: str, decay: float):
     class DecayedSpec(probe.ProbeSpec):
         decay: float = 0.0
 
-        def make_optimizer(self):
-            return optax.chain(optax.add_decayed_weights(self.decay), super().make_optimizer())
+        def make_optimizer(self, learning_rate):
+            return optax.chain(optax.add_decayed_weights(self.decay),
+                               super().make_optimizer(learning_rate))
 
     return DecayedSpec(num_classes, optimizer=optimizer, decay=decay)
 
@@ -105,6 +106,7 @@ def _decayed_spec(num_classes: int, optimizer: str, decay: float):
 def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndarray:
     """Test accuracy (learning rates x reps) of one lever."""
     import accounting
+    import dp
     import probe
     from pipelines import tune_job
 
@@ -139,7 +141,7 @@ def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndar
     train_spec = (_decayed_spec(10, optimizer, decay) if decay
                   else probe.ProbeSpec(10, optimizer=optimizer))
     trainer = probe.train_probe if rate == 1 else probe.train_probe_poisson
-    result = trainer(np.asarray(features, np.float32), y, runs, probe.make_keys(len(runs)),
+    result = trainer(np.asarray(features, np.float32), y, runs, dp.make_keys(len(runs)),
                      train_spec)
     accs = probe.evaluate(result.params, test, test_y)["top1"]
     return accs.reshape(len(rates), reps)

@@ -1,21 +1,18 @@
 """Full finetuning: DP-SGD on every weight of a Flax NNX model (`finetune.train`), on the DP
-mechanism the probe uses (`probe.mechanism`, `probe.batching`) and `jax_privacy.clipped_grad`;
-the models in `finetune.models`; its one-run privacy audit in `finetune.canaries`."""
+mechanism of `dp` (sampling, the per-example clipper, the privatizer); the models in
+`finetune.models`; its one-run privacy audit in `finetune.canaries`."""
 
 from finetune import models
 from finetune.augment import augment_views
 from finetune.canaries import CanaryAudit, audit_finetune
 from finetune.checkpoint import Checkpointer
 from finetune.evaluation import EVAL_BATCH_SIZE, evaluate_model, iter_logits, normalize_images
+from finetune.specs import SCHEDULES, FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
 from finetune.train import (
-    SCHEDULES,
-    FinetuneFlags,
-    FinetuneResult,
-    FinetuneSpec,
-    TrainState,
     clipped_sum,
     ema_decay_at,
     init_state,
+    model_inputs,
     print_progress,
     train_finetune,
 )
@@ -38,6 +35,7 @@ __all__ = [
     "init_state",
     "iter_logits",
     "normalize_images",
+    "model_inputs",
     "print_progress",
     "train_finetune",
 ]

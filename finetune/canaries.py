@@ -1,7 +1,7 @@
 """The one-run privacy audit of the finetuning trainer (Steinke, Nasr & Jagielski 2023,
 https://arxiv.org/abs/2305.08846): m canaries, each in the training set with probability 1/2,
 one model trained by the production `train_finetune`, one score per canary, and
-`probe.one_run_epsilon_bound` on the scores.
+`dp.one_run_epsilon_bound` on the scores.
 
 Canaries: images of uniform random noise in the data's shape and dtype, each with a uniformly
 random label. The generator is seeded: the canaries and their in/out coins are the auditor's
@@ -42,8 +42,9 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
-from finetune.train import FinetuneResult, FinetuneSpec, _inputs, train_finetune
-from probe.auditing import one_run_epsilon_bound
+from dp.auditing import one_run_epsilon_bound
+from finetune.specs import FinetuneResult, FinetuneSpec
+from finetune.train import model_inputs, train_finetune
 
 __all__ = [
     "NOTE",
@@ -125,7 +126,8 @@ def insert_canaries(images, labels, canary_images, canary_labels, included
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _log_probabilities(graphdef, params, rest, images, labels, *, spec: FinetuneSpec):
-    logits = nnx.merge(graphdef, params, rest)(_inputs(images, spec)).astype(jnp.float32)
+    logits = nnx.merge(graphdef, params, rest)(model_inputs(images, spec))
+    logits = logits.astype(jnp.float32)
     return -optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 

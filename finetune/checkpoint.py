@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from finetune.train import TrainState
+from finetune.specs import TrainState
 
 __all__ = ["Checkpointer"]
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dp.sampling import pad_rows
+
 __all__ = ["EVAL_BATCH_SIZE", "evaluate_model", "iter_logits", "normalize_images"]
 
 # Images per compiled evaluation call (speed and memory only).
@@ -44,8 +46,6 @@ def iter_logits(model: nnx.Module, images, *, mean: tuple[float, ...], std: tupl
     evaluation (`evaluate_model`) and a released model's predictions (`dpmodel`) both call
     this, so that they compute the same logits for the same rows.
     """
-    from probe.batching import pad_rows
-
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     mean, std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
     for start in range(0, len(images), batch_size):

@@ -3,37 +3,36 @@
 Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
 
   1. sample: the logical batch includes every training example independently with
-     probability q (`probe.poisson_batches`, on `jax_privacy.batch_selection`), cut into
+     probability q (`dp.poisson_batches`, on `jax_privacy.batch_selection`), cut into
      physical batches of p rows, the last one padded and masked (Beltran et al. 2024,
      https://arxiv.org/abs/2406.17298, Alg. A1): one compiled program for every batch size;
   2. per example: K views (`finetune.augment`), the loss averaged over them, and its gradient
      (De et al. 2022, https://arxiv.org/abs/2204.13650, eq. 4) clipped to C as a whole
-     (`jax_privacy.clipped_grad`), summed over the physical batches of the step;
+     (`dp.per_example_clipper`, on `jax_privacy.clipped_grad`), summed over the physical
+     batches of the step;
   3. noise: N(0, (sigma C)^2 I) added once to the step's sum, divided by the expected batch
-     size q N, then the optimizer and the learning rate (`probe.privatized_optimizer`: optax,
-     post-processing);
+     size q N, then the optimizer with its learning-rate schedule (`dp.private_optimizer`:
+     an optax chain; the optimizer is post-processing);
   4. EMA of the parameters (De et al., App. C), itself post-processing.
 
 Null records: an example whose image holds a NaN or Inf, whose label is outside the class
 set, or whose gradient is not finite contributes exactly zero (its whole gradient is zeroed
 before clipping, a function of that example alone).
 
-Formal guarantee: for zero-out neighbours (N public), each step is the Poisson-sampled
-Gaussian mechanism of noise multiplier sigma on a sum of L2 sensitivity C, so a run is exactly
-the `DpEvent` of its plan (`plan.dp_event()`), whatever the model, the views, the optimizer,
-the precision of the forward pass (clipping and noise are float32) or the device layout.
-Noise and sampling randomness come from OS entropy unless a test passes its own.
+Formal guarantee:
+  For zero-out neighbours (N public), each step is the Poisson-sampled Gaussian mechanism of
+  noise multiplier sigma on a sum of L2 sensitivity C, so a run is exactly the `DpEvent` of its
+  plan (`plan.dp_event()`), whatever the model, the views, the optimizer, the precision of the
+  forward pass (clipping and noise are float32) or the device layout. Noise and sampling
+  randomness come from OS entropy unless a test passes its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,145 +41,16 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
+from dp.clipping import per_example_clipper, valid_labels, zero_nonfinite_rows
+from dp.noise import make_keys, noise_stddev
+from dp.optimizers import make_optimizer, private_optimizer
+from dp.sampling import poisson_batches
 from finetune.augment import views_of
 from finetune.evaluation import normalize_images
-from probe.batching import poisson_batches
-from probe.clipping import zero_nonfinite_rows
-from probe.mechanism import make_keys, noise_stddev, privatized_optimizer
-from probe.optimizers import OPTIMIZERS, make_optimizer
+from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
 
-__all__ = [
-    "SCHEDULES",
-    "FinetuneFlags",
-    "FinetuneResult",
-    "FinetuneSpec",
-    "TrainState",
-    "ema_decay_at",
-    "print_progress",
-    "train_finetune",
-]
-
-SCHEDULES: tuple[str, ...] = ("constant", "cosine")
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneSpec:
-    """How a model is trained. None of it changes epsilon (privacy lives in the `DpPlan`).
-
-    Attributes:
-      num_classes: the declared class count (public).
-      optimizer: one of `probe.OPTIMIZERS` (post-processing of the noisy mean gradient).
-      learning_rate: peak learning rate.
-      momentum: rho for "momentum".
-      schedule: "constant" or "cosine" (to 0 at the last step), after `warmup_steps` of
-        linear warm-up.
-      warmup_steps: linear warm-up from 0.
-      augmult: K, views per example per step (De et al.'s augmentation multiplicity); their
-        gradients are averaged before clipping.
-      crop_padding: random crops of the image reflect-padded by this many pixels (0: none).
-      flip: random horizontal flips.
-      ema_decay: EMA of the parameters with De et al.'s warm-up, decay_t =
-        min(ema_decay, (1 + t) / (10 + t)); None: no EMA.
-      mean, std: per-channel input normalization (public constants, never data statistics);
-        uint8 images are first scaled to [0, 1].
-    """
-
-    num_classes: int
-    optimizer: str = "momentum"
-    learning_rate: float = 1.0
-    momentum: float = 0.9
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    augmult: int = 1
-    crop_padding: int = 0
-    flip: bool = False
-    ema_decay: float | None = 0.999
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-
-    def __post_init__(self):
-        if self.num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.warmup_steps < 0 or self.augmult < 1 or self.crop_padding < 0:
-            raise ValueError("warmup_steps and crop_padding must be >= 0, augmult >= 1")
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        if len(self.mean) != len(self.std) or min(self.std) <= 0:
-            raise ValueError("mean and std need the same length and std > 0")
-
-    def learning_rate_schedule(self, steps: int) -> optax.Schedule:
-        """The learning rate at each optimizer step."""
-        decay = max(1, steps - self.warmup_steps)
-        if self.schedule == "cosine":
-            after = optax.cosine_decay_schedule(self.learning_rate, decay)
-        else:
-            after = optax.constant_schedule(self.learning_rate)
-        if not self.warmup_steps:
-            return after
-        warmup = optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
-        return optax.join_schedules([warmup, after], [self.warmup_steps])
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneFlags:
-    """Speed and memory knobs. None of them changes epsilon: every example's whole gradient is
-    clipped to C and the noise is sigma C whatever they are.
-
-    Attributes:
-      physical_batch_size: examples per compiled call (a logical batch is cut into such
-        physical batches, the last one padded and masked).
-      microbatch_size: `jax_privacy.clipped_grad`'s microbatches inside a physical batch
-        (less memory, more sequential work); None: the whole physical batch at once.
-      mixed_precision: forward and backward in bfloat16; the per-example gradients are cast
-        to float32 before clipping, and clipping and noise are float32.
-      devices: data parallel over this many local devices (the physical batch is split
-        between them; it must divide `physical_batch_size`).
-    """
-
-    physical_batch_size: int = 64
-    microbatch_size: int | None = None
-    mixed_precision: bool = False
-    devices: int = 1
-
-    def __post_init__(self):
-        if self.physical_batch_size < 1:
-            raise ValueError(f"physical_batch_size must be >= 1, got {self.physical_batch_size}")
-        if self.devices < 1 or self.physical_batch_size % self.devices:
-            raise ValueError(f"devices ({self.devices}) must be >= 1 and divide "
-                             f"physical_batch_size ({self.physical_batch_size})")
-        if self.devices > jax.local_device_count():
-            raise ValueError(f"devices={self.devices} but this host has "
-                             f"{jax.local_device_count()} ({jax.default_backend()})")
-
-
-class TrainState(NamedTuple):
-    """Everything a run needs to go on: the parameters, the optimizer's state (with the
-    privatizer's step count), the EMA, and the number of steps done."""
-
-    params: Any
-    opt_state: Any
-    ema: Any
-    step: int
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneResult:
-    """The trained model and its EMA (DP outputs), and the steps run.
-
-    `batch_sizes` (each sampled logical batch size) is an exact statistic of the private data:
-    for local debugging only, never to be published.
-    """
-
-    model: nnx.Module
-    ema_model: nnx.Module | None
-    steps: int
-    batch_sizes: np.ndarray
+__all__ = ["clipped_sum", "ema_decay_at", "init_state", "model_inputs", "print_progress",
+           "train_finetune"]
 
 
 def ema_decay_at(step: int | jax.Array, decay: float):
@@ -193,15 +63,10 @@ def ema_decay_at(step: int | jax.Array, decay: float):
 # ------------------------------------------------------------------------------------------
 
 
-def _inputs(images, spec: FinetuneSpec) -> jax.Array:
+def model_inputs(images, spec: FinetuneSpec) -> jax.Array:
+    """The model's input from images (`finetune.normalize_images` with the spec's public
+    mean and std)."""
     return normalize_images(images, spec.mean, spec.std)
-
-
-def _null_if_nonfinite(grads):
-    """A gradient with any non-finite coordinate becomes zero (a null record): a function of
-    one example, so the sum's sensitivity stays C."""
-    finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
-    return jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
 
 
 def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, aug_key):
@@ -212,7 +77,7 @@ def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, a
         key = jax.random.fold_in(aug_key, row[0])
         views = views_of(image[0], key, views=spec.augmult, padding=spec.crop_padding,
                          flip=spec.flip)
-        views = _inputs(views, spec)
+        views = model_inputs(views, spec)
         if flags.mixed_precision:
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
             views = views.astype(jnp.bfloat16)
@@ -235,49 +100,49 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
       labels, mask, rows: (p,) labels, 0/1 mask, and global row indices (they pick each
         example's augmentation key, so a view never depends on the batch).
     """
-    from jax_privacy import clipped_grad
-
     if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
-    valid = (labels >= 0) & (labels < spec.num_classes)
-    mask = mask * valid
-    labels = jnp.where(valid, labels, 0)
-    grad_fn = clipped_grad(
-        _example_loss_fn(graphdef, rest, spec, flags, aug_key), l2_clip_norm=clip,
-        batch_argnums=(1, 2, 3), microbatch_size=flags.microbatch_size,
-        pre_clipping_transform=_null_if_nonfinite, dtype=jnp.float32)
-    return grad_fn(params, images, labels, rows, is_padding_example=mask == 0)
+    valid = valid_labels(labels, spec.num_classes)
+    clipper = per_example_clipper(_example_loss_fn(graphdef, rest, spec, flags, aug_key),
+                                  microbatch_size=flags.microbatch_size)
+    return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip, mask * valid).grads
 
 
 def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator):
-    optimizer = optax.chain(
-        make_optimizer(spec.optimizer, momentum=spec.momentum),
-        optax.scale_by_schedule(lambda t: spec.learning_rate_schedule(steps)(t)
-                                / spec.learning_rate))
-    return privatized_optimizer(optimizer, stddev=stddev, key=key, denominator=denominator,
-                                learning_rate=spec.learning_rate)
+    """The run's DP update (`dp.private_optimizer`): noise, the mean over the expected batch,
+    then the recipe's optimizer with its learning-rate schedule (post-processing)."""
+    optimizer = make_optimizer(spec.optimizer, spec.learning_rate_schedule(steps),
+                               momentum=spec.momentum)
+    return private_optimizer(optimizer, stddev=stddev, key=key, expected_batch_size=denominator)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnums=(0, 1, 2))
-def dp_update(params, opt_state, ema, sums, stddev, key, denominator, *, spec: FinetuneSpec,
-              steps: int):
-    """Noise, mean, optimizer, learning rate (`probe.privatized_optimizer`), then the EMA."""
+def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, *,
+              spec: FinetuneSpec, steps: int):
+    """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay."""
     tx = _transform(spec, steps, stddev, key, denominator)
     updates, opt_state = tx.update(sums, opt_state, params)
     params = optax.apply_updates(params, updates)
     if spec.ema_decay is not None:
-        count = opt_state[0].count - 1  # the privatizer's count: this step's index
-        decay = ema_decay_at(count, spec.ema_decay)
+        decay = ema_decay_at(step, spec.ema_decay)
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
     return params, opt_state, ema
 
 
-def init_state(params, spec: FinetuneSpec, steps: int) -> TrainState:
-    """Step 0: the model's parameters, a fresh optimizer state, the EMA at the parameters."""
+def init_state(params, spec: FinetuneSpec, plan: DpPlan, noise_key: jax.Array,
+               num_examples: int) -> TrainState:
+    """Step 0: the model's parameters, the run's optimizer state (the transformation its
+    updates use), the EMA at the parameters."""
     params = jax.tree.map(jnp.copy, params)  # the update donates them; the model keeps its own
-    tx = _transform(spec, steps, 0.0, jax.random.key(0), 1.0)  # init reads neither key nor scale
+    tx = _transform(spec, plan.steps, *_noise_and_mean(plan, noise_key, num_examples))
     ema = jax.tree.map(jnp.copy, params) if spec.ema_decay is not None else None
     return TrainState(params, tx.init(params), ema, 0)
+
+
+def _noise_and_mean(plan: DpPlan, noise_key: jax.Array, num_examples: int):
+    """(noise std sigma C, the noise key, the expected batch size q N) of a run."""
+    return (jnp.float32(noise_stddev(plan)), noise_key,
+            jnp.float32(plan.sampling_probability * num_examples))
 
 
 # ------------------------------------------------------------------------------------------
@@ -309,7 +174,7 @@ def train_finetune(
       plan: the run's DP mechanism (sigma, T, q, C).
       spec: the training recipe; flags: speed knobs.
       keys: (2,) keys: noise and augmentation. None (the private choice) draws them from OS
-        entropy (`probe.make_keys`); tests pass their own.
+        entropy (`dp.make_keys`); tests pass their own.
       rng: the batch sampler; None (the private choice) seeds one from OS entropy.
       checkpointer: a `finetune.Checkpointer`: the run resumes from its latest save (its
         state, keys and sampler: step t's noise is always `fold_in(noise_key, t)`, and no step
@@ -323,12 +188,11 @@ def train_finetune(
     images, labels = np.asarray(images), np.asarray(labels)
     num_examples, p = len(labels), flags.physical_batch_size
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    state = init_state(params, spec, plan.steps)
+    state = init_state(params, spec, plan, keys[0], num_examples)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
         state, keys, rng = restored
-    stddev = jnp.float32(noise_stddev(plan))
+    stddev, noise_key, denominator = _noise_and_mean(plan, keys[0], num_examples)
     clip = jnp.float32(plan.clip_norm)
-    denominator = jnp.float32(plan.sampling_probability * num_examples)
     place = _placement(flags)
     batch_sizes = np.zeros(plan.steps, np.int64)
     params, opt_state, ema, start = state
@@ -342,8 +206,8 @@ def train_finetune(
                                                               mask, index.astype(np.int32)),
                                clip, aug_key, spec=spec, flags=flags)
             sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
-        params, opt_state, ema = dp_update(params, opt_state, ema, sums, stddev, keys[0],
-                                           denominator, spec=spec, steps=plan.steps)
+        params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
+                                           noise_key, denominator, spec=spec, steps=plan.steps)
         if checkpointer is not None:
             checkpointer.save(TrainState(params, opt_state, ema, step + 1), keys, rng)
         if on_step is not None:

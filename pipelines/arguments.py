@@ -92,7 +92,7 @@ class _Choices(collections.abc.Sequence):
         return len(self.values)
 
 
-OPTIMIZERS = _Choices("probe", "OPTIMIZERS")
+OPTIMIZERS = _Choices("dp", "OPTIMIZERS")
 LOSSES = _Choices("probe", "LOSSES")
 NORMALIZATIONS = _Choices("probe", "NORMALIZATIONS")
 

@@ -3,7 +3,7 @@
 `dpprobe audit STORE --epsilon E`: calibrate the noise for (E, delta) as `dpprobe probe` does,
 train M probes with a canary and M with a null record in its place on R rows of the store's
 train split (`probe.canaries`: the production trainer, clipper, noise and optimizer), score
-each, and bound epsilon from below at the claim's delta (`probe.auditing`). The result is a
+each, and bound epsilon from below at the claim's delta (`dp.auditing`). The result is a
 lower bound for this canary and this threat model (an adversary who crafts one training row and
 sees the released weights), not a proof of privacy.
 """
@@ -94,6 +94,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     train_attrs = dict(extract.open_split(config.store, "train").attrs)
     test_attrs = extract.local_split_attrs(config.store, "test") or {}
     features, labels = _sample_rows(config.store, config.rows)
+    import dp
     import probe
 
     num_classes = records.declared_num_classes(train_attrs)
@@ -117,7 +118,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
                                              count=count, include=include, rng=rng)
                  for include in (True, False)]
-    gdp_threshold, cp_threshold = probe.choose_thresholds(
+    gdp_threshold, cp_threshold = dp.choose_thresholds(
         *simulated, config.delta, significance, sizes=(config.runs, config.runs))
 
     # Train: M runs with the canary, M with a null record in its place.
@@ -131,7 +132,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     train_seconds = time.perf_counter() - train_start
 
     # Bounds, each at `confidence`, at the claim's delta.
-    bounds = probe.audit_bounds(scores["in"], scores["out"], delta=config.delta,
+    bounds = dp.audit_bounds(scores["in"], scores["out"], delta=config.delta,
                                 gdp_threshold=gdp_threshold, cp_threshold=cp_threshold,
                                 significance=significance)
     ratios = {
@@ -147,7 +148,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     all_runs = accounting.PrivacyLedger()
     for _ in range(2 * config.runs):
         all_runs.record("audit run", plan)
-    fpr, fnr = probe.tradeoff_curve(scores["in"], scores["out"])
+    fpr, fnr = dp.tradeoff_curve(scores["in"], scores["out"])
     results = records.header("audit", config.store, train_attrs, test_attrs) | {
         "wall_seconds": time.perf_counter() - start,
         "train_seconds": train_seconds,
@@ -171,7 +172,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
             "num_rows": len(features),
             "num_train": num_examples,
             "learning_rate": run.learning_rate,
-            "trainer": "probe.train_probe (full batch, in memory), keys from probe.make_keys",
+            "trainer": "probe.train_probe (full batch, in memory), keys from dp.make_keys",
             "canary": (f"one appended feature, zero for every row; the canary row is "
                        f"{probe.CANARY_NORM:g} along it, label {probe.CANARY_LABEL}; its "
                        "neighbour is the canary replaced by a null record"),

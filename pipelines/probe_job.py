@@ -142,10 +142,11 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     test_in_memory = not stream and not _too_big_for_memory(test_bytes)
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,
                                                  test_in_memory=test_in_memory)
+    import dp
     import probe  # already imported by `_read_splits`, while it read
 
     delta, accountant = config.delta, config.accountant
-    learning_rates = config.learning_rates or (probe.DEFAULT_LEARNING_RATES[config.optimizer],)
+    learning_rates = config.learning_rates or (dp.DEFAULT_LEARNING_RATES[config.optimizer],)
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
     if delta >= 1.0 / num_examples:
         log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
@@ -269,9 +270,10 @@ def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chun
     """The calls into `probe`: train every run with the driver the config asks for, evaluate on
     the test chunks (streamed when None). Returns the `TrainResult`, the test metrics and the
     driver's description."""
+    import dp
     import probe
 
-    keys = probe.make_keys(len(runs))
+    keys = dp.make_keys(len(runs))
     progress = not config.quiet
     if config.sampling_probability < 1.0:
         driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "

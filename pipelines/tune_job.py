@@ -185,14 +185,15 @@ def private_standardization(normalized, labels, spec, mu: float):
     at mu-GDP (two Gaussian releases of noise multiplier sqrt(2) / mu, each example clipped to
     the normalization's norm bound; labels outside the class set make null rows, as in
     training). Returns (standardizer, its DpPlan for the ledger)."""
+    import dp
     import probe
 
     bound = probe.normalized_norm_bound(spec.normalization, normalized.shape[-1])
     sigma = math.sqrt(2.0) / mu
     labels = np.asarray(labels)
     standardizer = probe.private_standardizer(
-        normalized, noise_multiplier=sigma, clip_norm=bound, key=probe.make_keys(1)[0],
-        mask=(labels >= 0) & (labels < spec.num_classes))
+        normalized, noise_multiplier=sigma, clip_norm=bound, key=dp.make_keys(1)[0],
+        mask=dp.valid_labels(labels, spec.num_classes))
     return standardizer, accounting.DpPlan(sigma, 2, 1.0, bound)
 
 
@@ -373,9 +374,10 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
 
 def _train(features, labels, runs: Sequence, spec, quiet: bool) -> dict:
     """Train `runs` full batch (fresh OS-entropy keys); the stacked params."""
+    import dp
     import probe
 
-    result = probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), spec,
+    result = probe.train_probe(features, labels, runs, dp.make_keys(len(runs)), spec,
                                progress=not quiet)
     return result.params
 

@@ -10,7 +10,7 @@ is clipped to C: the most a zero-out neighbour may contribute, where nothing els
 
 Its neighbour: the same rows with the canary replaced by a null record (a label outside the
 class set, which `probe.prepare_inputs` masks), so both training sets have N + 1 rows (zero-out
-neighbours, N public), and both are trained by `probe.train_probe` with `probe.make_keys`:
+neighbours, N public), and both are trained by `probe.train_probe` with `dp.make_keys`:
 the clipper, the noise and the optimizer a user runs. Appending the zero column belongs to the
 audit: every data row's gradient is what it was, and the audit measures the mechanism on this
 setup (store rows, feature width, classes, optimizer, steps).
@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp.noise import make_keys
 from probe.clipping import residuals
-from probe.mechanism import make_keys
 from probe.specs import ProbeSpec, RunSpec
 from probe.train import check_full_batch, check_labels, train_probe
 
@@ -113,7 +113,7 @@ def canary_scores(params, direction: np.ndarray, learning_rates) -> np.ndarray:
 def train_canary_runs(features, labels, runs: Sequence[RunSpec], spec: ProbeSpec, *,
                       include: bool, runs_per_call: int | None = None) -> np.ndarray:
     """Train one probe per run on the rows plus the canary (or its null record), with
-    `probe.train_probe` and fresh secret keys (`probe.make_keys`), and score each.
+    `probe.train_probe` and fresh secret keys (`dp.make_keys`), and score each.
 
     Args:
       features, labels: the data rows (without the canary).
@@ -155,10 +155,10 @@ def claimed_canary_scores(run: RunSpec, spec: ProbeSpec, *, num_examples: int, c
     N(0, (sigma C)^2 I), then division by N and `spec`'s optimizer (optax), from zero.
 
     A simulation of the claim, not of the code: the audit picks its test thresholds on it
-    before training (`probe.auditing.choose_thresholds`). Its randomness is a public
+    before training (`dp.auditing.choose_thresholds`). Its randomness is a public
     `rng` (no private data enters). LAMB's trust ratio here sees only these coordinates.
     """
-    plan, optimizer = run.plan, spec.make_optimizer()
+    plan, optimizer = run.plan, spec.make_optimizer(run.learning_rate)
     direction = jnp.asarray(canary_direction(spec), jnp.float32)
     signal = plan.clip_norm * direction * (1.0 if include else 0.0)
     noise_std = plan.noise_multiplier * plan.clip_norm
@@ -169,7 +169,7 @@ def claimed_canary_scores(run: RunSpec, spec: ProbeSpec, *, num_examples: int, c
             params, state = carry
             grads = (signal + noise_std * z) / num_examples
             updates, state = optimizer.update(grads, state, params)
-            return (params - run.learning_rate * updates, state), None
+            return (params + updates, state), None
 
         params = jnp.zeros(spec.num_classes, jnp.float32)
         (params, _), _ = jax.lax.scan(step, (params, optimizer.init(params)), noise_steps)

@@ -18,19 +18,10 @@ of its view gradients, g_i = (1/K) sum_v (x_iv r_iv^T, r_iv), whose squared norm
 Every function here works on a stack of P configs at once: `params["w"]` is (P, d, C) and
 `params["b"]` is (P, C), so one matmul serves every config of a sweep.
 
-Rounding. The clipping factor is computed from an *upper bound* of each norm that holds whatever
-the float32 rounding (residuals enter scaled by their largest entry, so that no square of a tiny
-residual flushes to zero): with B = ((1/K) sum_v sqrt(||x_v||^2 + 1) ||r_v||)^2 (the triangle bound,
-all terms positive), the computed squared norm S' satisfies |S' - S| <= gamma B with
-gamma = 2 (d + C + K^2 + 8) 2^-24 (Higham's bound for sums and dot products of n float32 terms,
-doubled), so sqrt(S' + gamma B) >= ||g_i||. For K = 1, S = B and the bound is a relative
-(1 + gamma) on the squared norm (about 1e-4 for d = 768); for views whose Gram form cancels
-(large, nearly antipodal views) it keeps the clipped contribution within C where the float32
-value alone would not; the bound is floored at B / 16 (see `_residuals_and_norms`). Exact float64
-norms would do the same, but float64 reductions run many times slower than float32 on CPUs and
-GPUs. Every einsum runs at `precision=HIGHEST`, so TF32 or
-bf16 passes on accelerators never enter the bound. A row whose norm is not finite (NaN/Inf
-features, or a norm that overflows float32) gets clipping factor 0: it contributes nothing.
+The norms are `dp.norms.dense_grad_norms` with the views as tokens: upper bounds that hold
+under float32 rounding (its docstring has the argument), so each example's contribution stays
+within C whatever the input values. `linear_clipper` is this closed form behind the clipper
+interface of `dp.clipping`.
 """
 
 from __future__ import annotations
@@ -40,18 +31,20 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dp.clipping import ClippedSum, Clipper
+from dp.norms import dense_grad_norms, input_gram
+
 _HIGHEST = jax.lax.Precision.HIGHEST
-_F32_UNIT_ROUNDOFF = 2.0**-24
 
 __all__ = [
     "LOSSES",
     "clipped_grad_sum",
     "example_losses",
     "feature_gram",
+    "linear_clipper",
     "linear_logits",
     "per_example_grad_norms",
     "residuals",
-    "zero_nonfinite_rows",
 ]
 
 Loss = Literal["softmax", "sigmoid"]
@@ -83,18 +76,8 @@ def example_losses(logits: jax.Array, onehot: jax.Array, loss: Loss) -> jax.Arra
 
 
 def feature_gram(features: jax.Array) -> jax.Array:
-    """Per-example Gram matrix of the views, (N, K, K); for K = 1 it is ||x_i||^2."""
-    return jnp.einsum("nvd,nwd->nvw", features, features, precision=_HIGHEST)
-
-
-def zero_nonfinite_rows(features: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Features with every row (example) that holds a NaN or Inf set to zero, and the mask
-    zeroed there: such rows become null records. The trainers call it once per program (it is a
-    pass over the features, fused with the float16 -> float32 cast), then `clipped_grad_sum`
-    with `finite_rows=True`."""
-    finite = jnp.isfinite(features.reshape(features.shape[0], -1)).all(axis=1)
-    shape = (-1,) + (1,) * (features.ndim - 1)
-    return jnp.where(finite.reshape(shape), features, 0.0), mask * finite
+    """Per-example Gram matrix of the views, (N, K, K) (`dp.norms.input_gram`)."""
+    return input_gram(features)
 
 
 def _as_views(features: jax.Array) -> jax.Array:
@@ -106,35 +89,12 @@ def _as_views(features: jax.Array) -> jax.Array:
 
 
 def _residuals_and_norms(params, features, onehot, loss, gram):
-    """Residuals (N, V, P, C) and per-example gradient norms (N, P): an upper bound that holds
-    under float32 rounding (module docstring); NaN or inf where the row is not finite.
-
-    The residuals enter scaled by their largest entry m (per example and config): a squared
-    residual below ~1e-19 would flush to zero on CPUs and GPUs and hide an example of norm
-    up to ~1e19, while r / m lies in [-1, 1] and the norm is m times the scaled one.
-    """
-    views, dim = features.shape[1], features.shape[2]
+    """Residuals (N, V, P, C) and per-example gradient norms (N, P): upper bounds under
+    float32 rounding (`dp.norms.dense_grad_norms`, the views as tokens)."""
     res = residuals(linear_logits(params, features), onehot[:, None, None, :], loss)
     if gram is None:
         gram = feature_gram(features)
-    gamma = 2.0 * (dim + res.shape[-1] + views * views + 8) * _F32_UNIT_ROUNDOFF
-    peak = jnp.max(jnp.abs(res), axis=(1, 3))  # (N, P)
-    scaled = res / jnp.maximum(peak, jnp.finfo(res.dtype).tiny)[:, None, :, None]
-    if views == 1:  # Plain examples: sqrt(||x||^2 + 1) ||r||, a product of positive terms.
-        res_norms = jnp.sqrt(jnp.sum(jnp.square(scaled[:, 0]), axis=-1))
-        bound = jnp.sqrt((gram[:, 0, 0, None] + 1.0) * (1.0 + gamma)) * res_norms
-        return res, peak * bound
-    res_gram = jnp.einsum("nvpc,nwpc->npvw", scaled, scaled, precision=_HIGHEST)
-    sq_norms = jnp.einsum("nvw,npvw->np", gram + 1.0, res_gram, precision=_HIGHEST) / views**2
-    feature_norms = jnp.sqrt(jnp.diagonal(gram, axis1=1, axis2=2) + 1.0)  # (N, V)
-    scaled_norms = jnp.sqrt(jnp.diagonal(res_gram, axis1=2, axis2=3))  # (N, P, V)
-    triangle = jnp.einsum("nv,npv->np", feature_norms, scaled_norms, precision=_HIGHEST) / views
-    bound = jnp.maximum(sq_norms, 0.0) + gamma * jnp.square(triangle)
-    # Floor at (triangle / 4)^2: the final sum adds the per-view terms x_v (s r_v) / K, of total
-    # size s * triangle; the floor keeps them below 4 C, so the float32 rounding of that sum
-    # stays ~1e-7 C instead of growing with a cancelling example's terms (up to C / sqrt(gamma)).
-    # It clips harder only examples whose view gradients cancel by more than 3/4.
-    return res, peak * jnp.sqrt(jnp.maximum(bound, jnp.square(triangle / 4.0)))
+    return res, dense_grad_norms(gram, res, in_dim=features.shape[2])
 
 
 def per_example_grad_norms(
@@ -181,10 +141,18 @@ def clipped_grad_sum(
     Returns:
       ({"w": (P, d, C), "b": (P, C)} clipped sums, (P,) number of examples that were clipped).
 
-    DP contract: rows of `features` are distinct individuals; each contributes at most
-    `clip_norm` in L2 norm to the returned sum of its config (a row whose norm is not finite
-    contributes nothing), for any input values.
+    Formal guarantee:
+      rows of `features` are distinct individuals; each contributes at most `clip_norm` in L2 norm
+      to the returned sum of its config (a row whose norm is not finite contributes nothing), for
+      any input values.
     """
+    sums, _, num_clipped = _clip(params, features, onehot, clip_norm, loss, mask, gram,
+                                 finite_rows)
+    return sums, num_clipped
+
+
+def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows):
+    """(clipped sums, per-example norms (N, P), (P,) examples clipped): `clipped_grad_sum`."""
     features = _as_views(features).astype(jnp.promote_types(features.dtype, jnp.float32))
     views = features.shape[1]
     if gram is None:
@@ -210,4 +178,16 @@ def clipped_grad_sum(
         "w": jnp.einsum("nvd,nvpc->pdc", features, weighted, precision=_HIGHEST),
         "b": jnp.sum(weighted, axis=(0, 1)),
     }
-    return sums, num_clipped
+    return sums, norms, num_clipped
+
+
+def linear_clipper(loss: Loss) -> Clipper:
+    """The closed form behind `dp.clipping`'s clipper interface: batch = (features, onehot),
+    params and `clip_norm` stacked over P configs; the norms are (N, P)."""
+
+    def clip(params, batch: tuple, clip_norm, mask) -> ClippedSum:
+        features, onehot = batch
+        sums, norms, _ = _clip(params, features, onehot, clip_norm, loss, mask, None, False)
+        return ClippedSum(sums, norms)
+
+    return clip

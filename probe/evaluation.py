@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.batching import pad_rows
+from dp.clipping import valid_labels
+from dp.sampling import pad_rows
 from probe.clipping import linear_logits
 from probe.normalization import normalize_features
 
@@ -89,7 +90,7 @@ def _counts(logits, labels, mask, *, num_classes, top_k):
     # A prediction with a NaN or Inf logit is wrong: NaN compares false with everything, so
     # its rank would be 0 (a "hit") without this. A label outside [0, C) is never a hit either
     # (`probe.selection` relies on it: a null record must count 0).
-    in_range = (labels >= 0) & (labels < num_classes)
+    in_range = valid_labels(labels, num_classes)
     valid = (mask[:, None] > 0) & in_range[:, None] & jnp.all(jnp.isfinite(logits), axis=-1)
     top1, topk = (rank == 0) & valid, (rank < top_k) & valid
     onehot = onehot * mask[:, None]

@@ -1,7 +1,7 @@
 """Masked DP-SGD with Poisson subsampling (Beltran et al. 2024, https://arxiv.org/abs/2406.17298,
 Alg. A1), without recompilation.
 
-Each step, each run's logical batch is Poisson sampled (`probe.poisson_batches`, on
+Each step, each run's logical batch is Poisson sampled (`dp.poisson_batches`, on
 `jax_privacy.batch_selection`) and cut into physical batches of a fixed size p, the last one
 padded and masked, so one compiled kernel serves every step whatever the sampled sizes. The
 noisy clipped sum is divided by the expected batch size q N (`probe.step`), and each run is
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.batching import poisson_batches
-from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
+from dp.clipping import zero_nonfinite_rows
+from dp.sampling import poisson_batches
+from probe.clipping import clipped_grad_sum
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
 from probe.step import add_parts, dp_update_jit, init_state_jit, result, run_arrays, step_bar
 from probe.train import prepare_inputs
@@ -62,8 +63,9 @@ def train_probe_poisson(
       TrainResult whose `batch_sizes` (steps, runs) holds each sampled logical batch size
       (0 once a run has finished its steps): private, for local debugging only.
 
-    DP contract: as `train_probe`; the batch of each step includes every row independently with
-    probability q, so each run is the Poisson-sampled Gaussian of its `DpPlan`.
+    Formal guarantee:
+      As `train_probe`; the batch of each step includes every row independently with probability q,
+      so each run is the Poisson-sampled Gaussian of its `DpPlan`.
     """
     flags = flags or PerformanceFlags()
     feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)

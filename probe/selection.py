@@ -1,10 +1,11 @@
 """Private model selection: each candidate's count of correct predictions, plus Gaussian noise.
 
-Formal guarantee: under zero-out neighbours a record replaced by a null record changes each
-count by at most 1 (a null record, like a row with non-finite features or a label outside
-[0, C), is never counted as correct), so releasing k noisy counts with noise std sigma is the
-Gaussian mechanism with sensitivity 1, k times: `DpPlan(sigma, steps=k, clip_norm=1)`. The
-noise comes from a generator seeded by OS entropy.
+Formal guarantee:
+  under zero-out neighbours a record replaced by a null record changes each count by at most 1 (a
+  null record, like a row with non-finite features or a label outside [0, C), is never counted as
+  correct), so releasing k noisy counts with noise std sigma is the Gaussian mechanism with
+  sensitivity 1, k times: `DpPlan(sigma, steps=k, clip_norm=1)`. The noise comes from a generator
+  seeded by OS entropy.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from probe.batching import pad_rows
+from dp.sampling import pad_rows
 
 __all__ = ["make_data_mesh", "shard_rows"]
 

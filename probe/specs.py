@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from accounting import DpPlan
+from dp.optimizers import OPTIMIZERS, make_optimizer
 from probe.clipping import LOSSES, Loss
 from probe.normalization import NORMALIZATIONS
-from probe.optimizers import OPTIMIZERS, make_optimizer
 
 __all__ = ["FEATURE_DTYPES", "Params", "PerformanceFlags", "ProbeSpec", "RunSpec", "TrainResult"]
 
@@ -34,7 +34,7 @@ class ProbeSpec:
     Attributes:
       num_classes: C (public: the store's declared class list).
       loss: "softmax" or "sigmoid" (one-vs-all).
-      optimizer: one of `probe.OPTIMIZERS`.
+      optimizer: one of `dp.OPTIMIZERS`.
       bias_init: initial bias; None gives 0 for softmax and -10 for sigmoid (Mehta et al. 2022,
         App. E.3, https://arxiv.org/abs/2205.02973).
       normalization: per-example feature normalization ("none", "l2", "group").
@@ -72,10 +72,10 @@ class ProbeSpec:
             return float(self.bias_init)
         return -10.0 if self.loss == "sigmoid" else 0.0
 
-    def make_optimizer(self):
-        """The optax update direction (learning rate excluded), `probe.make_optimizer`."""
-        return make_optimizer(self.optimizer, momentum=self.momentum, b1=self.b1, b2=self.b2,
-                              eps=self.eps, weight_decay=self.weight_decay)
+    def make_optimizer(self, learning_rate):
+        """The optax optimizer with this learning rate (`dp.make_optimizer`)."""
+        return make_optimizer(self.optimizer, learning_rate, momentum=self.momentum, b1=self.b1,
+                              b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"bias_init": self.initial_bias}

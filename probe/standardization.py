@@ -14,12 +14,13 @@ is divided by noise. The scale is the mean absolute deviation, rescaled to the s
 deviation of a Gaussian: its per-example vector has a bounded norm, where a variance would need
 the squares of the features (norm up to ||x||^2) to be clipped.
 
-Formal guarantee (zero-out neighbours, N public): a row replaced by a null row (non-finite
-features, or masked out) contributes nothing to either sum, and every other row contributes at
-most B (then B') in L2 norm, so each release is the Gaussian mechanism of noise multiplier
-sigma: together `accounting.DpPlan(sigma, steps=2)`. The second release depends on the first
-only through its (public) output: adaptive composition, which the plan's two steps account
-for. Noise keys come from OS entropy (`probe.make_keys`).
+Formal guarantee:
+  For zero-out neighbours (N public): a row replaced by a null row (non-finite features, or masked
+  out) contributes nothing to either sum, and every other row contributes at most B (then B') in L2
+  norm, so each release is the Gaussian mechanism of noise multiplier sigma: together
+  `accounting.DpPlan(sigma, steps=2)`. The second release depends on the first only through its
+  (public) output: adaptive composition, which the plan's two steps account for. Noise keys come
+  from OS entropy (`dp.make_keys`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 import jax
 import numpy as np
 
-from probe.mechanism import gaussian_noise
+from dp.noise import gaussian_noise
 
 __all__ = ["Standardizer", "private_standardizer", "clipped_row_sum"]
 
@@ -101,7 +102,7 @@ def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
       noise_multiplier: sigma of each of the two releases.
       clip_norm: B, the L2 bound of each example's contribution to the mean (group-normalized
         features have norm at most sqrt(d), so B = sqrt(d) clips nothing but float32 rounding).
-      key: a secret key (`probe.make_keys`); the two releases use `fold_in(key, 0)` and 1.
+      key: a secret key (`dp.make_keys`); the two releases use `fold_in(key, 0)` and 1.
       mask: optional (N,); rows with mask 0 are null rows (as the trainers treat a label
         outside the class set) and contribute nothing.
       floor_multiple: the scale is at least this many times its own noise std.

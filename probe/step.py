@@ -6,11 +6,12 @@ https://arxiv.org/abs/2212.06470, Alg. 1):
     g = (sum_i clip_C(grad_i) + N(0, (sigma C)^2 I)) / denominator    # privatize
     params <- params - lr * optimizer(g)                               # post-processing (optax)
 
-as the optax transformation `probe.privatized_optimizer`. Configs are stacked along a leading
-axis P (weights (P, d, C)) and the transformation is vmapped over them, so one program steps
-every config of a sweep. Weights start at zero and biases at a constant, so at the first step
-every config sits at the same point: the clipped sum is computed once per distinct clip norm
-(`shared_start_sums`). Configs with fewer steps than the longest stop updating.
+as the optax chain `dp.private_optimizer` (the privatizer, the mean, the optimizer). Configs
+are stacked along a leading axis P (weights (P, d, C)) and the transformation is vmapped over
+them, so one program steps every config of a sweep. Weights start at zero and biases at a
+constant, so at the first step every config sits at the same point: the clipped sum is
+computed once per distinct clip norm (`shared_start_sums`). Configs with fewer steps than the
+longest stop updating.
 
 A trainer (in memory, streamed, Poisson) only decides how the clipped sums are computed; it
 hands them to `dp_update`, which is the same for all, so they agree for the same keys.
@@ -28,7 +29,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from probe.mechanism import noise_stddev, privatized_optimizer
+from dp.noise import noise_stddev
+from dp.optimizers import private_optimizer
 from probe.specs import Params, ProbeSpec, RunSpec, TrainResult
 
 __all__ = ["RunArrays", "State", "add_parts", "dp_update", "dp_update_jit", "init_params",
@@ -87,8 +89,8 @@ def init_params(num_runs: int, dim: int, spec: ProbeSpec) -> Params:
 
 
 def _transform(spec: ProbeSpec, stddev, key, denominator, learning_rate):
-    return privatized_optimizer(spec.make_optimizer(), stddev=stddev, key=key,
-                                denominator=denominator, learning_rate=learning_rate)
+    return private_optimizer(spec.make_optimizer(learning_rate), stddev=stddev, key=key,
+                             expected_batch_size=denominator)
 
 
 def _per_run(runs: RunArrays):

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.batching import pad_rows
-from probe.clipping import clipped_grad_sum, zero_nonfinite_rows
+from dp.clipping import valid_labels, zero_nonfinite_rows
+from dp.sampling import pad_rows
+from probe.clipping import clipped_grad_sum
 from probe.normalization import normalize_features
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
 from probe.step import (
@@ -73,7 +74,7 @@ def _chunk_sums(params, features, labels, mask, clip, *, spec):
     features = normalize_features(features.astype(jnp.float32), spec.normalization,
                                   groups=spec.groups)
     features, mask = zero_nonfinite_rows(features, mask)
-    mask = mask * ((labels >= 0) & (labels < spec.num_classes))
+    mask = mask * valid_labels(labels, spec.num_classes)
     onehot = jax.nn.one_hot(labels, spec.num_classes, dtype=jnp.float32)
     return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
                             finite_rows=True)
@@ -100,7 +101,8 @@ def train_probe_streaming(
       dim: feature dim d.
       flags: `rows_per_chunk` and `prefetch_depth` are used.
 
-    DP contract: as `train_probe`.
+    Formal guarantee:
+      As `train_probe`.
     """
     flags = flags or PerformanceFlags()
     check_full_batch(runs)

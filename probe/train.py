@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probe.clipping import clipped_grad_sum, feature_gram, zero_nonfinite_rows
+from dp.clipping import valid_labels, zero_nonfinite_rows
+from probe.clipping import clipped_grad_sum, feature_gram
 from probe.normalization import normalize_features
 from probe.sharding import shard_rows
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
@@ -65,7 +66,7 @@ def prepare_inputs(features, labels, spec: ProbeSpec, feature_dtype: str | None 
     labels = check_labels(labels)
     if len(features) != len(labels):
         raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
-    valid = (labels >= 0) & (labels < spec.num_classes)
+    valid = valid_labels(labels, spec.num_classes)
     onehot = np.eye(spec.num_classes, dtype=np.float32)[np.where(valid, labels, 0)]
     return features, onehot * valid[:, None], valid.astype(np.float32)
 
@@ -119,7 +120,7 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
         https://arxiv.org/abs/2204.13650).
       labels: (N,) integer labels in [0, num_classes).
       runs: the configs; every `run.plan` must be full batch (sampling_probability 1).
-      keys: (len(runs),) secret noise keys from `probe.make_keys` (OS entropy).
+      keys: (len(runs),) secret noise keys from `dp.make_keys` (OS entropy).
       spec: loss, optimizer, normalization.
       flags: speed knobs (`flags.mesh` shards rows over devices; `flags.feature_dtype`);
         None gives the defaults.
@@ -128,10 +129,11 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     Returns:
       TrainResult with params {"w": (P, d, C), "b": (P, C)} (NumPy).
 
-    DP contract: rows are distinct individuals; the neighbouring relation is zero-out (one row
-    replaced by a null row that contributes nothing; N public); each run is then exactly the
-    mechanism of its `DpPlan`, if `keys` are secret (`make_keys`). Rows with non-finite
-    features or labels outside [0, C) are such null rows.
+    Formal guarantee:
+      rows are distinct individuals; the neighbouring relation is zero-out (one row replaced by a
+      null row that contributes nothing; N public); each run is then exactly the mechanism of its
+      `DpPlan`, if `keys` are secret (`make_keys`). Rows with non-finite features or labels outside
+      [0, C) are such null rows.
     """
     flags = flags or PerformanceFlags()
     check_full_batch(runs)

@@ -46,7 +46,7 @@ requires_fashion_mnist = pytest.mark.skipif(
 
 def fixed_keys(count: int, seed: int):
     """Reproducible noise keys, for tests that compare two runs with the same noise. The
-    product never derives noise from a seed (`probe.make_keys` reads OS entropy)."""
+    product never derives noise from a seed (`dp.make_keys` reads OS entropy)."""
     import jax
 
     return jax.random.split(jax.random.key(seed), count)

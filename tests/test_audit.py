@@ -16,6 +16,7 @@ import pytest
 from scipy import stats
 
 import accounting
+import dp
 import probe
 from pipelines import cli
 
@@ -36,7 +37,7 @@ def _gaussian_pair(rng, mu, n):
 def test_gdp_bound_is_the_clopper_pearson_closed_form_and_covers_mu():
     rng = np.random.default_rng(0)
     mu, n, reps = 0.5, 2000, 400
-    lower = np.array([probe.gdp_mu_bounds(*_gaussian_pair(rng, mu, n), mu / 2)[0]
+    lower = np.array([dp.gdp_mu_bounds(*_gaussian_pair(rng, mu, n), mu / 2)[0]
                       for _ in range(reps)])
     # Coverage: a 95% lower bound exceeds the true mu in at most 5% of repetitions (here
     # ~0.3%: both error rates must be off together); a point estimate would in half of them.
@@ -51,7 +52,7 @@ def test_gdp_bound_is_the_clopper_pearson_closed_form_and_covers_mu():
 
 
 def test_jax_privacy_gdp_bound_is_not_a_lower_bound_and_ours_is():
-    """Why `probe.auditing` computes the Gaussian-DP bound itself: on two samples of one
+    """Why `dp.auditing` computes the Gaussian-DP bound itself: on two samples of one
     distribution (epsilon 0), jax-privacy 2.0.0's `epsilon_from_gdp` takes |mu| of the reversed
     test with the wrong-sided confidence bounds. If this starts failing, jax-privacy fixed it."""
     from jax_privacy.auditing import CanaryScoreAuditor
@@ -59,9 +60,9 @@ def test_jax_privacy_gdp_bound_is_not_a_lower_bound_and_ours_is():
     rng = np.random.default_rng(1)
     same_in, same_out = rng.normal(size=10_000), rng.normal(size=10_000)
     assert CanaryScoreAuditor(same_in, same_out).epsilon_from_gdp(0.05, DELTA) > 2.0
-    gdp_threshold, cp_threshold = probe.choose_thresholds(rng.normal(size=10**5),
+    gdp_threshold, cp_threshold = dp.choose_thresholds(rng.normal(size=10**5),
                                                           rng.normal(size=10**5), DELTA)
-    bounds = probe.audit_bounds(same_in, same_out, delta=DELTA, gdp_threshold=gdp_threshold,
+    bounds = dp.audit_bounds(same_in, same_out, delta=DELTA, gdp_threshold=gdp_threshold,
                                 cp_threshold=cp_threshold)
     assert bounds.gdp_epsilon_lower < 0.5 and bounds.cp_epsilon_lower < 0.5
 
@@ -72,12 +73,12 @@ def test_tightness_of_10k_scores_per_side_matches_what_the_claim_allows():
     rng = np.random.default_rng(2)
     for epsilon, low in ((1.0, 0.65), (4.0, 0.88), (8.0, 0.92)):
         mu = accounting.gdp_mu(epsilon, DELTA)
-        thresholds = probe.choose_thresholds(*_gaussian_pair(rng, mu, 10**5), DELTA,
+        thresholds = dp.choose_thresholds(*_gaussian_pair(rng, mu, 10**5), DELTA,
                                              sizes=(10**4, 10**4))
         # The middle, where the Gaussian-DP test is tightest (its bound is flat there).
         assert abs(thresholds[0] - mu / 2) < 0.5
         assert thresholds[1] > mu  # the tail: where log(TPR / FPR) is largest
-        bounds = probe.audit_bounds(*_gaussian_pair(rng, mu, 10**4), delta=DELTA,
+        bounds = dp.audit_bounds(*_gaussian_pair(rng, mu, 10**4), delta=DELTA,
                                     gdp_threshold=thresholds[0], cp_threshold=thresholds[1])
         assert low * epsilon < bounds.gdp_epsilon_lower <= epsilon
         assert abs(bounds.gdp_mu_estimate - mu) < 0.1
@@ -97,14 +98,14 @@ def test_one_run_bound_on_a_known_gaussian_dp_pair():
     mu = 2.0
     claim = accounting.gdp_epsilon(mu, DELTA)  # ~10
     scores = np.where(included, rng.normal(mu, 1.0, 1000), rng.normal(0.0, 1.0, 1000))
-    bound = probe.one_run_epsilon_bound(scores, included, DELTA)
+    bound = dp.one_run_epsilon_bound(scores, included, DELTA)
     assert 1.5 < bound < claim
-    assert probe.one_run_epsilon_bound(scores, included, DELTA, threshold=mu / 2) < claim
+    assert dp.one_run_epsilon_bound(scores, included, DELTA, threshold=mu / 2) < claim
     perfect = np.where(included, 100.0, 0.0) + rng.normal(size=1000)
-    cap = probe.one_run_epsilon_bound(perfect, included, DELTA)
+    cap = dp.one_run_epsilon_bound(perfect, included, DELTA)
     assert 3.5 < cap < 5.8
     with pytest.raises(ValueError, match="booleans"):
-        probe.one_run_epsilon_bound(scores, included.astype(int), DELTA)
+        dp.one_run_epsilon_bound(scores, included.astype(int), DELTA)
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +189,8 @@ def _audit(features, labels, spec, epsilon, steps, runs, significance=STRICT):
     simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
                                              count=50_000, include=include, rng=rng)
                  for include in (True, False)]
-    thresholds = probe.choose_thresholds(*simulated, DELTA, significance, sizes=(runs, runs))
-    bounds = probe.audit_bounds(*scores, delta=DELTA, gdp_threshold=thresholds[0],
+    thresholds = dp.choose_thresholds(*simulated, DELTA, significance, sizes=(runs, runs))
+    bounds = dp.audit_bounds(*scores, delta=DELTA, gdp_threshold=thresholds[0],
                                 cp_threshold=thresholds[1], significance=significance)
     return bounds, scores, plan
 
@@ -239,8 +240,8 @@ def broken(monkeypatch):
 
 
 def test_halved_noise_is_caught(broken):
-    original = probe.mechanism.gaussian_noise
-    broken.setattr(probe.mechanism, "gaussian_noise",
+    original = dp.noise.gaussian_noise
+    broken.setattr(dp.noise, "gaussian_noise",
                    lambda key, size: 0.5 * original(key, size))
     rng = np.random.default_rng(9)
     features, labels = _rows(rng)

@@ -98,6 +98,7 @@ def test_every_command_builds_one_frozen_config_with_the_configs_defaults(comman
 
 
 def test_choices_are_the_library_constants():
+    import dp
     import probe
     from accounting import ACCOUNTANTS
     from extract.store import FEATURE_DTYPES
@@ -105,14 +106,14 @@ def test_choices_are_the_library_constants():
     from pipelines.export_job import FORMATS
     from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
 
-    model = {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES,
+    model = {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES,
              "normalization": probe.NORMALIZATIONS}
     expected = {
         "probe": model | {"accountant": ACCOUNTANTS},
         "tune": model | {"search": SEARCHES, "extrapolation": EXTRAPOLATIONS,
                          "selection": tuple(s for s in SELECTIONS if s != "public")},
         "account": {"accountant": ACCOUNTANTS},
-        "audit": {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES},
+        "audit": {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES},
         "extract": {"dtype": FEATURE_DTYPES, "split": ("train", "test", "all"),
                     "amp": ("auto", "off", "bf16", "fp16")},  # (no constants in extract)
         "demo": {"data": DEMO_DATA},

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import accounting
+import dp
 import finetune
 import probe
 from tests.contract import NUM_CLASSES, TrainerContract
@@ -225,7 +226,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(rng, tmp_path):
     plan = accounting.DpPlan(1.0, 6, 0.25, 1.0)
     spec = finetune.FinetuneSpec(NUM_CLASSES, learning_rate=0.1, augmult=2, crop_padding=1,
                                  flip=True, ema_decay=0.9)
-    keys = probe.make_keys(2)
+    keys = dp.make_keys(2)
     flags = finetune.FinetuneFlags(physical_batch_size=8)
 
     def run(**options):
@@ -250,17 +251,18 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(rng, tmp_path):
                                       _flat(nnx.state(b, nnx.Param)))
     with pytest.raises(ValueError, match="another run"):
         finetune.Checkpointer(tmp_path, every=2, config={"a": 2}).restore(
-            finetune.init_state(nnx.state(TinyConvNet(nnx.Rngs(0)), nnx.Param), spec, 6))
+            finetune.init_state(nnx.state(TinyConvNet(nnx.Rngs(0)), nnx.Param), spec, plan,
+                                keys[0], len(labels)))
 
 
 _SHARDED = """
 import numpy as np
 from flax import nnx
-import accounting, finetune, probe
+import accounting, dp, finetune
 from tests.test_finetune_train import TinyConvNet, _flat
 images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
 labels = np.arange(64) % 3
-keys = probe.make_keys(2)
+keys = dp.make_keys(2)
 spec = finetune.FinetuneSpec(3, learning_rate=0.2, augmult=2, crop_padding=1, flip=True)
 out = []
 for devices in (1, 4):

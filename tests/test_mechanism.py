@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 import accounting
+import dp
 import probe
 from tests.conftest import fixed_keys
 
@@ -23,7 +24,7 @@ def test_privatizer_adds_noise_of_std_sigma_times_c_to_any_pytree():
     sigma, clip = 2.5, 0.7
     plan = accounting.DpPlan(sigma, 8, clip_norm=clip)
     sums = {"w": jnp.zeros((50, 10)), "b": jnp.zeros((10,)), "extra": {"s": jnp.zeros((3, 7))}}
-    privatizer = probe.gaussian_privatizer(probe.noise_stddev(plan), fixed_keys(1, 1)[0])
+    privatizer = dp.privatizer(dp.noise_stddev(plan), fixed_keys(1, 1)[0])
     state = privatizer.init(sums)
     draws = []
     for _ in range(8):
@@ -42,9 +43,9 @@ def test_privatizer_adds_noise_of_std_sigma_times_c_to_any_pytree():
 
 def test_non_private_plan_has_exactly_zero_noise():
     plan = accounting.DpPlan(0.0, 1, clip_norm=math.inf)
-    assert probe.noise_stddev(plan) == 0.0
+    assert dp.noise_stddev(plan) == 0.0
     tree = {"w": jnp.ones((4, 3))}
-    out = probe.add_noise(tree, probe.noise_stddev(plan), probe.make_keys(1)[0])
+    out = dp.add_noise(tree, dp.noise_stddev(plan), dp.make_keys(1)[0])
     np.testing.assert_array_equal(out["w"], tree["w"])
 
 
@@ -75,13 +76,13 @@ def test_trained_probe_carries_exactly_the_calibrated_noise(rng):
 
 
 def test_keys_come_from_os_entropy_and_differ():
-    a, b = probe.make_keys(4), probe.make_keys(4)
+    a, b = dp.make_keys(4), dp.make_keys(4)
     assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
     # Distinct runs of one sweep get distinct keys.
-    data = jax.random.key_data(probe.make_keys(16))
+    data = jax.random.key_data(dp.make_keys(16))
     assert len({tuple(row) for row in np.asarray(data)}) == 16
     with pytest.raises(TypeError):
-        probe.make_keys(4, seed=7)  # no seeded noise in the product
+        dp.make_keys(4, seed=7)  # no seeded noise in the product
 
 
 def test_non_private_runs_get_no_noise(rng):
@@ -89,7 +90,7 @@ def test_non_private_runs_get_no_noise(rng):
     labels = rng.integers(0, 3, size=32)
     plan = accounting.DpPlan(0.0, 1, clip_norm=math.inf)
     spec = probe.ProbeSpec(3, optimizer="sgd")
-    a = probe.train_probe(features, labels, [probe.RunSpec(plan, 1.0)], probe.make_keys(1), spec)
-    b = probe.train_probe(features, labels, [probe.RunSpec(plan, 1.0)], probe.make_keys(1), spec)
+    a = probe.train_probe(features, labels, [probe.RunSpec(plan, 1.0)], dp.make_keys(1), spec)
+    b = probe.train_probe(features, labels, [probe.RunSpec(plan, 1.0)], dp.make_keys(1), spec)
     np.testing.assert_array_equal(a.params["w"], b.params["w"])
     assert np.isfinite(a.params["w"]).all()

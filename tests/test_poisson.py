@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+import dp
 import probe
 from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
@@ -17,11 +18,11 @@ def test_poisson_masked_step_never_recompiles_and_samples_q_n(rng, caplog):
     runs = calibrated_runs([2.0, 4.0], steps=steps, lr=0.1, q=q)
     spec = probe.ProbeSpec(3, optimizer="sgd")
     # Warm up: compile once.
-    probe.train_probe_poisson(features, labels, runs, probe.make_keys(2), spec,
+    probe.train_probe_poisson(features, labels, runs, dp.make_keys(2), spec,
                               flags=probe.PerformanceFlags(physical_batch_size=16))
     caplog.clear()
     with caplog.at_level(logging.WARNING), jax.log_compiles(True):
-        result = probe.train_probe_poisson(features, labels, runs, probe.make_keys(2), spec,
+        result = probe.train_probe_poisson(features, labels, runs, dp.make_keys(2), spec,
                                            flags=probe.PerformanceFlags(physical_batch_size=16))
     compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert compiles == [], compiles

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import accounting
+import dp
 import probe
 from dpmodel import read_model_file
 from pipelines import cli
@@ -286,12 +287,12 @@ def test_inf_is_opt_in_and_labelled(digits_store, tmp_path, capsys):
 def test_gaussian_noise_reaches_past_the_float32_support():
     """The extreme 53-bit uniforms map to about +-8.3 sigma: no endpoint at -5.42 / 5.22."""
     for key in range(3):
-        draws = np.asarray(jax.jit(probe.gaussian_noise, static_argnums=1)(
+        draws = np.asarray(jax.jit(dp.gaussian_noise, static_argnums=1)(
             jax.random.key(key), 10_000_000))
         # A hard endpoint with mass 2^-23 piles up ~1.2 draws per 1e7 on one value.
         assert (draws == draws.max()).sum() == 1 and (draws == draws.min()).sum() == 1
         assert abs(draws.mean()) < 6 / math.sqrt(1e7) and abs(draws.std() - 1) < 1e-3
-    from probe.mechanism import _normal_from_words
+    from dp.noise import _normal_from_words
 
     with jax.enable_x64(True):
         extremes = np.asarray(_normal_from_words(jnp.array([0, 1, 2**64 - 2, 2**64 - 1],

@@ -8,6 +8,7 @@ import pytest
 from scipy import stats
 
 import accounting
+import dp
 import probe
 from probe.standardization import clipped_row_sum
 from tests.conftest import fixed_keys
@@ -104,7 +105,7 @@ def test_released_statistics_carry_noise_of_std_sigma_times_their_bound(rng):
     signs = np.where(np.arange(n) % 2 == 0, 1.0, -1.0)
     features = (a * signs[:, None] * np.ones((1, d))).astype(np.float32)
     released = probe.private_standardizer(features, noise_multiplier=sigma, clip_norm=clip,
-                                          key=probe.make_keys(1)[0], floor_multiple=1e-9)
+                                          key=dp.make_keys(1)[0], floor_multiple=1e-9)
     # Every row is clipped (||x_i|| = a sqrt(d) > B), symmetrically: the exact mean is 0, and
     # the deviations' exact sum (clipped too) lies far above their noise (no scale floored).
     assert np.all(released.scale > released.floor)
@@ -121,13 +122,13 @@ def test_released_statistics_carry_noise_of_std_sigma_times_their_bound(rng):
 def test_scale_is_floored_at_a_multiple_of_its_noise_std(rng):
     features = np.zeros((50, 6), np.float32)  # every deviation is pure noise
     released = probe.private_standardizer(features, noise_multiplier=2.0, clip_norm=1.0,
-                                          key=probe.make_keys(1)[0])
+                                          key=dp.make_keys(1)[0])
     expected = 3.0 * 2.0 * released.clip_norms[1] / 50 * math.sqrt(math.pi / 2)
     assert released.floor == pytest.approx(expected)
     assert np.all(released.scale >= np.float32(expected) * (1 - 1e-6))
     with pytest.raises(ValueError, match="noise_multiplier must be finite and > 0"):
         probe.private_standardizer(features, noise_multiplier=0.0, clip_norm=1.0,
-                                   key=probe.make_keys(1)[0])
+                                   key=dp.make_keys(1)[0])
 
 
 def test_folding_gives_the_same_logits_on_the_unstandardized_features(rng):

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+import dp
 import probe
 from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
@@ -57,5 +58,5 @@ def test_streaming_checks_the_row_count(rng):
     features, labels, _ = random_problem(rng, n=40, d=4, c=3)
     with pytest.raises(ValueError, match="held 40 rows, expected 41"):
         probe.train_probe_streaming(lambda: [(features, labels)], calibrated_runs([1.0], 1, 0.1),
-                                    probe.make_keys(1), probe.ProbeSpec(3), num_examples=41,
+                                    dp.make_keys(1), probe.ProbeSpec(3), num_examples=41,
                                     dim=4)

@@ -9,6 +9,7 @@ import pytest
 from dp_accounting import pld
 
 import accounting
+import dp
 from pipelines import TuneConfig, cli, run_tune, tune_job
 from pipelines.config import ConfigError
 
@@ -70,17 +71,16 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     """Composition assumes independent noise: each stage and the final run get their own keys."""
     import jax
 
-    import probe
 
     seen = []
-    original = probe.make_keys
+    original = dp.make_keys
 
     def recording(count):
         keys = original(count)
         seen.extend(tuple(int(v) for v in row) for row in jax.random.key_data(keys))
         return keys
 
-    monkeypatch.setattr(probe, "make_keys", recording)
+    monkeypatch.setattr(dp, "make_keys", recording)
     tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
                                  r_range=(1, 10), seed=7, quiet=True)
     # standardization (1 key for its two releases), 2 + 2 trials, the final run

@@ -51,12 +51,12 @@ def poisson_batches(num_examples: int, rates: Sequence[float], steps: Sequence[i
                     ) -> Iterator[PoissonStep]:
     """Per step, the Poisson-sampled logical batch of each run, cut into physical batches.
 
-    Formal guarantee (from `jax_privacy.batch_selection.CyclicPoissonSampling` with cycle
-    length 1; Beltran et al. 2024, https://arxiv.org/abs/2406.17298, Lemma 1): at each of its
-    steps, run r's batch includes every row independently with probability `rates[r]`,
-    independently across steps and runs; a run with fewer steps than the longest gets empty
-    batches afterwards. Cutting a batch into physical batches (the last one padded and
-    masked) changes nothing in that distribution.
+    Formal guarantee:
+      At each of its steps, run r's batch includes every row independently with probability
+      `rates[r]`, independently across steps and runs; a run with fewer steps than the longest gets
+      empty batches afterwards (`jax_privacy.batch_selection.CyclicPoissonSampling` with cycle
+      length 1; Beltran et al. 2024, https://arxiv.org/abs/2406.17298, Lemma 1). Cutting a batch
+      into physical batches (the last one padded and masked) changes nothing in that distribution.
 
     Args:
       num_examples: N (public).

@@ -1,0 +1,74 @@
+"""dpprobe's DP mechanism, for any model: JAX, imports only `accounting`.
+
+  * `dp.noise`: secret keys from OS entropy, the Gaussian sampler (no hard float32 support),
+    noise for any pytree;
+  * `dp.sampling`: Poisson batch selection (jax_privacy) and the one pad-and-mask helper;
+  * `dp.clipping`: the clipper interface (params, batch, C, mask) -> (clipped sum, norms), null
+    records, and the general per-example clipper (`jax_privacy.clipped_grad`);
+  * `dp.norms`: per-example gradient norms of a dense layer from its inputs and output
+    gradients (the ghost norm), bounded under float32 rounding; the linear probe's closed
+    form is its one-layer case;
+  * `dp.optimizers`: the privatizer as an optax transformation, and the DP step as
+    `optax.chain(privatizer(stddev, key), optax.scale(1 / expected_batch_size), optimizer)`
+    with any optax optimizer and schedule;
+  * `dp.auditing`: lower bounds on epsilon from canary scores, for any trainer.
+
+`probe/` (the linear probe) and `finetune/` (whole networks) both stand on it; neither imports
+the other.
+"""
+
+from dp.auditing import (
+    AuditBounds,
+    audit_bounds,
+    choose_thresholds,
+    gdp_mu_bounds,
+    one_run_epsilon_bound,
+    tradeoff_curve,
+)
+from dp.clipping import (
+    ClippedSum,
+    Clipper,
+    null_if_nonfinite,
+    per_example_clipper,
+    valid_labels,
+    zero_nonfinite_rows,
+)
+from dp.noise import add_noise, gaussian_noise, make_keys, noise_stddev
+from dp.norms import dense_grad_norms, input_gram
+from dp.optimizers import (
+    DEFAULT_LEARNING_RATES,
+    OPTIMIZERS,
+    make_optimizer,
+    private_optimizer,
+    privatizer,
+)
+from dp.sampling import PoissonStep, pad_rows, poisson_batches
+
+__all__ = [
+    "DEFAULT_LEARNING_RATES",
+    "OPTIMIZERS",
+    "AuditBounds",
+    "ClippedSum",
+    "Clipper",
+    "PoissonStep",
+    "add_noise",
+    "audit_bounds",
+    "choose_thresholds",
+    "dense_grad_norms",
+    "gaussian_noise",
+    "gdp_mu_bounds",
+    "input_gram",
+    "make_keys",
+    "make_optimizer",
+    "noise_stddev",
+    "null_if_nonfinite",
+    "one_run_epsilon_bound",
+    "pad_rows",
+    "per_example_clipper",
+    "poisson_batches",
+    "private_optimizer",
+    "privatizer",
+    "tradeoff_curve",
+    "valid_labels",
+    "zero_nonfinite_rows",
+]

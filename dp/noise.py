@@ -1,0 +1,75 @@
+"""The Gaussian noise of every dpprobe mechanism: secret keys, the sampler, and its addition to
+any pytree (`dp.optimizers.privatizer` adds it to a clipped sum inside an optax chain).
+
+Hand-written because the libraries' samplers have a hard support: `jax.random.normal` in
+float32 (also what jax_privacy's `noise_addition` draws) inverts a 23-bit uniform, so its draws
+never leave [-5.42, 5.22] and each endpoint has mass 2^-23. A coordinate at an endpoint rules
+out a neighbouring dataset; with k coordinates per step that happens with probability ~k 2^-23,
+far above delta for a probe of 1280 x 1000 weights. `gaussian_noise` inverts a 53-bit uniform
+in float64 instead (support about +-8.3, endpoint mass 2^-53), then rounds to float32.
+
+Formal guarantee:
+  Noise keys come from the operating system's entropy (`os.urandom`), never from
+  a seed, so nobody can replay the noise; in a multi-host job process 0 draws them and
+  broadcasts the key data, so every host adds the same noise once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+__all__ = ["add_noise", "gaussian_noise", "make_keys", "noise_stddev"]
+
+
+def make_keys(count: int) -> jax.Array:
+    """`count` independent secret noise keys (threefry) from OS entropy.
+
+    In a multi-process JAX job (`jax.distributed`), process 0's keys are broadcast to every
+    process, so that all hosts draw the same noise.
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    data = np.frombuffer(os.urandom(8 * count), dtype=np.uint32).reshape(count, 2)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        data = np.asarray(multihost_utils.broadcast_one_to_all(data))
+    return jax.random.wrap_key_data(data)  # from NumPy: no device program to compile
+
+
+def gaussian_noise(key: jax.Array, size: int) -> jax.Array:
+    """`size` standard normal draws, float32, from 53-bit uniforms inverted in float64."""
+    bits = jax.random.bits(key, (2, size), jnp.uint32)
+    with jax.enable_x64(True):
+        words = (bits[0].astype(jnp.uint64) << 32) | bits[1].astype(jnp.uint64)
+        return _normal_from_words(words).astype(jnp.float32)
+
+
+def _normal_from_words(words: jax.Array) -> jax.Array:
+    """One normal draw (float64) per uniform 64-bit word, under `jax.enable_x64`: the low bit is
+    the sign, the top 52 bits give u in (0, 1/2), and |z| = -ndtri(u) (the half-normal), so
+    P(|z| >= t) = 2 Phi(-t) for every t up to about 8.3."""
+    sign = jnp.where((words & 1) == 1, 1.0, -1.0)
+    u = ((words >> 12).astype(jnp.float64) + 0.5) * 2.0**-53
+    return sign * jax.scipy.special.ndtri(u)
+
+
+def noise_stddev(plan) -> float:
+    """The noise std of one step of `plan` (an `accounting.DpPlan`): sigma * C, and exactly 0
+    for a non-private plan (sigma = 0, where C may be inf)."""
+    if plan.noise_multiplier == 0:
+        return 0.0
+    return float(plan.noise_multiplier) * float(plan.clip_norm)
+
+
+def add_noise(tree: Any, stddev: jax.Array, key: jax.Array) -> Any:
+    """`tree` + N(0, stddev^2 I) over all of its coordinates (float32 leaves), one draw of
+    `gaussian_noise(key, size)` for the whole tree (it compiles faster than one per leaf)."""
+    flat, unravel = ravel_pytree(tree)
+    return unravel(flat + stddev * gaussian_noise(key, flat.size))
