@@ -78,7 +78,9 @@ def null_if_nonfinite(grads: Any) -> Any:
 def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int | None = None
                         ) -> Clipper:
     """The general clipper: each example's gradient of `loss`, clipped and summed
-    (`jax_privacy.clipped_grad`, which vmaps `jax.grad` over the batch).
+    (`jax_privacy.clipping.clipped_fun` over `jax.grad`, as `jax_privacy.clipped_grad` builds
+    it, with the norms its clipping used: asking `clipped_grad` for them would compute every
+    gradient's norm a second time).
 
     Args:
       loss: `loss(params, *example)`, the scalar loss of one example given with a leading
@@ -90,14 +92,16 @@ def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int 
       A `Clipper`. A gradient with a non-finite coordinate is zeroed before clipping
       (`null_if_nonfinite`); clipping and the sum are float32.
     """
-    from jax_privacy import clipped_grad
+    from jax_privacy.clipping import clipped_fun
+
+    def example_grad(params, *example):
+        return null_if_nonfinite(jax.grad(loss)(params, *example))
 
     def clip(params, batch: tuple, clip_norm, mask) -> ClippedSum:
-        grad_fn = clipped_grad(
-            loss, l2_clip_norm=clip_norm, batch_argnums=tuple(range(1, 1 + len(batch))),
-            microbatch_size=microbatch_size, pre_clipping_transform=null_if_nonfinite,
-            dtype=jnp.float32, return_grad_norms=True)
-        grads, aux = grad_fn(params, *batch, is_padding_example=mask == 0)
-        return ClippedSum(grads, aux.grad_norms)
+        clipped = clipped_fun(example_grad, batch_argnums=tuple(range(1, 1 + len(batch))),
+                              l2_clip_norm=clip_norm, return_norms=True,
+                              microbatch_size=microbatch_size, dtype=jnp.float32)
+        grads, aux = clipped(params, *batch, is_padding_example=mask == 0)
+        return ClippedSum(grads, aux[-1])  # jax_privacy 2.0 returns ((), norms) here
 
     return clip
