@@ -71,7 +71,6 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     """Composition assumes independent noise: each stage and the final run get their own keys."""
     import jax
 
-    import probe
 
     seen = []
     original = dp.make_keys
