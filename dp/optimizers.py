@@ -68,12 +68,17 @@ def privatizer(stddev, key: jax.Array) -> optax.GradientTransformation:
 
 
 def private_optimizer(optimizer: optax.GradientTransformation, *, stddev, key: jax.Array,
-                      expected_batch_size) -> optax.GradientTransformation:
+                      expected_batch_size, observer: optax.GradientTransformation | None = None
+                      ) -> optax.GradientTransformation:
     """The whole DP update of one run: `privatizer(stddev, key)`, division by
     `expected_batch_size` (N full batch, q N with Poisson sampling: public), then `optimizer`
     (any optax optimizer, learning rate and schedule included; post-processing). Its updates
-    are added to the parameters (`optax.apply_updates`)."""
-    return optax.chain(privatizer(stddev, key), optax.scale(1.0 / expected_batch_size),
+    are added to the parameters (`optax.apply_updates`).
+
+    `observer`: a transformation that sees the privatized sum right after the noise and passes
+    it on unchanged (an auditor's tap, `dp.canary_tap`)."""
+    observe = () if observer is None else (observer,)
+    return optax.chain(privatizer(stddev, key), *observe, optax.scale(1.0 / expected_batch_size),
                        optimizer)
 
 

@@ -1,8 +1,16 @@
-"""The one-run privacy audit of the finetuning trainer (Steinke, Nasr & Jagielski 2023,
+"""The one-run privacy audits of the finetuning trainer (Steinke, Nasr & Jagielski 2023,
 https://arxiv.org/abs/2305.08846): m canaries, each in the training set with probability 1/2,
 one model trained by the production `train_finetune`, one score per canary, and
 `dp.one_run_epsilon_bound` on the scores.
 
+Two kinds of canaries:
+  * gradient canaries (`audit_finetune_gradients`, the default of `dpprobe finetune
+    --audit-canaries`): white-box, tight (`dp.canaries`: Dirac canary gradients of norm far
+    above C through the trainer's own sampling, clipping and noise, scored on every step's
+    privatized sum), with a rigorous lower bound and an estimate of epsilon;
+  * image canaries (`audit_finetune`, below): black-box, loose by nature.
+
+Image canaries.
 Canaries: images of uniform random noise in the data's shape and dtype, each with a uniformly
 random label. The generator is seeded: the canaries and their in/out coins are the auditor's
 public randomness, independent of the mechanism's (noise keys and batch sampling still come from
@@ -43,6 +51,7 @@ from flax import nnx
 
 from accounting import DpPlan
 from dp.auditing import one_run_epsilon_bound
+from dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gradient_canaries
 from finetune.specs import FinetuneResult, FinetuneSpec
 from finetune.train import model_inputs, train_finetune
 
@@ -50,6 +59,7 @@ __all__ = [
     "NOTE",
     "CanaryAudit",
     "audit_finetune",
+    "audit_finetune_gradients",
     "canary_scores",
     "insert_canaries",
     "make_canaries",
@@ -182,4 +192,32 @@ def audit_finetune(model: nnx.Module, images, labels, plan: DpPlan, spec: Finetu
     audit = CanaryAudit(epsilon_lower=bound, confidence=confidence, delta=delta,
                         canaries=canaries, included=int(included.sum()), claimed_epsilon=claimed,
                         ratio=bound / claimed, auroc=auroc, refuted=bound > claimed)
+    return result, audit
+
+
+def audit_finetune_gradients(model: nnx.Module, images, labels, plan: DpPlan,
+                             spec: FinetuneSpec, *, canaries: int = 5000, delta: float = 1e-5,
+                             confidence: float = 0.95, seed: int = 0, accountant: str = "pld",
+                             **train_options) -> tuple[FinetuneResult, GradientCanaryAudit]:
+    """Train one model with `canaries` white-box gradient canaries (`dp.canaries`) and bound
+    and estimate epsilon from every step's privatized sum on them.
+
+    Args:
+      model, images, labels, spec: as for `train_finetune` (the N real rows).
+      plan: the run's mechanism on the N + m rows (its q is of N + m rows; its epsilon at
+        `delta` is the claim audited).
+      canaries: m.
+      delta, confidence: of the claim and of the lower bound.
+      seed: the canaries' in/out coins (the auditor's public randomness).
+      accountant: of the claim.
+      **train_options: passed to `train_finetune` (flags, checkpointer, progress; keys and rng
+        only in tests: the production mechanism draws them from OS entropy).
+
+    Returns:
+      (the trained audit model's `FinetuneResult`, the `GradientCanaryAudit`).
+    """
+    drawn = GradientCanaries.draw(canaries, np.random.default_rng(seed))
+    result = train_finetune(model, images, labels, plan, spec, canaries=drawn, **train_options)
+    audit = audit_gradient_canaries(result.canary_projections, drawn, plan, delta=delta,
+                                    confidence=confidence, accountant=accountant)
     return result, audit

@@ -138,10 +138,12 @@ class FinetuneResult:
     """The trained model and its EMA (DP outputs), and the steps run.
 
     `batch_sizes` (each sampled logical batch size) is an exact statistic of the private data:
-    for local debugging only, never to be published.
+    for local debugging only, never to be published. `canary_projections` (an audited run's
+    (T, m) privatized sums on the gradient canaries' block, over C) are DP outputs.
     """
 
     model: nnx.Module
     ema_model: nnx.Module | None
     steps: int
     batch_sizes: np.ndarray
+    canary_projections: np.ndarray | None = None

@@ -41,6 +41,7 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
+from dp.canaries import GradientCanaries, canary_tap
 from dp.clipping import per_example_clipper, valid_labels, zero_nonfinite_rows
 from dp.noise import make_keys, noise_stddev
 from dp.optimizers import make_optimizer, private_optimizer
@@ -69,9 +70,23 @@ def model_inputs(images, spec: FinetuneSpec) -> jax.Array:
     return normalize_images(images, spec.mean, spec.std)
 
 
-def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, aug_key):
+def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, aug_key,
+                     canaries: tuple[int, float] | None):
     """The loss of one example (leading batch axis of 1, as `clipped_grad` calls it): the mean
-    over its K views of the cross-entropy."""
+    over its K views of the cross-entropy. With gradient canaries (`canaries` = (N, norm)),
+    params = (the model's, the canary block) and row N + j is canary j, whose loss is
+    norm * block[j] (`dp.canaries`): its whole gradient is norm e_j in the block."""
+    if canaries is not None:
+        num_real, norm = canaries
+        model_loss = _example_loss_fn(graphdef, rest, spec, flags, aug_key, None)
+
+        def audited(params, image, label, row):
+            model_params, block = params
+            canary = row[0] - num_real
+            canary_loss = norm * block[jnp.clip(canary, 0, block.shape[0] - 1)]
+            return jnp.where(canary >= 0, canary_loss, model_loss(model_params, image, label, row))
+
+        return audited
 
     def loss(params, image, label, row):
         key = jax.random.fold_in(aug_key, row[0])
@@ -88,9 +103,10 @@ def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, a
     return loss
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
 def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
-                spec: FinetuneSpec, flags: FinetuneFlags):
+                spec: FinetuneSpec, flags: FinetuneFlags,
+                canaries: tuple[int, float] | None = None):
     """The sum over one physical batch of each example's view-averaged gradient clipped to
     `clip` (float32); masked rows and null records contribute exactly zero.
 
@@ -99,28 +115,36 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
         uint8 or float.
       labels, mask, rows: (p,) labels, 0/1 mask, and global row indices (they pick each
         example's augmentation key, so a view never depends on the batch).
+      canaries: (N, norm) when rows N.. are gradient canaries (`_example_loss_fn`).
     """
     if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
-    clipper = per_example_clipper(_example_loss_fn(graphdef, rest, spec, flags, aug_key),
-                                  microbatch_size=flags.microbatch_size)
+    clipper = per_example_clipper(
+        _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
+        microbatch_size=flags.microbatch_size)
     return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip, mask * valid).grads
 
 
-def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator):
+def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
+               canaries: int = 0):
     """The run's DP update (`dp.private_optimizer`): noise, the mean over the expected batch,
-    then the recipe's optimizer with its learning-rate schedule (post-processing)."""
+    then the recipe's optimizer with its learning-rate schedule (post-processing); with
+    `canaries` > 0, the auditor's tap records each step's noisy sum on the canary block."""
     optimizer = make_optimizer(spec.optimizer, spec.learning_rate_schedule(steps),
                                momentum=spec.momentum)
-    return private_optimizer(optimizer, stddev=stddev, key=key, expected_batch_size=denominator)
+    tap = (canary_tap(lambda sums: sums[1], steps=steps, count=canaries, clip_norm=clip)
+           if canaries else None)
+    return private_optimizer(optimizer, stddev=stddev, key=key, expected_batch_size=denominator,
+                             observer=tap)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnums=(0, 1, 2))
-def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, *,
-              spec: FinetuneSpec, steps: int):
+@functools.partial(jax.jit, static_argnames=("spec", "steps", "canaries"),
+                   donate_argnums=(0, 1, 2))
+def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip, *,
+              spec: FinetuneSpec, steps: int, canaries: int = 0):
     """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay."""
-    tx = _transform(spec, steps, stddev, key, denominator)
+    tx = _transform(spec, steps, stddev, key, denominator, clip, canaries)
     updates, opt_state = tx.update(sums, opt_state, params)
     params = optax.apply_updates(params, updates)
     if spec.ema_decay is not None:
@@ -130,11 +154,14 @@ def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, *,
 
 
 def init_state(params, spec: FinetuneSpec, plan: DpPlan, noise_key: jax.Array,
-               num_examples: int) -> TrainState:
-    """Step 0: the model's parameters, the run's optimizer state (the transformation its
-    updates use), the EMA at the parameters."""
+               num_examples: int, canaries: int = 0) -> TrainState:
+    """Step 0: the model's parameters (with `canaries` > 0: and a zero canary block), the run's
+    optimizer state (the transformation its updates use), the EMA at the parameters."""
     params = jax.tree.map(jnp.copy, params)  # the update donates them; the model keeps its own
-    tx = _transform(spec, plan.steps, *_noise_and_mean(plan, noise_key, num_examples))
+    if canaries:
+        params = (params, jnp.zeros((canaries,), jnp.float32))
+    tx = _transform(spec, plan.steps, *_noise_and_mean(plan, noise_key, num_examples),
+                    jnp.float32(plan.clip_norm), canaries)
     ema = jax.tree.map(jnp.copy, params) if spec.ema_decay is not None else None
     return TrainState(params, tx.init(params), ema, 0)
 
@@ -163,6 +190,7 @@ def train_finetune(
     checkpointer=None,
     on_step: Callable[[TrainState, np.random.Generator], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    canaries: GradientCanaries | None = None,
 ) -> FinetuneResult:
     """DP-SGD on every parameter (`nnx.Param`) of `model` (module docstring).
 
@@ -181,14 +209,22 @@ def train_finetune(
         is run twice) and saves at its interval.
       on_step: called after every step with the state and the sampler.
       progress: called after every step with the number of steps done.
+      canaries: white-box gradient canaries (`dp.canaries`): m more rows, N..N+m-1, sampled,
+        clipped and noised with the real ones (`plan` is then of N + m rows); each step's
+        privatized sum on their block is returned in `canary_projections`.
     """
     flags = flags or FinetuneFlags()
     keys = make_keys(2) if keys is None else keys
     rng = np.random.default_rng() if rng is None else rng  # OS entropy
     images, labels = np.asarray(images), np.asarray(labels)
-    num_examples, p = len(labels), flags.physical_batch_size
+    num_real, p = len(labels), flags.physical_batch_size
+    count = 0 if canaries is None else canaries.count
+    num_examples = num_real + count
+    if count:  # canary j's row: any image (its loss ignores it), label 0 if in, else null
+        labels = np.concatenate([labels, np.where(canaries.included, 0, -1)])
+    static_canaries = (num_real, canaries.norm) if count else None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    state = init_state(params, spec, plan, keys[0], num_examples)
+    state = init_state(params, spec, plan, keys[0], num_examples, count)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
         state, keys, rng = restored
     stddev, noise_key, denominator = _noise_and_mean(plan, keys[0], num_examples)
@@ -202,21 +238,27 @@ def train_finetune(
         aug_key = jax.random.fold_in(keys[1], step)
         sums = None
         for index, mask in zip(batch.index[:, 0], batch.mask[:, 0], strict=True):
-            part = clipped_sum(graphdef, params, rest, *place(images[index], labels[index],
-                                                              mask, index.astype(np.int32)),
-                               clip, aug_key, spec=spec, flags=flags)
+            part = clipped_sum(graphdef, params, rest,
+                               *place(images[np.minimum(index, num_real - 1)], labels[index],
+                                      mask, index.astype(np.int32)),
+                               clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
             sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
         params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
-                                           noise_key, denominator, spec=spec, steps=plan.steps)
+                                           noise_key, denominator, clip, spec=spec,
+                                           steps=plan.steps, canaries=count)
         if checkpointer is not None:
             checkpointer.save(TrainState(params, opt_state, ema, step + 1), keys, rng)
         if on_step is not None:
             on_step(TrainState(params, opt_state, ema, step + 1), rng)
         if progress is not None:
             progress(step + 1)
+    projections = None
+    if count:  # the tap's record (opt_state[1]: right after the privatizer), then the model's
+        projections = np.asarray(opt_state[1].projections)
+        params, ema = params[0], None if ema is None else ema[0]
     trained = nnx.merge(graphdef, params, rest)
     ema_model = None if ema is None else nnx.merge(graphdef, ema, rest)
-    return FinetuneResult(trained, ema_model, plan.steps, batch_sizes)
+    return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections)
 
 
 def _placement(flags: FinetuneFlags):

@@ -26,8 +26,9 @@ __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
 DEFAULT_MODEL = "cnn"
 # Inputs of models trained from scratch are scaled to [-1, 1] (public constants).
 _FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
-# Canaries of one audited run (each is an extra training row).
+# Canaries of one audited run (each is an extra training row), and their kinds.
 MAX_CANARIES = 10_000_000
+AUDIT_KINDS = ("gradient", "image")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,12 @@ class FinetuneConfig:
         parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
-      audit_canaries: m > 0 trains an audit model instead: m noise-image canaries (seeded by
-        `seed`), each in with probability 1/2, and the one-run lower bound on epsilon
-        (`finetune.canaries`); 0: off.
+      audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
+        `seed`), each in with probability 1/2, and the one-run bounds on epsilon
+        (`finetune.canaries`); 0: off. The epochs count the real records only, so an audited
+        run takes as many steps as the run it audits.
+      audit_kind: "gradient" (white-box gradient canaries, `dp.canaries`: a rigorous lower
+        bound and an estimate of epsilon) or "image" (black-box noise-image canaries, loose).
     """
 
     data: str = "fashion-mnist"
@@ -97,6 +101,7 @@ class FinetuneConfig:
     out: str | None = None
     checkpoint_every: int = 50
     audit_canaries: int = 0
+    audit_kind: str = "gradient"
     quiet: bool = False
 
     def __post_init__(self):
@@ -115,6 +120,9 @@ class FinetuneConfig:
         cfg.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
         if self.audit_canaries == 1:
             raise cfg.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
+        if self.audit_kind not in AUDIT_KINDS:
+            raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
+                                  f"{self.audit_kind!r}")
         cfg.check_int("crop_padding", self.crop_padding, 0)
         if not 0.0 <= self.ema_decay < 1.0:
             raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
@@ -153,7 +161,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
     # Calibrate: q = B / N, T steps, sigma for (epsilon, delta).
     q = min(1.0, config.batch_size / num_examples)
-    steps = config.steps or max(1, math.ceil(config.epochs / q))
+    # Epochs over the real records (an audited run takes the steps of the run it audits).
+    steps = config.steps or max(1, math.ceil(config.epochs * num_real / (q * num_examples)))
     if math.isinf(config.epsilon):
         sigma, clip = 0.0, config.clip_norm
     else:
@@ -192,15 +201,15 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
     audit = None
     if config.audit_canaries:
-        from finetune.canaries import audit_finetune
+        from finetune.canaries import audit_finetune, audit_finetune_gradients
 
-        log(f"audit: {config.audit_canaries} canaries, each in with probability 1/2 (seed "
-            f"{config.seed}); this trains an audit model", quiet)
-        trained, audit = audit_finetune(model, *train, plan, spec,
-                                        canaries=config.audit_canaries, delta=config.delta,
-                                        seed=config.seed, accountant=config.accountant,
-                                        flags=flags, checkpointer=checkpointer,
-                                        progress=progress)
+        log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
+            f"probability 1/2 (seed {config.seed}); this trains an audit model", quiet)
+        auditor = audit_finetune_gradients if config.audit_kind == "gradient" else audit_finetune
+        trained, audit = auditor(model, *train, plan, spec, canaries=config.audit_canaries,
+                                 delta=config.delta, seed=config.seed,
+                                 accountant=config.accountant, flags=flags,
+                                 checkpointer=checkpointer, progress=progress)
     else:
         trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
                                           checkpointer=checkpointer, progress=progress)
@@ -235,7 +244,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             "dataset_size_public": True,
             "sampling": f"Poisson, q = {q:g} (expected batch {config.batch_size})",
         } | records.randomness(config.seed, "the model's initialization"
-                                + (" and the audit's canaries and their in/out coins"
+                                + (" and the audit's canaries' in/out coins"
                                    if audit else "")),
         "test_accuracy": accuracy,
         "test_accuracy_ema": ema_accuracy,

@@ -433,7 +433,17 @@ def finetune_line(results: dict) -> str:
 
 
 def finetune_audit_line(audit: dict) -> str:
-    """One line: the one-run lower bound against the claim (`finetune.canaries`)."""
+    """One line: the one-run lower bound (and estimate) against the claim
+    (`finetune.canaries`)."""
+    if audit.get("kind") == "gradient":
+        verdict = ("CLAIM REFUTED" if audit["refuted"] else
+                   "consistent with the claim (a lower bound, not a proof of privacy)")
+        return (f"audit (white box, {audit['canaries']} gradient canaries, {audit['included']} "
+                f"in): epsilon >= {audit['epsilon_lower']:.3f} at "
+                f"{100 * audit['confidence']:g}% confidence (rigorous), estimate "
+                f"{audit['epsilon_estimate']:.3f} (not a bound), delta {audit['delta']:g}; "
+                f"claimed {audit['claimed_epsilon']:.3f}; {verdict}; the model is an audit "
+                "model (trained with the canaries)")
     verdict = ("CLAIM REFUTED" if audit["refuted"] else
                "consistent with the claim (a weak one-run lower bound, not a proof of privacy)")
     return (f"audit (one run, {audit['canaries']} canaries, {audit['included']} in): epsilon >= "

@@ -89,9 +89,10 @@ def test_canaries_are_public_noise_and_excluded_ones_are_null_records():
     assert np.array_equal(train_images[10:], images)
 
 
-def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["image", "gradient"])
+def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monkeypatch, kind):
     """The job's wiring, on the tiny model (the CNN's compilation alone takes ~25 s here;
-    `tests/test_finetune_job.py` runs it)."""
+    `tests/test_finetune_job.py` runs it), for both kinds of canaries."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(finetune_job, "_build_model", lambda config, *shape: (
         TinyMLP(nnx.Rngs(0)), (0.5,), (0.5,), {"name": "tiny"}))
@@ -103,18 +104,25 @@ def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monke
     config = cli.make_config(parser.parse_args([
         "finetune", "--data", "npz:train.npz", "--test-data", "npz:test.npz", "--model", "cnn",
         "--batch-size", "40", "--steps", "2", "--augmult", "1", "--physical-batch-size", "64",
-        "--epsilon", "2", "--audit-canaries", "20", "--quiet"]))
-    assert config.audit_canaries == 20
+        "--epsilon", "2", "--audit-canaries", "20", "--audit-kind", kind, "--quiet"]))
+    assert config.audit_canaries == 20 and config.audit_kind == kind
     results = json.loads(json.dumps(pipelines.run_finetune(config)))
     audit = results["audit"]
     assert audit["canaries"] == 20 and audit["epsilon_lower"] <= audit["claimed_epsilon"]
     assert audit["claimed_epsilon"] == pytest.approx(results["privacy"]["epsilon"])
-    assert "audit model" in audit["model"] and "weak by construction" in audit["note"]
-    assert "never prove" in audit["note"]
+    assert "audit model" in audit["model"]
     assert results["data"]["num_train"] == 40 and results["privacy"]["num_canaries"] == 20
     assert results["privacy"]["plan"]["sampling_probability"] == pytest.approx(40 / 60)
+    assert results["privacy"]["plan"]["steps"] == 2
     line = reporting.finetune_audit_line(audit)
-    assert line.startswith("audit (one run, 20 canaries") and "claimed 2.000" in line
+    if kind == "image":
+        assert "weak by construction" in audit["note"] and "never prove" in audit["note"]
+        assert line.startswith("audit (one run, 20 canaries")
+    else:
+        assert audit["kind"] == "gradient" and audit["epsilon_estimate"] >= 0
+        assert "not a bound" in audit["epsilon_estimate_method"]
+        assert line.startswith("audit (white box, 20 gradient canaries")
+    assert "claimed 2.000" in line
     assert "CLAIM REFUTED" in reporting.finetune_audit_line(audit | {"refuted": True})
     with pytest.raises(SystemExit):
         cli.make_config(parser.parse_args(["finetune", "--audit-canaries", "1"]))
