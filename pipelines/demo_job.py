@@ -1,32 +1,53 @@
-"""The demo job: the embedded default data through ScatterNet, then the epsilon sweep."""
+"""The demo job: what dpprobe does, in one command that runs in minutes on a laptop.
+
+1. Features: Fashion-MNIST (Debian's package) or, when absent, scikit-learn digits, through
+   ScatterNet into a store under `out_dir` (reused, and said so, by a second run).
+2. The privacy/utility trade-off: `dpprobe probe` with the defaults it chooses from the store
+   (`pipelines.recipe`) at epsilon 0.5, 1, 2, 4, 8 and without noise, a table and a plot.
+3. Private tuning at epsilon 3 with every cost paid (`dpprobe tune`), put on the same plot
+   beside Tramer & Boneh's published 89.7% (whose tuning was not paid for).
+Each step is a public job of the Python API; the demo adds only the order and the plot.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 import extract
 from pipelines import config as cfg
-from pipelines import preflight
+from pipelines import plots, preflight
 from pipelines.extract_job import run_extract
 from pipelines.probe_job import run_probe
 from pipelines.reporting import log
+from pipelines.tune_job import run_tune
 
-__all__ = ["DEMO_DATA", "DEMO_EPSILONS", "DemoConfig", "demo_data", "run_demo"]
+__all__ = ["DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "run_demo"]
 
 DEMO_DATA = ("fashion-mnist", "digits")
 DEMO_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
+DEMO_DELTA = 1e-5
+# The demo's tune, smaller than `dpprobe tune`'s defaults so that the demo fits in minutes on
+# two CPU cores: 3 trials per stage of T = 25 and a final run of T = 100 (the defaults: 5
+# trials of T in 25, 50, 100 and a final T = 300). Every cost is still paid.
+DEMO_TUNE = {"epsilon": 3.0, "trials": 3, "steps_choices": (25,), "final_steps": 100}
+# Tramer & Boneh (2021, https://arxiv.org/abs/2011.11660), Table 1: ScatterNet + linear model
+# on Fashion-MNIST, 89.7% at epsilon 3, delta 1e-5, hyperparameters tuned without paying for it.
+PUBLISHED = {"fashion-mnist": plots.Reference(
+    3.0, 89.7, "Tramer & Boneh 2021, ScatterNet + linear: 89.7% at epsilon 3\n"
+    "(published; its hyperparameter tuning was not paid for)", marker="*", color="k")}
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Where the demo writes, which data (None: fashion-mnist if installed, else digits), how
-    many seeds."""
+    many seeds per epsilon, whether to show progress."""
 
     out_dir: str = "runs/demo"
     data: str | None = None
-    seeds: int = 3
+    seeds: int = 2
     progress: bool = True
 
     def __post_init__(self):
@@ -44,21 +65,60 @@ def demo_data() -> str:
 
 
 def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
-    """Extract the embedded default data with ScatterNet, sweep epsilons, write results.json.
+    """Extract the default data with ScatterNet, sweep epsilons with the probe's defaults, tune
+    privately at epsilon 3, and plot the trade-off.
 
     Takes a `DemoConfig`, or the output folder and the config's other fields as keywords.
+
+    Returns:
+      {"data", "store", "sweep" (the probe's results), "tune" (the tune's results, without
+      its parameters), "files" (what it wrote), "reused_features", "wall_seconds"}.
     """
     config = cfg.make_config(DemoConfig, config, "out_dir", **options)
-    preflight.check_demo_job(config.out_dir)
-    data = config.data or demo_data()
     out = Path(config.out_dir)
-    store = str(out / f"{data}-scatternet.zarr")
+    files = {"sweep": out / "results.json", "tune": out / "tune.json",
+             "plot": out / "tradeoff.png"}
+    preflight.check_demo_job(config.out_dir)
+    preflight.check_output_paths(**{f"--out ({name})": path for name, path in files.items()})
+    start = time.perf_counter()
     quiet = not config.progress
-    log(f"demo: {data} -> scatternet (J=2) features -> {store}", quiet)
+    data = config.data or demo_data()
+    store = str(out / f"{data}-scatternet.zarr")
+
+    # 1. Features, once: a second run finds them complete and says so.
+    reused = all((extract.local_split_attrs(store, split) or {}).get("complete")
+                 for split in ("train", "test"))
+    log(f"demo [1/3] features: {data} through ScatterNet (J = 2, L = 8, no weights) into "
+        f"{store}" + (": already extracted by an earlier run, reused" if reused else ""), quiet)
     run_extract(backbone="scatternet", data=data, out=store, progress=config.progress)
-    log("demo: full-batch DP-SGD with momentum 0.9 (Panda et al.), T=20, lr=1, clip 1, zero "
-        "init, per-example group normalization (27 groups, Tramer & Boneh)", quiet)
-    return run_probe(store, epsilons=DEMO_EPSILONS, delta=1e-5, seeds=config.seeds,
-                     optimizer="momentum", steps=(20,), learning_rates=(1.0,),
-                     normalization="group", groups=27, out=str(out / "results.json"),
-                     quiet=quiet)
+
+    # 2. The trade-off: the probe's defaults (chosen from the store), epsilon 0.5 to 8 and inf.
+    log(f"demo [2/3] the privacy/utility trade-off: one probe per epsilon in 0.5, 1, 2, 4, 8 "
+        f"and one without noise, {config.seeds} seed(s) each, with the defaults `dpprobe probe` "
+        "chooses from the store", quiet)
+    sweep = run_probe(store, epsilons=DEMO_EPSILONS, delta=DEMO_DELTA, seeds=config.seeds,
+                      out=str(files["sweep"]), quiet=quiet)
+
+    # 3. Private tuning at epsilon 3, every cost paid (the search decides whether it pays).
+    log(f"demo [3/3] private tuning at epsilon {DEMO_TUNE['epsilon']:g}, every cost paid "
+        "(standardization, search, selection and the final run in one ledger); smaller than "
+        f"`dpprobe tune`'s defaults to fit the demo: {DEMO_TUNE['trials']} trials per stage of "
+        f"T = {DEMO_TUNE['steps_choices'][0]}, final T = {DEMO_TUNE['final_steps']}", quiet)
+    tune = run_tune(store, delta=DEMO_DELTA, out=str(files["tune"]), quiet=quiet, **DEMO_TUNE)
+    tune.pop("params")
+
+    # (Next: `dpprobe predict` on a few test images, showing class names, goes here once the
+    # saved-model format lands.)
+
+    # The plot: the sweep, the non-private line, the tuned run and the published reference.
+    tuned = plots.Reference(
+        tune["privacy"]["epsilon_total"], 100 * tune["final"]["test_accuracy"],
+        f"dpprobe tune (this run): {100 * tune['final']['test_accuracy']:.1f}% at epsilon "
+        f"{tune['privacy']['epsilon_total']:.3g}, tuning paid", marker="D", color="C3")
+    references = [tuned] + ([PUBLISHED[data]] if data in PUBLISHED else [])
+    plots.plot_accuracy(sweep["summary"], files["plot"], title=plots.plot_title(sweep),
+                        references=references, warnings=sweep["warnings"])
+    return {"data": data, "store": store, "sweep": sweep, "tune": tune,
+            "files": {name: str(path) for name, path in files.items()},
+            "reused_features": reused, "published": PUBLISHED.get(data),
+            "wall_seconds": time.perf_counter() - start}

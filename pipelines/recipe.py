@@ -1,21 +1,60 @@
-"""The defaults of `dpprobe tune` that depend on the store: the per-example normalization its
-backbone needs.
+"""The defaults of `dpprobe probe` and `dpprobe tune` that depend on the store, chosen from
+public quantities only: the store's backbone (its provenance), the feature shape, the declared
+class count, the number of training examples N (public under zero-out neighbours), epsilon and
+delta. Choosing from them costs no privacy; nothing here reads a feature or a label.
 
-The store's provenance names its backbone (`extract`'s `Backbone.provenance`), and that is a
-public input, so choosing from it costs no privacy. Measured on Fashion-MNIST ScatterNet
-features (`benchmarks/tune_recipe.py`, epsilon 3, free selection over r, T = 100): without
-normalization the best r of the linear scaling search lies far outside any sensible range and
-the tuned model reaches 78.7-81.5%; Tramer & Boneh's GroupNorm over ScatterNet's channel groups
-gives 89.4-89.8%, with 9, 27 or 81 groups alike (within run-to-run noise); 27 is their choice.
+* **Normalization from the backbone.** Measured on Fashion-MNIST ScatterNet features
+  (`benchmarks/tune_recipe.py`, epsilon 3, free selection over r, T = 100): without
+  normalization the best r of the linear scaling search lies far outside any sensible range and
+  the tuned model reaches 78.7-81.5%; Tramer & Boneh's GroupNorm over ScatterNet's channel
+  groups gives 89.4-89.8%, with 9, 27 or 81 groups alike (within run-to-run noise); 27 is
+  their choice.
+* **The total step size r = lr x T from the linear scaling rule** (Panda et al. 2023): for
+  full-batch DP-SGD the noise the weights accumulate is about lr sqrt(T) sigma C / N = r C /
+  (mu N) (sigma = sqrt(T) / mu for T Gaussian steps at mu-GDP), and the signal about r times
+  the mean clipped gradient, so the best r grows with mu N:
+  r = R_PER_MU_N x mu(min(epsilon, SATURATION_EPSILON), delta) x N. The constant is
+  measured, not derived: the r* that `dpprobe tune` found on Fashion-MNIST (60,000 examples:
+  81 / 196 / 302 / 417 / 841 at epsilon 0.5 / 1 / 2 / 3 / 8, README) are 0.0084-0.012 mu N,
+  and a grid of r on scikit-learn digits (1,438 examples, `benchmarks/probe_defaults.py`)
+  peaks at 0.008-0.015 mu N at every epsilon from 0.5 to 8. Past epsilon 8 the noise no longer
+  limits the probe, and more r overfits (digits without noise: best r 30 = 0.013 mu_8 N), so
+  r stops growing there; the non-private reference takes the same r as epsilon 8.
+* **Full-batch momentum 0.9, T = 300, C = 1** (Panda et al.'s setting; tune's final run): the
+  noise depends on r, not on how r splits into lr x T, but more steps optimize better at the
+  same r: on Fashion-MNIST, T = 300 beats T = 100 by 0.3 points at epsilon 1 and 3 and by
+  about 1 point at epsilon 8 and without noise (one run each, `benchmarks/probe_defaults.py`
+  measures the defaults). T = 20 shifts the best r up and loses up to a point (digits).
 """
 
 from __future__ import annotations
 
-__all__ = ["SCATTERNET_MAX_GROUPS", "backbone_normalization"]
+import dataclasses
+
+import accounting
+
+__all__ = [
+    "PROBE_STEPS",
+    "R_PER_MU_N",
+    "SATURATION_EPSILON",
+    "SCATTERNET_MAX_GROUPS",
+    "ProbeRecipe",
+    "backbone_normalization",
+    "probe_recipe",
+    "total_step_size",
+]
 
 # Tramer & Boneh (2021, https://arxiv.org/abs/2011.11660) normalize ScatterNet's 81 channels
 # (J = 2, L = 8) in 27 groups.
 SCATTERNET_MAX_GROUPS = 27
+# r = lr x T per unit of mu N, for full-batch momentum 0.9 and clip norm 1 (module docstring).
+R_PER_MU_N = 0.011
+# Past this epsilon the rule's r stops growing (and the non-private reference takes its r).
+SATURATION_EPSILON = 8.0
+PROBE_STEPS = 300
+PROBE_OPTIMIZER = "momentum"
+# The rule is stated for momentum 0.9; plain SGD moves 1 / (1 - 0.9) = 10x less per step.
+_R_FACTOR = {"momentum": 1.0, "sgd": 10.0}
 
 
 def backbone_normalization(backbone: dict | None) -> tuple[str, int | None]:
@@ -38,3 +77,110 @@ def backbone_normalization(backbone: dict | None) -> tuple[str, int | None]:
             groups = max(g for g in range(1, SCATTERNET_MAX_GROUPS + 1) if channels % g == 0)
             return "group", groups
     return "none", None
+
+
+def total_step_size(epsilon: float, delta: float, num_examples: int) -> float:
+    """The linear scaling rule's r = lr x T for full-batch momentum 0.9 at (epsilon, delta) on
+    N examples: R_PER_MU_N x mu x N, mu the Gaussian-DP mu of min(epsilon, 8) (epsilon inf, the
+    non-private reference, takes epsilon 8's r). A function of public quantities only."""
+    mu = accounting.gdp_mu(min(epsilon, SATURATION_EPSILON), delta)
+    return R_PER_MU_N * mu * num_examples
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeRecipe:
+    """What `dpprobe probe` trains, each choice given or chosen from public quantities.
+
+    Attributes:
+      normalization, groups, optimizer, steps: as for `ProbeConfig`.
+      learning_rates: the given learning rates; None: one per (epsilon, T) from the linear
+        scaling rule (momentum, sgd) or the optimizer's default (adam, sign, lamb).
+      num_examples, delta: the public quantities the rule reads.
+      chosen: the fields chosen (not given), with why.
+    """
+
+    normalization: str
+    groups: int | None
+    optimizer: str
+    steps: tuple[int, ...]
+    learning_rates: tuple[float, ...] | None
+    num_examples: int
+    delta: float
+    chosen: dict[str, str]
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the learning rate comes from the linear scaling rule."""
+        return self.learning_rates is None and self.optimizer in _R_FACTOR
+
+    def learning_rate(self, epsilon: float, steps: int, given: float | None = None) -> float:
+        """The learning rate of a run at `epsilon` with T = `steps`."""
+        if given is not None:
+            return given
+        if self.scaled:
+            r = total_step_size(epsilon, self.delta, self.num_examples)
+            return _R_FACTOR[self.optimizer] * r / steps
+        from probe import DEFAULT_LEARNING_RATES
+
+        return DEFAULT_LEARNING_RATES[self.optimizer]
+
+    def to_dict(self, epsilons) -> dict:
+        """The recipe for results.json: public inputs only (N and the arguments)."""
+        return {
+            "normalization": self.normalization, "groups": self.groups,
+            "optimizer": self.optimizer, "steps": list(self.steps),
+            "learning_rate": ("linear scaling rule: lr = r / T, r = "
+                              f"{R_PER_MU_N:g} x mu(min(epsilon, {SATURATION_EPSILON:g}), delta)"
+                              f" x N{' x 10 (sgd)' if self.optimizer == 'sgd' else ''}"
+                              if self.scaled else "given" if self.learning_rates
+                              else "the optimizer's default"),
+            "learning_rates": {f"{e:g}": [self.learning_rate(e, t, lr)
+                                          for t in self.steps
+                                          for lr in (self.learning_rates or (None,))]
+                               for e in epsilons},
+            "num_examples": self.num_examples,
+            "chosen": dict(self.chosen),
+        }
+
+    def describe(self, epsilons) -> str:
+        """One line per choice, for the terminal: what trains and where each choice came from."""
+        normalization = self.normalization + (f" ({self.groups} groups)"
+                                              if self.normalization == "group" else "")
+        why = {k: f" [{v}]" for k, v in self.chosen.items()}
+        if self.scaled:
+            rates = ", ".join(f"epsilon {e:g}: {self.learning_rate(e, self.steps[0]):.3g}"
+                              for e in epsilons)
+            lr = (f"lr = r / T by the linear scaling rule r = {R_PER_MU_N:g} x mu x N "
+                  f"(N = {self.num_examples}; T = {self.steps[0]}: {rates})")
+        else:
+            lr = "lr " + (",".join(f"{v:g}" for v in self.learning_rates) if self.learning_rates
+                          else f"{self.learning_rate(0.0, 1):g} (the optimizer's default)")
+        return (f"recipe: per-example normalization {normalization}{why.get('normalization', '')}"
+                f", full-batch {self.optimizer}{why.get('optimizer', '')}, T = "
+                f"{','.join(map(str, self.steps))}{why.get('steps', '')}, {lr}"
+                f"{why.get('learning_rates', '')}")
+
+
+def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
+    """The recipe of `run_probe(config)` on a store whose train split has `train_attrs`: the
+    config's choices where it makes them, else the defaults above. Reads only public
+    quantities: the backbone's provenance, N, delta."""
+    chosen = {}
+    normalization, groups = config.normalization, config.groups
+    if normalization is None:
+        normalization, groups = backbone_normalization(train_attrs.get("backbone"))
+        chosen["normalization"] = "from the store's backbone"
+    optimizer = config.optimizer
+    if optimizer is None:
+        optimizer = PROBE_OPTIMIZER
+        chosen["optimizer"] = "default"
+    steps = config.steps
+    if steps is None:
+        steps = (PROBE_STEPS,) if optimizer in _R_FACTOR else (1,)
+        chosen["steps"] = "default"
+    recipe = ProbeRecipe(normalization, groups, optimizer, tuple(steps),
+                         config.learning_rates, int(num_examples), config.delta, chosen)
+    if recipe.learning_rates is None:
+        chosen["learning_rates"] = ("from epsilon, delta and N" if recipe.scaled
+                                    else "the optimizer's default")
+    return recipe

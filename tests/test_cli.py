@@ -99,13 +99,13 @@ def test_choices_are_the_library_constants():
     from accounting import ACCOUNTANTS
     from extract.store import FEATURE_DTYPES
     from pipelines.demo_job import DEMO_DATA
-    from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
+    from pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
 
     model = {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES,
              "normalization": probe.NORMALIZATIONS}
     expected = {
         "probe": model | {"accountant": ACCOUNTANTS},
-        "tune": model | {"search": SEARCHES, "extrapolation": EXTRAPOLATIONS,
+        "tune": model | {"search": SEARCH_CHOICES, "extrapolation": EXTRAPOLATIONS,
                          "selection": tuple(s for s in SELECTIONS if s != "public")},
         "account": {"accountant": ACCOUNTANTS},
         "audit": {"optimizer": probe.OPTIMIZERS, "loss": probe.LOSSES},

@@ -1,0 +1,59 @@
+"""The tune job's calls into `probe`: the private feature standardization, training a list of
+runs, each trial's (noisy) correct count, the final test. Host work and accounting stay in
+`pipelines.tune_job`; `probe` (JAX) is imported on first use."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+import accounting
+
+__all__ = ["correct_counts", "private_standardization", "test_metrics", "train_runs"]
+
+
+def private_standardization(normalized, labels, spec, mu: float):
+    """The tune job's private feature standardization of `normalized` (features after
+    `spec`'s per-example normalization, which bounds their norm): `probe.private_standardizer`
+    at mu-GDP (two Gaussian releases of noise multiplier sqrt(2) / mu, each example clipped to
+    the normalization's norm bound; labels outside the class set make null rows, as in
+    training). Returns (standardizer, its DpPlan for the ledger)."""
+    import probe
+
+    bound = probe.normalized_norm_bound(spec.normalization, normalized.shape[-1])
+    sigma = math.sqrt(2.0) / mu
+    labels = np.asarray(labels)
+    standardizer = probe.private_standardizer(
+        normalized, noise_multiplier=sigma, clip_norm=bound, key=probe.make_keys(1)[0],
+        mask=(labels >= 0) & (labels < spec.num_classes))
+    return standardizer, accounting.DpPlan(sigma, 2, 1.0, bound)
+
+
+def train_runs(features, labels, runs: Sequence, spec, quiet: bool) -> dict:
+    """Train `runs` full batch (fresh OS-entropy keys); the stacked params."""
+    import probe
+
+    result = probe.train_probe(features, labels, runs, probe.make_keys(len(runs)), spec,
+                               progress=not quiet)
+    return result.params
+
+
+def correct_counts(params, features, labels, sigma: float | None, spec) -> np.ndarray:
+    """Each trial's correct count on the scored data, plus N(0, sigma^2); exact with sigma None
+    (public scoring)."""
+    import probe
+
+    kwargs = dict(normalization=spec.normalization, groups=spec.groups)
+    if sigma is None:
+        return probe.correct_counts(params, features, labels, **kwargs)
+    return probe.noisy_correct_counts(params, features, labels, sigma, **kwargs)
+
+
+def test_metrics(params, features, labels, spec) -> dict:
+    """Test metrics of the final probe (the test split is public; its only use)."""
+    import probe
+
+    return probe.evaluate(params, features, labels, normalization=spec.normalization,
+                          groups=spec.groups)
