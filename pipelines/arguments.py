@@ -373,7 +373,7 @@ def finetune(p) -> None:
                         help="length in epochs, T = epochs N / B (default: 30, or T >= 300)")
     length.add_argument("--steps", type=_integer, help="training length in steps T")
     p.add_argument("--lr", dest="learning_rate", type=_number,
-                   help="learning rate (default 4 (B / 2048)^(1/3): 4 at B = 2048)")
+                   help="learning rate (default 4 sqrt(B / 2048): 4 at B = 2048)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
                    help=f"%(choices)s (default {d.optimizer})")
     p.add_argument("--momentum", type=_number, help=f"momentum (default {d.momentum:g})")
@@ -414,7 +414,7 @@ def demo(p) -> None:
     p.add_argument("--out", dest="out_dir", help="output directory (default runs/demo)")
     p.add_argument("--data", choices=DEMO_DATA,
                    help="force a dataset (default: fashion-mnist if installed, else digits)")
-    p.add_argument("--seeds", type=_integer, help="seeds per epsilon (default 2)")
+    p.add_argument("--seeds", type=_integer, help="runs per epsilon (default 1)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="only the report")
 
 

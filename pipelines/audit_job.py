@@ -196,6 +196,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
             "row_sample": "drawn from OS entropy; the indices are not written",
         } | records.randomness(None, ""),
         "note": NOTE,
+        "warnings": records.warnings(train_attrs),  # features of a random-init backbone
     }
     if config.out:
         reporting.write_json(config.out, results)

@@ -158,9 +158,11 @@ def plot_audit(results: dict, path) -> None:
     tradeoff_ax.set_aspect("equal")
     tradeoff_ax.legend(fontsize=7)
     audit = results["audit"]
-    fig.suptitle(f"audit: {audit['optimizer']}, T={claim['steps']}, {audit['runs_per_side']} "
+    warnings = results.get("warnings") or []
+    fig.suptitle("".join(f"WARNING: {w}\n" for w in warnings)
+                 + f"audit: {audit['optimizer']}, T={claim['steps']}, {audit['runs_per_side']} "
                  f"runs per side, delta={claim['delta']:g} (PLD, zero-out); "
                  f"{100 * bounds['confidence']:g}% lower bounds", fontsize=9)
-    _save_png(fig, path)
+    _save_png(fig, path, warnings)
 
 

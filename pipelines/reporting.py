@@ -330,7 +330,7 @@ def audit_report(results: dict) -> str:
          if results["claim_refuted"] else "consistent with the claim: no lower bound exceeds it"),
         results["note"],
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + warning_lines(results))
 
 
 def finetune_line(results: dict) -> str:

@@ -1,6 +1,7 @@
-"""The tune job's calls into `probe`: the private feature standardization, training a list of
-runs, each trial's (noisy) correct count, the final test. Host work and accounting stay in
-`pipelines.tune_job`; `probe` (JAX) is imported on first use."""
+"""The tune job's calls into `probe` (the private feature standardization, training a list of
+runs, each trial's (noisy) correct count, the final test) and its read of a public validation
+set. Host work and accounting stay in `pipelines.tune_job`; `probe` (JAX) is imported on first
+use."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 
 import accounting
 
-__all__ = ["correct_counts", "private_standardization", "test_metrics", "train_runs"]
+__all__ = ["correct_counts", "load_public_validation", "private_standardization", "test_metrics",
+           "train_runs"]
 
 
 def private_standardization(normalized, labels, spec, mu: float):
@@ -57,3 +59,20 @@ def test_metrics(params, features, labels, spec) -> dict:
 
     return probe.evaluate(params, features, labels, normalization=spec.normalization,
                           groups=spec.groups)
+
+
+def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
+    store's feature space: the same backbone and preprocessing) and `labels`."""
+    kind, _, path = spec.partition(":")
+    if kind != "npz" or not path:
+        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
+    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
+        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
+                         f"{labels.shape} do not fit the store's feature dim {dim}")
+    return features, labels.astype(np.int32)

@@ -1,6 +1,5 @@
 """The tune job: private hyperparameter search with the linear scaling rule on a feature store
-(`pipelines.search` holds the algorithm), then the final probe, with the ledger of the whole job.
-"""
+(`pipelines.search`: the algorithm, and whether a search pays), then the final probe, ledger."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from pipelines.files import atomic_write_bytes
 from pipelines.reporting import log
 from pipelines.tune_calls import (
     correct_counts,
+    load_public_validation,
     private_standardization,
     test_metrics,
     train_runs,
@@ -226,9 +226,9 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
         num_trained=num_trained, num_scored=num_scored, epsilon=epsilon, delta=delta,
         eps0=config.eps0, eps_select=config.eps_select, trials=config.trials,
         scoring=selection) if config.search == "auto" else search.SearchDecision(
-        config.search != "none", f"--search {config.search}", None, 0.0))
-    searching = decision.search
-    search_kind = config.search if config.search != "auto" else "random"
+        config.search != "none", f"{'no ' * (config.search == 'none')}search: asked for "
+        f"(--search {config.search})", None, 0.0))
+    searching, search_kind = decision.search, config.search.replace("auto", "random")
     log(f"tune: {decision.reason}", quiet)
     training_data, scored_data = "all", "all"
     if searching and selection == "holdout":
@@ -398,20 +398,3 @@ def _stage_records(stages) -> list[dict]:
         }
         for index, stage in enumerate(stages)
     ]
-
-
-def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
-    store's feature space: the same backbone and preprocessing) and `labels`."""
-    kind, _, path = spec.partition(":")
-    if kind != "npz" or not path:
-        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
-    except (OSError, KeyError, ValueError) as err:
-        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
-    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
-        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
-                         f"{labels.shape} do not fit the store's feature dim {dim}")
-    return features, labels.astype(np.int32)

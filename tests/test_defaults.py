@@ -95,10 +95,10 @@ def test_a_clipped_r_is_explained_with_what_to_do():
 
 
 @pytest.mark.parametrize(("n", "batch", "epochs", "lr"), [
-    (1438, 256, 54.0, 2.0),  # digits: not full batch, at least 300 steps
+    (1438, 256, 54.0, 4.0 * math.sqrt(256 / 2048)),  # digits: not full batch, >= 300 steps
     (60_000, 2048, 30.0, 4.0),  # Fashion-MNIST: Tramer & Boneh's recipe, unchanged
     (10_240, 2048, 60.0, 4.0),
-    (100, 16, 48.0, 4.0 * (16 / 2048) ** (1 / 3)),
+    (100, 16, 48.0, 4.0 * math.sqrt(16 / 2048)),
 ])
 def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
     chosen = finetune_recipe(FinetuneConfig(epsilon=8.0), num_examples=n, image_size=16,
