@@ -2,9 +2,9 @@
 
 `run_finetune(data="digits", resize=16, epsilon=8)`: the batch size, epochs, learning rate and
 clip norm chosen from public quantities (`pipelines.finetune_recipe`: B = 256, 54 epochs = 304
-steps, lr 4 sqrt(256 / 2048) = 1.41, C = 0.1 for N = 1,438), `--runs` times (each with its own noise), against issue
-23's target (>= 93%), beside the recipe the defaults were before (Tramer & Boneh's for
-Fashion-MNIST: B = 2048 > N, i.e. full batch, 30 steps, lr 4).
+steps, lr 4 sqrt(256 / 2048) = 1.41, C = 0.1 for N = 1,438), `--runs` times (each with its own
+noise), against issue 23's target (>= 93%), beside the recipe the defaults were before (Tramer
+& Boneh's for Fashion-MNIST: B = 2048 > N, i.e. full batch, 30 steps, lr 4).
 
 Run: .venv/bin/python benchmarks/finetune_defaults.py [--runs 3] [--no-before]
 """

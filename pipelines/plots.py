@@ -27,6 +27,7 @@ class Reference:
     label: str
     marker: str = "*"
     color: str = "k"
+    filled: bool = True  # hollow markers show what lies under them
 
 
 def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
@@ -58,7 +59,8 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
                 marker="o", capsize=3, label=label, color=color,
             )
             for r, mean in zip(private, means, strict=True):
-                if r.get("epsilon_row") is not None:  # what this point (a mean) costs
+                if r.get("epsilon_row") is not None and r.get("num_seeds", 2) > 1:
+                    # what this point (a mean over seeds) costs
                     ax.annotate(f"{r['epsilon_row']:.3g}", (r["epsilon"], mean), fontsize=7,
                                 xytext=(3, -10), textcoords="offset points", color=color)
         for r in rows:
@@ -69,7 +71,8 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
         ticks.add(reference.epsilon)
         ax.plot([reference.epsilon], [reference.accuracy], linestyle="none",
                 marker=reference.marker, markersize=11, color=reference.color,
-                label=reference.label)
+                markerfacecolor=None if reference.filled else "none", markeredgewidth=1.5,
+                label=reference.label, zorder=3 if reference.filled else 4)
     ax.set_xscale("log")
     ax.margins(x=0.1)  # room for the epsilon labels beside the last points
     if ticks:
@@ -110,10 +113,12 @@ def plot_title(results: dict) -> str:
     """The accuracy plot's title: data, backbone, optimizer, privacy, the composed epsilon."""
     backbone = results["provenance"]["train"].get("backbone", {}).get("name", "?")
     dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
+    seeds = max((row.get("num_seeds", 1) for row in results.get("summary", ())), default=1)
     return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
             f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
-            f"zero-out)\nx: epsilon per run; beside each point: its epsilon (seeds composed)"
-            f"\nall private points together: epsilon "
+            f"zero-out)\nx: epsilon per run" + ("; beside each point: its epsilon (seeds "
+                                               "composed)" if seeds > 1 else "")
+            + "\nall private points together: epsilon "
             f"{format_epsilon(results['ledger']['epsilon_by_role'].get('private', 0.0))}")
 
 
