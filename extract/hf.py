@@ -57,9 +57,17 @@ def parse_hf_spec(text: str) -> HfSpec:
 def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None) -> dict[str, ImageSplit]:
     """The splits of an `hf:` dataset, each an `ImageSplit` that decodes its images on demand.
 
-    A spec naming one of the dataset's splits gives one split, named `split` (default "train");
-    otherwise the dataset's "train" and "test" splits (those it has), restricted to `split` when
-    that names one.
+    Args:
+      spec: the parsed spec (`parse_hf_spec`).
+      split: a spec naming one of the dataset's splits gives one split, named `split` (default
+        "train"); otherwise the dataset's "train" and "test" splits (those it has), restricted
+        to `split` when that names one ("all": both).
+      num_classes: the declared class count, for a label column that is not a ClassLabel
+        (with a ClassLabel it must agree with its names).
+
+    Returns:
+      {split name: ImageSplit}, each with its class names and a sha256 fingerprint of its
+      images' encoded bytes and labels.
     """
     loaded = _load(spec)
     import datasets

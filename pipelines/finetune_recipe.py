@@ -67,8 +67,19 @@ class FinetuneRecipe:
 def finetune_recipe(config, *, num_examples: int, image_size: int, num_classes: int
                     ) -> FinetuneRecipe:
     """The config's batch size, epochs, learning rate and clip norm where it gives them, else
-    the rule of the module docstring, from N (and, recorded only, the image size, class count,
-    model and epsilon of `config`)."""
+    the rule of the module docstring.
+
+    Args:
+      config: a `FinetuneConfig` (its None recipe fields are chosen here).
+      num_examples, image_size, num_classes: N, the model's input side, K.
+
+    Returns:
+      The `FinetuneRecipe`, with what was chosen and from what.
+
+    Formal guarantee: a function of public quantities only (N is public under zero-out
+    neighbours; the image size, class count, model and epsilon are arguments): choosing it
+    costs no privacy.
+    """
     inputs = (f"N = {num_examples}, {image_size} px, {num_classes} classes, {config.model}, "
               f"epsilon {config.epsilon:g}")
     chosen = {}

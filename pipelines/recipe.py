@@ -86,9 +86,19 @@ def backbone_normalization(backbone: dict | None) -> tuple[str, int | None]:
 
 
 def total_step_size(epsilon: float, delta: float, num_examples: int) -> float:
-    """The linear scaling rule's r = lr x T for full-batch momentum 0.9 at (epsilon, delta) on
-    N examples: R_PER_MU_N x mu x N, mu the Gaussian-DP mu of min(epsilon, 8) (epsilon inf, the
-    non-private reference, takes epsilon 8's r). A function of public quantities only."""
+    """The linear scaling rule's r = lr x T for full-batch momentum 0.9.
+
+    Args:
+      epsilon, delta: the run's target (epsilon inf, the non-private reference, takes
+        epsilon 8's r).
+      num_examples: N, the train split's size.
+
+    Returns:
+      R_PER_MU_N x mu x N, mu the Gaussian-DP mu of (min(epsilon, 8), delta).
+
+    Formal guarantee: a function of public quantities only (N is public under zero-out
+    neighbours); choosing r with it costs no privacy.
+    """
     mu = accounting.gdp_mu(min(epsilon, SATURATION_EPSILON), delta)
     return R_PER_MU_N * mu * num_examples
 
@@ -170,9 +180,21 @@ class ProbeRecipe:
 
 
 def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
-    """The recipe of `run_probe(config)` on a store whose train split has `train_attrs`: the
-    config's choices where it makes them, else the defaults above. Reads only public
-    quantities: the backbone's provenance, N, delta."""
+    """The recipe of `run_probe(config)`: the config's choices where it makes them, else the
+    defaults above.
+
+    Args:
+      config: a `ProbeConfig` (its None fields are chosen here).
+      train_attrs: the store's train split attributes (only the backbone's provenance is read).
+      num_examples: N.
+
+    Returns:
+      The `ProbeRecipe`, with what was chosen and why.
+
+    Formal guarantee: reads only public quantities (the backbone's provenance, N, delta and
+    the config); no feature or label, so the choice costs no privacy
+    (`tests/test_privacy.py` runs the defaults on D and D minus one row).
+    """
     chosen = {}
     normalization, groups = config.normalization, config.groups
     if normalization is None:

@@ -92,10 +92,17 @@ def randomness(seed: int | None, drives: str) -> dict:
 
 def warnings(train_attrs: dict | None = None, *, delta: float | None = None,
              num_examples: int | None = None) -> list[str]:
-    """What a user must know about a job's guarantee or its features, read off public inputs
-    only (delta, N, the store's backbone provenance): a delta of at least 1/N, and features of
-    a randomly initialized backbone. Jobs print them, record them in their results as
-    "warnings", and the plots show them."""
+    """What a user must know about a job's guarantee or its features: a delta of at least 1/N,
+    and features of a randomly initialized backbone. Jobs print them, record them in their
+    results as "warnings", and the plots show them.
+
+    Args:
+      train_attrs: the store's train split attributes (its backbone provenance), if any.
+      delta, num_examples: the job's delta and N, if any.
+
+    Returns:
+      The warnings, as sentences; read off public inputs only.
+    """
     out = []
     if delta is not None and num_examples and delta >= 1.0 / num_examples:
         suggested = 10.0 ** -(math.ceil(math.log10(num_examples)) + 1)

@@ -143,12 +143,24 @@ class SearchDecision:
 def decide_search(*, num_trained: int, num_scored: int, epsilon: float, delta: float,
                   eps0: float, eps_select: float | None, trials: int,
                   scoring: str) -> SearchDecision:
-    """Whether a private search pays, from public quantities only (N, the sizes of the trained
-    and scored parts, the budgets, the trial count): it does when one trial's score is precise
-    to MAX_SCORE_NOISE (the count noise sqrt(2 trials) / mu_select over the scored examples;
-    with "holdout" the counts take the whole mu, with "public" they are exact) and a stage-0
-    trial, at mu_0 / sqrt(trials), still trains (mu_trial N >= MIN_TRIAL_MU_N). Otherwise the
-    search would choose r by noise: the whole budget is better spent on the default recipe.
+    """Whether a private search pays: it does when one trial's score is precise to
+    MAX_SCORE_NOISE (the count noise sqrt(2 trials) / mu_select over the scored examples; with
+    "holdout" the counts take the whole mu, with "public" they are exact) and a stage-0 trial,
+    at mu_0 / sqrt(trials), still trains (mu_trial N >= MIN_TRIAL_MU_N). Otherwise the search
+    would choose r by noise: the whole budget is better spent on the default recipe.
+
+    Args:
+      num_trained, num_scored: sizes of the part trials train on and of the part they are
+        scored on (N, a holdout split's parts, or the public validation set).
+      epsilon, delta, eps0, eps_select: the job's budget, stage 0's, the counts'.
+      trials: trials per stage.
+      scoring: "train", "holdout" or "public".
+
+    Returns:
+      A `SearchDecision` whose reason says which and why, in words a user can act on.
+
+    Formal guarantee: a function of public quantities only (sizes, budgets, counts of
+    trials); deciding costs no privacy.
     """
     mu_trial = accounting.gdp_mu(eps0, delta) / math.sqrt(trials)
     trial_mu_n = mu_trial * num_trained
