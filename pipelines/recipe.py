@@ -34,6 +34,7 @@ delta. Choosing from them costs no privacy; nothing here reads a feature or a la
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import accounting
 
@@ -45,6 +46,7 @@ __all__ = [
     "SCATTERNET_MAX_GROUPS",
     "ProbeRecipe",
     "backbone_normalization",
+    "decide_standardization",
     "probe_recipe",
     "total_step_size",
 ]
@@ -56,6 +58,11 @@ SCATTERNET_MAX_GROUPS = 27
 R_PER_MU_N = 0.011
 # Past this epsilon the rule's r stops growing (and the non-private reference takes its r).
 SATURATION_EPSILON = 8.0
+# tune's private standardization pays when its released mean is this precise, per feature of
+# unit variance: std sqrt(2) / mu_std x (norm bound) / N. On digits (N = 1,438, d = 324) at
+# 0.20 (epsilon 3) tune with it beat the default probe by 0.3 point; at 0.54 (epsilon 1) it
+# lost 4.7 points (`benchmarks/tune_decision.py`). Fashion-MNIST: 0.09 at epsilon 0.5.
+MAX_STANDARDIZATION_NOISE = 0.25
 PROBE_STEPS = 300
 PROBE_OPTIMIZER = "momentum"
 MAX_LEARNING_RATE = 6.0  # for momentum 0.9 (module docstring); sgd: 10x
@@ -83,6 +90,39 @@ def backbone_normalization(backbone: dict | None) -> tuple[str, int | None]:
             groups = max(g for g in range(1, SCATTERNET_MAX_GROUPS + 1) if channels % g == 0)
             return "group", groups
     return "none", None
+
+
+def decide_standardization(asked: bool | None, epsilon: float | None, delta: float,
+                           norm_bound: float, num_examples: int) -> tuple[bool, str]:
+    """Whether `dpprobe tune` standardizes its features privately, and why.
+
+    Args:
+      asked: `--standardize` (True), `--no-standardize` (False), or None: decide.
+      epsilon, delta: the standardization's budget.
+      norm_bound: the per-example normalization's norm bound (inf: none, which cannot be
+        standardized: the releases' sensitivity is that bound).
+      num_examples: N of the rows standardized.
+
+    Returns:
+      (standardize, the reason in words). When not asked, it standardizes when the released
+      mean's noise per feature, sqrt(2) / mu x bound / N, is at most MAX_STANDARDIZATION_NOISE.
+
+    Formal guarantee: a function of public quantities only; deciding costs no privacy.
+    """
+    if asked is not None and not (asked and not math.isfinite(norm_bound)):
+        return asked, "asked for (--standardize)" if asked else "off (--no-standardize)"
+    if not math.isfinite(norm_bound):
+        if asked:
+            raise ValueError("standardization needs a per-example normalization that bounds "
+                             "each example's norm (group or l2), the sensitivity of its releases")
+        return False, "off: the features have no norm bound (no per-example normalization)"
+    noise = math.sqrt(2.0) / accounting.gdp_mu(epsilon, delta) * norm_bound / num_examples
+    if noise > MAX_STANDARDIZATION_NOISE:
+        return False, (f"off: with N = {num_examples} and epsilon {epsilon:.3g} the released "
+                       f"means would carry noise of std {noise:.2g} per feature (more than "
+                       f"{MAX_STANDARDIZATION_NOISE:g}); --standardize forces it")
+    return True, (f"on: the released means carry noise of std {noise:.2g} per feature "
+                  "(--no-standardize turns it off)")
 
 
 def total_step_size(epsilon: float, delta: float, num_examples: int) -> float:

@@ -192,10 +192,13 @@ def tune_report(results: dict) -> str:
     spec, standardization = results["probe"], results.get("standardization")
     normalization = spec["normalization"] + (
         f" ({spec['groups']} groups)" if spec["normalization"] == "group" else "")
+    standardization = standardization or {}
     lines = [f"recipe: per-example normalization {normalization}, "
-             + ("no standardization" if not standardization else
+             + ("no standardization" if "epsilon" not in standardization else
                 f"private feature standardization (epsilon {standardization['epsilon']:.4g})")
-             + f", {spec['optimizer']}"]
+             + f", {spec['optimizer']}"
+             + (f"; standardization {standardization['decision']}"
+                if standardization.get("decision") else "")]
     for stage in results["stages"]:
         lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
                      f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "

@@ -247,10 +247,9 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
                            normalization=normalization, groups=groups or 1)
     bound = probe.normalized_norm_bound(normalization, x.shape[-1])
-    standardize = math.isfinite(bound) if config.standardize is None else config.standardize
-    if standardize and not math.isfinite(bound):
-        raise ValueError(f"standardization needs a per-example normalization that bounds each "
-                         f"example's norm (group or l2), not {normalization!r}")
+    standardize, why = recipe.decide_standardization(
+        config.standardize, config.eps_standardize, delta, bound, len(train_y))
+    log(f"tune: private standardization {why}", quiet)
     eps_standardize = config.eps_standardize if standardize else None
     budget = (search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select,
                                   eps_standardize) if searching
@@ -327,8 +326,9 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     total = ledger.epsilon(delta)
     return records.header("tune", config.store, train_attrs, test_attrs) | {
         "probe": spec.to_dict(),
-        "standardization": None if standardizer is None else (
-            {"epsilon": eps_standardize, "data": training_data} | standardizer.to_dict()),
+        "standardization": {"decision": why} if standardizer is None else (
+            {"epsilon": eps_standardize, "data": training_data, "decision": why}
+            | standardizer.to_dict()),
         "method": ("linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD"
                    if searching else "the default recipe's r (no search), full-batch DP-SGD"),
         "warnings": warnings,

@@ -75,10 +75,24 @@ def test_tune_on_small_data_spends_the_whole_budget_on_the_default_recipe(digits
     results = json.loads(out.read_text())
     assert results["stages"] == [] and results["search"]["kind"] == "none"
     roles = [entry["role"] for entry in results["ledger"]["entries"]]
-    assert roles == ["standardization", "final"]  # nothing spent on a search
+    assert roles == ["final"]  # nothing spent on a search, nor on a standardization this noisy
+    assert results["standardization"]["decision"].startswith("off: with N = 1438 and epsilon "
+                                                              "0.2 the released means would")
     assert results["ledger"]["epsilon"] == pytest.approx(2.0, abs=1e-6)
     assert results["chosen"]["r"] == pytest.approx(recipe.total_step_size(
         results["privacy"]["epsilon_final_alone"], 1e-5, 1438))
+
+
+def test_standardization_is_decided_from_its_noise():
+    noise = math.sqrt(2) / accounting.gdp_mu(0.3, 1e-5) * 18.0 / 1438  # digits, epsilon 3
+    assert recipe.decide_standardization(None, 0.3, 1e-5, 18.0, 1438) == (
+        True, f"on: the released means carry noise of std {noise:.2g} per feature "
+              "(--no-standardize turns it off)")
+    assert not recipe.decide_standardization(None, 0.1, 1e-5, 18.0, 1438)[0]  # epsilon 1
+    assert recipe.decide_standardization(True, 0.1, 1e-5, 18.0, 1438)[0]  # asked for
+    assert not recipe.decide_standardization(None, 0.3, 1e-5, math.inf, 1438)[0]
+    with pytest.raises(ValueError, match="needs a per-example normalization"):
+        recipe.decide_standardization(True, 0.3, 1e-5, math.inf, 1438)
 
 
 def test_a_clipped_r_is_explained_with_what_to_do():
