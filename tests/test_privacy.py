@@ -37,7 +37,8 @@ ALLOWED = [
     # The defaults' learning rates are a function of N (public): r = 0.011 mu N (recipe.py).
     r"recipe\.(num_examples|learning_rates\.[\w.]+\[\*\])", r"summary\[\*\]\.learning_rate",
     r"ledger\.entries\[\*\]\.name",  # a probe run's name holds its learning rate
-    r"search\.(decision|score_noise)",  # tune's decision: from N and the budgets
+    r"search\.(decision|score_noise)",  # tune's decisions: from N and the budgets
+    r"standardization\.decision",
 ]
 
 
@@ -210,8 +211,8 @@ def test_same_seed_draws_different_noise_and_the_seed_is_never_written(digits_st
         model = tmp_path / f"{name}.npz"
         assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2",
                          "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
-                         "--groups", "27", "--seed", "12345", "--out", str(out),
-                         "--model", str(model), "--quiet"]) == 0
+                         "--groups", "27", "--seed", "12345", "--search", "random",
+                         "--out", str(out), "--model", str(model), "--quiet"]) == 0
         outputs.append((json.loads(out.read_text()), np.load(model)["w"]))
     (a, w_a), (b, w_b) = outputs
     # Same seed, same r proposals of stage 0 (the seed drives only them) ...

@@ -85,7 +85,7 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
     monkeypatch.setattr(probe, "make_keys", recording)
     tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
                                  r_range=(1, 10), seed=7, quiet=True,
-                                 search="grid")
+                                 search="grid", standardize=True)
     # standardization (1 key for its two releases), 2 + 2 trials, the final run
     assert len(seen) == 6 and len(set(seen)) == 6
 
