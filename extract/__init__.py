@@ -1,7 +1,8 @@
 """dpprobe's feature extractor: a frozen backbone, run once, into a chunked Zarr store.
 
 Modules, in the order data flows through them:
-  sources     data specs and `open_source` (datasets: the file readers; splits: what they yield)
+  sources     data specs and `open_source` (datasets: the file readers; hf: Hugging Face
+              `datasets` folders and cache; splits: what they yield)
   backbones   the frozen models (timm, ScatterNet)
   extractor   `extract_split`: a source through a backbone into a store, resumably
   store       the store's format and invariants (writer: `SplitWriter`; read: `load_split`,

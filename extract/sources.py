@@ -1,9 +1,11 @@
 """Data sources: a data spec names one, `open_source` opens its splits.
 
 A data spec is `fashion-mnist`, `digits`, `npz:PATH`, `imagefolder:PATH`, `cifar10:PATH` /
-`cifar100:PATH` (the python-pickle batches directory); the file formats are read by
-`extract.datasets`. `from_torch_dataset` wraps any torch `Dataset` (Python API). Every split
-carries a sha256 fingerprint of its exact content, which goes into the store's provenance.
+`cifar100:PATH` (the python-pickle batches directory), or `hf:PATH_OR_NAME[:SPLIT][?image=COL&
+label=COL]` (Hugging Face `datasets`: a `save_to_disk` folder or a dataset of the local cache,
+`extract.hf`); the file formats are read by `extract.datasets`. `from_torch_dataset` wraps
+any torch `Dataset` (Python API). Every split carries a sha256 fingerprint of its exact content,
+which goes into the store's provenance.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from extract.datasets import (
     read_npz_features,
     read_npz_images,
 )
+from extract.hf import parse_hf_spec, read_hf
 from extract.splits import ImageSplit, PrecomputedSplit, _sha256
 
 __all__ = [
@@ -39,7 +42,8 @@ __all__ = [
     "parse_data_spec",
 ]
 
-SOURCES = ("fashion-mnist", "digits", "npz", "imagefolder", "cifar10", "cifar100")
+SOURCES = ("fashion-mnist", "digits", "npz", "imagefolder", "cifar10", "cifar100", "hf")
+_WITH_PATH = ("npz", "imagefolder", "cifar10", "cifar100", "hf")
 
 
 def parse_data_spec(spec: str) -> tuple[str, str | None]:
@@ -47,8 +51,8 @@ def parse_data_spec(spec: str) -> tuple[str, str | None]:
     kind, sep, path = spec.partition(":")
     if kind not in SOURCES:
         raise ValueError(f"unknown data source {spec!r}; expected one of {', '.join(SOURCES)} "
-                         "(npz, imagefolder, cifar10 and cifar100 take ':PATH')")
-    if kind in ("npz", "imagefolder", "cifar10", "cifar100") and not path:
+                         "(npz, imagefolder, cifar10, cifar100 and hf take ':PATH')")
+    if kind in _WITH_PATH and not path:
         raise ValueError(f"data source {kind!r} needs a path: {kind}:PATH")
     if kind in ("fashion-mnist", "digits") and sep:
         raise ValueError(f"data source {kind!r} takes no path (use --data-dir)")
@@ -89,6 +93,8 @@ def open_source(
         splits = read_digits()
     elif kind in ("cifar10", "cifar100"):
         splits = read_cifar(Path(path), kind)
+    elif kind == "hf":
+        splits = read_hf(parse_hf_spec(path), split=split, num_classes=num_classes)
     else:
         name = split if split and split != "all" else "train"
         if split == "all":

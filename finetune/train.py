@@ -289,11 +289,19 @@ def print_progress(total_steps: int, expected_batch: float, views: int,
     throughput and, if given, the epsilon spent so far (`epsilon_at(steps)`).
 
     The throughput counts the *expected* batch size q N (times K views) per step: the sampled
-    sizes are kept secret (revealing them is not covered by the accounting)."""
+    sizes are kept secret (revealing them is not covered by the accounting). The first step's
+    line says how long it took: it includes compiling the step (about 46 s for a ViT on a
+    CPU), which would otherwise pass in silence."""
     every = every or max(1, total_steps // 20)
     start = time.perf_counter()
+    first = [True]
 
     def report(step: int):
+        if first[0]:  # the first step compiles the training step: say how long that took
+            first[0] = False
+            print(f"step {step}/{total_steps} took {time.perf_counter() - start:.1f} s "
+                  "(it compiled the training step; later steps reuse it)", file=stream,
+                  flush=True)
         if step % every and step != total_steps:
             return
         seconds = max(time.perf_counter() - start, 1e-9)

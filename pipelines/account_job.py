@@ -6,6 +6,7 @@ import dataclasses
 
 import accounting
 from pipelines import config as cfg
+from pipelines import records
 
 __all__ = ["AccountConfig", "account"]
 
@@ -21,6 +22,7 @@ class AccountConfig:
     steps: int = 1
     sampling_probability: float = 1.0
     accountant: str = "pld"
+    num_examples: int | None = None  # the dataset size N, to warn when delta >= 1/N
 
     def __post_init__(self):
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -34,6 +36,8 @@ class AccountConfig:
                    steps=cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS),
                    sampling_probability=cfg.check_number(
                        "sampling_probability", self.sampling_probability, 0, 1))
+        if self.num_examples is not None:
+            cfg.check_int("num_examples", self.num_examples)
 
 
 def account(config: AccountConfig | None = None, /, **options) -> dict:
@@ -59,4 +63,5 @@ def account(config: AccountConfig | None = None, /, **options) -> dict:
         "accountant": config.accountant,
         "neighboring_relation": accounting.NEIGHBORING_RELATION,
         "dp_event": accounting.event_to_dict(plan.dp_event()),
+        "warnings": records.warnings(delta=config.delta, num_examples=config.num_examples),
     }

@@ -14,13 +14,10 @@ from pipelines.tune_job import TuneConfig
 
 EPILOG = """\
 Privacy: every epsilon is for zero-out neighbours (one record replaced by a null record; the
-dataset size N is public), computed from the DpEvent of what ran, with the PLD accountant unless
---accountant rdp. Noise and batch sampling always draw from OS entropy.
-"""
+dataset size N is public), computed from the DpEvent of what ran, with the PLD accountant{}.
+Noise and batch sampling always draw from OS entropy."""
 
-# ----------------------------------------------------------------------------------------------
-# Types
-# ----------------------------------------------------------------------------------------------
+# ---- Types ---------------------------------------------------------------------------------------
 
 
 def _number(text: str) -> float:
@@ -110,9 +107,7 @@ class _RangeEnd(argparse.Action):
         setattr(namespace, self.dest, tuple(bounds))
 
 
-# ----------------------------------------------------------------------------------------------
-# Options of each command
-# ----------------------------------------------------------------------------------------------
+# ---- Options of each command ---------------------------------------------------------------------
 
 
 def extract(p) -> None:
@@ -198,11 +193,11 @@ def _model(p) -> None:
     p.add_argument("--clip-norm", type=_number, help="per-example clip norm C (default 1)")
     p.add_argument("--normalize", dest="normalization", choices=NORMALIZATIONS, metavar="NORM",
                    help="%(choices)s: per-example feature normalization (costs no privacy; "
-                   "default: none for probe; for tune, from the store's backbone: group over "
-                   "ScatterNet's channel groups, else none)")
+                   "default: from the store's backbone: group over ScatterNet's channel "
+                   "groups, else none)")
     p.add_argument("--groups", type=_integer,
-                   help="groups of --normalize group (default 1; tune on ScatterNet: 27; for "
-                   "tune, --groups alone means --normalize group)")
+                   help="groups of --normalize group (default 1; on ScatterNet: 27); "
+                   "--groups alone means --normalize group")
 
 
 def probe(p) -> None:
@@ -216,12 +211,12 @@ def probe(p) -> None:
     p.add_argument("--seeds", type=_integer,
                    help="independent runs per config, each with fresh noise (default 3)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
-                   help="%(choices)s: update rule on the privatized gradient (default adam)")
-    p.add_argument("--steps", type=_integers,
-                   help="full-batch steps T, comma-separated to sweep (default 1)")
+                   help="%(choices)s: update rule on the privatized gradient (default momentum)")
+    p.add_argument("--steps", type=_integers, help="full-batch steps T, comma-separated to "
+                   "sweep (default 300; 1 with --optimizer adam, sign or lamb)")
     p.add_argument("--lr", dest="learning_rates", type=_numbers, metavar="LR",
-                   help="learning rate(s), comma-separated (default: adam/sign/lamb 1e-3, "
-                   "sgd and momentum 1)")
+                   help="learning rate(s), comma-separated (default: momentum and sgd r / T per "
+                   "epsilon, r by the linear scaling rule from epsilon, delta and N; 1e-3 else)")
     _model(p)
     p.add_argument("--bias-init", type=_number,
                    help="initial bias (default 0 for softmax, -10 for sigmoid)")
@@ -251,7 +246,7 @@ def probe(p) -> None:
 
 
 def tune(p) -> None:
-    from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
+    from pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
 
     p.add_argument("store", help="feature store written by `dpprobe extract`")
     p.add_argument("--epsilon", type=_number, required=True,
@@ -262,8 +257,9 @@ def tune(p) -> None:
     p.add_argument("--eps1", type=_number,
                    help="budget of the second search stage (default epsilon/10)")
     p.add_argument("--trials", type=_integer, help="trials per stage (default 5)")
-    p.add_argument("--search", choices=SEARCHES,
-                   help="random (log-uniform) or grid search over r (default random)")
+    p.add_argument("--search", choices=SEARCH_CHOICES, help="auto: search when N and epsilon "
+                   "let it tell r apart, else spend all on the default r (default); random "
+                   "(log-uniform) or grid search over r; none: never search")
     p.add_argument("--r-min", dest="r_range", type=_number, action=_RangeEnd, end=0,
                    help="smallest r of stage 0 (default 1)")
     p.add_argument("--r-max", dest="r_range", type=_number, action=_RangeEnd, end=1,
@@ -316,6 +312,8 @@ def account(p) -> None:
     p.add_argument("--sampling-probability", "-q", type=_number,
                    help="Poisson sampling rate q (default 1: full batch)")
     p.add_argument("--accountant", choices=ACCOUNTANTS, help="privacy accountant (default pld)")
+    p.add_argument("--num-examples", type=_integer, metavar="N",
+                   help="the dataset size N (public): warns when delta >= 1/N")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -369,21 +367,21 @@ def finetune(p) -> None:
     p.add_argument("--delta", type=_number, help=f"target delta (default {d.delta:g})")
     p.add_argument("--accountant", choices=ACCOUNTANTS, help="privacy accountant (default pld)")
     p.add_argument("--batch-size", type=_integer,
-                   help=f"expected batch size B: Poisson rate q = B/N (default {d.batch_size})")
+                   help="expected batch size B, q = B/N (default: largest 2^k <= N/5, <= 2048)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=_number,
-                        help=f"training length in epochs, T = epochs N / B (default {d.epochs:g})")
+                        help="length in epochs, T = epochs N / B (default: 30, or T >= 300)")
     length.add_argument("--steps", type=_integer, help="training length in steps T")
     p.add_argument("--lr", dest="learning_rate", type=_number,
-                   help=f"learning rate (default {d.learning_rate:g})")
+                   help="learning rate (default 4 sqrt(B / 2048): 4 at B = 2048)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
                    help=f"%(choices)s (default {d.optimizer})")
     p.add_argument("--momentum", type=_number, help=f"momentum (default {d.momentum:g})")
     p.add_argument("--schedule", choices=("constant", "cosine"),
                    help=f"learning-rate schedule (default {d.schedule})")
     p.add_argument("--warmup-steps", type=_integer, help="linear warm-up steps (default 0)")
-    p.add_argument("--clip-norm", type=_number, help=f"per-example clip norm C "
-                   f"(default {d.clip_norm:g})")
+    p.add_argument("--clip-norm", type=_number, help="per-example clip norm C "
+                   "(default 0.1)")
     p.add_argument("--augmult", type=_integer, help=f"augmentation multiplicity K: views per "
                    f"example, averaged before clipping (default {d.augmult})")
     p.add_argument("--crop-padding", type=_integer,
@@ -419,8 +417,8 @@ def demo(p) -> None:
     p.add_argument("--out", dest="out_dir", help="output directory (default runs/demo)")
     p.add_argument("--data", choices=DEMO_DATA,
                    help="force a dataset (default: fashion-mnist if installed, else digits)")
-    p.add_argument("--seeds", type=_integer, help="seeds per epsilon (default 3)")
-    p.add_argument("--quiet", dest="progress", action="store_false")
+    p.add_argument("--seeds", type=_integer, help="runs per epsilon (default 1)")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="only the report")
 
 
 # The parser texts of each command (help, description, epilog).
@@ -440,14 +438,14 @@ TEXTS = {
         description="DP-SGD on a whole model (Flax NNX): Poisson-sampled batches, per-example "
         "clipping, augmentation multiplicity, EMA (De et al.; Beltran et al.). Reports the "
         "test accuracy at the (epsilon, delta) it spent.",
-        epilog=EPILOG,
+        epilog=EPILOG.format(" unless --accountant rdp"),
     ),
     "probe": dict(
         allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
         help="train DP linear probes on a feature store over a sweep of epsilons",
         description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
         "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
-        epilog=EPILOG,
+        epilog=EPILOG.format(" unless --accountant rdp"),
     ),
     "tune": dict(
         allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
@@ -455,12 +453,12 @@ TEXTS = {
         description="Panda et al.'s linear scaling rule: search r = lr x T at budgets eps0 "
         "and eps1, fit r = alpha * epsilon + b, extrapolate, train the final full-batch "
         "DP-SGD probe with the remaining budget. The total epsilon includes every trial.",
-        epilog=EPILOG,
+        epilog=EPILOG.format(""),
     ),
     "account": dict(
         help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
         description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
-        epilog=EPILOG,
+        epilog=EPILOG.format(" unless --accountant rdp"),
     ),
     "audit": dict(
         help="measure the privacy a probe's mechanism at least lacks, with canaries",
@@ -485,10 +483,10 @@ TEXTS = {
         "completion of every split.",
     ),
     "demo": dict(
-        help="extract the embedded default data and run the epsilon sweep",
-        description="Fashion-MNIST (Debian's dataset-fashion-mnist) or, when absent, "
-        "scikit-learn digits -> ScatterNet features -> full-batch DP-SGD with momentum "
-        "(T=20) over epsilon in {0.5, 1, 2, 4, 8, inf}, delta 1e-5, 3 seeds.",
-        epilog=EPILOG,
+        help="show the privacy/utility trade-off: extract, sweep epsilon, tune privately",
+        description="Fashion-MNIST (or, when absent, digits) -> ScatterNet features (reused "
+        "by later runs) -> dpprobe probe's defaults at epsilon 0.5, 1, 2, 4, 8 and without "
+        "noise (table, plot) -> dpprobe tune at epsilon 3, every cost paid; delta 1e-5.",
+        epilog=EPILOG.format(""),
     ),
 }

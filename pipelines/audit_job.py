@@ -18,7 +18,8 @@ import numpy as np
 import accounting
 import extract
 from pipelines import config as cfg
-from pipelines import preflight, records, reporting
+from pipelines import plots, preflight, records, reporting
+from pipelines.progress import RateProgress
 from pipelines.reporting import log
 
 __all__ = ["AuditConfig", "run_audit"]
@@ -125,10 +126,12 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     log(f"audit: {config.runs} runs with the canary and {config.runs} without, "
         f"{config.optimizer}, T={config.steps}, on {len(features)} rows + the canary", quiet)
     train_start = time.perf_counter()
-    scores = {side: probe.train_canary_runs(features, labels, [run] * config.runs, spec,
-                                            include=side == "in",
-                                            runs_per_call=config.runs_per_call)
-              for side in ("in", "out")}
+    progress = RateProgress("audit", 2 * config.runs, "runs", quiet)
+    scores = {side: probe.train_canary_runs(
+        features, labels, [run] * config.runs, spec, include=side == "in",
+        runs_per_call=config.runs_per_call,
+        progress=lambda done, offset=offset: progress(offset + done))
+        for side, offset in (("in", 0), ("out", config.runs))}
     train_seconds = time.perf_counter() - train_start
 
     # Bounds, each at `confidence`, at the claim's delta.
@@ -194,11 +197,12 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
             "row_sample": "drawn from OS entropy; the indices are not written",
         } | records.randomness(None, ""),
         "note": NOTE,
+        "warnings": records.warnings(train_attrs),  # features of a random-init backbone
     }
     if config.out:
         reporting.write_json(config.out, results)
     if config.plot:
-        reporting.plot_audit(results, config.plot)
+        plots.plot_audit(results, config.plot)
     results["scores"] = scores
     results["wall_seconds"] = time.perf_counter() - start
     return results

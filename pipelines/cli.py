@@ -47,6 +47,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _extract(config: ExtractConfig, args) -> int:
     reports = run_extract(config)
+    if not config.progress:  # --quiet: the final report only (else the job has said it)
+        from pipelines.extract_job import report_line
+
+        print("\n".join(report_line(config.out, r, config.dtype) for r in reports))
     if config.shard is not None:
         return 0  # a shard finished its chunks; the split completes with the last shard
     return 0 if all(r.complete for r in reports) else 1
@@ -83,6 +87,8 @@ def _tune(config: TuneConfig, args) -> int:
 
 def _finetune(config: FinetuneConfig, args) -> int:
     results = run_finetune(config)
+    if results.get("already_complete"):
+        print(f"already complete: {results['already_complete']}")
     print(reporting.finetune_line(results))
     if "audit" in results:
         print(reporting.finetune_audit_line(results["audit"]))
@@ -100,6 +106,9 @@ def _account(config: AccountConfig, args) -> int:
 def _audit(config: AuditConfig, args) -> int:
     results = run_audit(config)
     print(reporting.audit_report(results))
+    for path in (config.out, config.plot):
+        if path:
+            print(f"wrote {path}")
     return 1 if results["claim_refuted"] else 0
 
 
@@ -116,9 +125,7 @@ def _export(config: ExportConfig, args) -> int:
 
 
 def _demo(config: DemoConfig, args) -> int:
-    results = run_demo(config)
-    print(reporting.probe_table(results))
-    print(f"wrote {config.out_dir}/results.json", file=sys.stderr)
+    print(reporting.demo_report(run_demo(config)))
     return 0
 
 
@@ -152,7 +159,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="dpprobe",
         description="Differentially private transfer learning on images: extract frozen-"
         "backbone features once into a Zarr cache, then train DP linear probes on it.",
-        epilog=arguments.EPILOG,
+        epilog=arguments.EPILOG.format(" (RDP on request)"),
     )
     parser.add_argument("--version", action="version", version=f"dpprobe {records.VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -24,6 +24,7 @@ __all__ = [
     "check_int",
     "check_ints",
     "check_number",
+    "check_unique",
     "make_config",
 ]
 
@@ -100,6 +101,16 @@ def check_ints(field: str, values: Iterable, low: int = 1, high: int = MAX_STEPS
         except ConfigError as err:
             raise ConfigError(field, f"each {err.reason}") from None
     return tuple(int(v) for v in values)
+
+
+def check_unique(field: str, values: tuple) -> tuple:
+    """`values` if no value repeats: a sweep trains each value once, and a repeated one would
+    merge its runs into one row of the table (more seeds than asked)."""
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ConfigError(field, f"{', '.join(_show(v) for v in repeated)} given more than "
+                          "once; give each value once (use --seeds for more runs of one)")
+    return values
 
 
 def check_groups(groups: int | None, normalization: str) -> None:

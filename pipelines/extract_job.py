@@ -4,6 +4,7 @@ shard of a multi-process job, or as Ray tasks."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import extract
 from pipelines import config as cfg
@@ -25,7 +26,7 @@ class ExtractConfig:
     """
 
     backbone: str
-    data: str
+    data: str | Any  # a data spec, or a torch Dataset (Python API)
     out: str
     split: str | None = None
     data_dir: str | None = None
@@ -85,22 +86,36 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     """Extract embeddings of a data source into the feature store `config.out`.
 
     Takes an `ExtractConfig`, or its fields as keywords. `out` must be a new path or a dpprobe
-    store: anything else is refused before any work. Returns one `ExtractReport` per split.
+    store: anything else is refused before any work. `data` is a data spec or, from Python,
+    any torch `Dataset` of (image, label) pairs (`extract.from_torch_dataset`; its `classes`,
+    or `num_classes`, declare the class list; `split` names its split). Returns one
+    `ExtractReport` per split; with progress on, each also says how it ended.
     """
     config = cfg.make_config(ExtractConfig, config, None, **options)
     extract.check_out_path(config.out)
     if config.ray:
         preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
-        return run_extract_ray(config)
-    return _extract_local(config, shard=config.shard)
+        reports = run_extract_ray(config)
+    else:
+        reports = _extract_local(config, shard=config.shard)
+    for report in reports:
+        log(report_line(config.out, report, config.dtype), quiet=not config.progress)
+    return reports
 
 
 def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
     """The calls into `extract`: open the data and the backbone, then extract every split (or
     create it, empty) and return their reports."""
     precomputed = config.backbone == "none"
-    splits = extract.open_source(config.data, split=config.split, data_dir=config.data_dir,
-                                 precomputed=precomputed, num_classes=config.num_classes)
+    if isinstance(config.data, str):
+        splits = extract.open_source(config.data, split=config.split, data_dir=config.data_dir,
+                                     precomputed=precomputed, num_classes=config.num_classes)
+    else:  # a torch Dataset (Python API)
+        if precomputed:
+            raise ValueError("--backbone none reads an npz of features, not a torch Dataset")
+        name = config.split if config.split not in (None, "all") else "train"
+        splits = {name: extract.from_torch_dataset(config.data, split=name,
+                                                   num_classes=config.num_classes)}
     model = None
     if not precomputed:
         model = extract.create_backbone(
@@ -122,18 +137,27 @@ def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
 
 
 def _extract_local(config: ExtractConfig, *, shard=None) -> list:
-    """Extract every split (one shard of each with `shard`), saying how each one ended."""
-    reports = _extract_splits(config, shard=shard, only_create=False)
-    for report in reports:
-        state = "complete" if report.complete else "INCOMPLETE"
-        if shard is not None and not report.complete:
-            state = "shard done; the split completes when every shard has run"
-        log(f"{config.out}/{report.split}: {report.num_examples} x {report.feature_shape} "
-            f"({config.dtype}), {report.chunks_written}/{report.num_chunks} chunks written"
-            f"{' (resumed)' if report.resumed else ''}"
-            f"{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}",
-            quiet=not config.progress)
-    return reports
+    """Extract every split (one shard of each with `shard`)."""
+    return _extract_splits(config, shard=shard, only_create=False)
+
+
+def report_line(out: str, report, dtype: str) -> str:
+    """How one split's extraction ended, in plain words: written, resumed, or already there."""
+    shard, done = report.shard, report.num_chunks - report.chunks_written
+    chunks = f"{report.num_chunks} chunk{'s' if report.num_chunks != 1 else ''}"
+    if report.chunks_written == 0 and report.complete:
+        work = (f"{'all' if report.num_chunks > 1 else 'its'} {chunks} already extracted by an "
+                "earlier run; reused, nothing to do")
+    elif report.resumed and done:
+        work = (f"resumed: {done} of {chunks} already extracted, {report.chunks_written} "
+                "written now")
+    else:
+        work = f"{report.chunks_written}/{chunks} written"
+    state = "complete" if report.complete else "INCOMPLETE"
+    if shard is not None and not report.complete:
+        state = "shard done; the split completes when every shard has run"
+    return (f"{out}/{report.split}: {report.num_examples} x {report.feature_shape} ({dtype}), "
+            f"{work}{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}")
 
 
 def _ray_shard(config: ExtractConfig, shard: tuple[int, int]) -> list:
@@ -177,7 +201,4 @@ def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
                       if r.split == report.split)
         complete = extract.finalize_split(config.out, report.split)
         reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
-        log(f"{config.out}/{report.split}: {report.num_examples} x {report.feature_shape}, "
-            f"{written}/{report.num_chunks} chunks written by {shards} Ray tasks, "
-            f"{'complete' if complete else 'INCOMPLETE'}", not config.progress)
     return reports

@@ -8,16 +8,18 @@ train (checkpointed, resumable) -> evaluate the model and its EMA -> record.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
 import accounting
 from pipelines import config as cfg
-from pipelines import model_files, preflight, records, reporting
+from pipelines import files, model_files, preflight, records, reporting
+from pipelines.finetune_data import load_images
+from pipelines.finetune_recipe import finetune_recipe
 from pipelines.reporting import log
 
 __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
@@ -29,6 +31,8 @@ _FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
 # Canaries of one audited run (each is an extra training row), and their kinds.
 MAX_CANARIES = 10_000_000
 AUDIT_KINDS = ("gradient", "image")
+# In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
+OPTIONS_FILE = ".dpprobe-finetune-options.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,8 @@ class FinetuneConfig:
       batch_size: the expected logical batch B (Poisson rate q = B / N).
       epochs, steps: the length (T = ceil(epochs N / B) unless `steps` is given).
       learning_rate, optimizer, momentum, schedule, warmup_steps, clip_norm: the DP-SGD recipe.
+        `batch_size`, `epochs`, `learning_rate` and `clip_norm` left None are chosen from
+        public quantities (`pipelines.finetune_recipe`) and recorded with the results.
       augmult, crop_padding, flip: K views per example (crops of the padded image, flips).
       ema_decay: EMA of the parameters (0 turns it off).
       physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
@@ -76,18 +82,19 @@ class FinetuneConfig:
     epsilon: float = 3.0
     delta: float = 1e-5
     accountant: str = "pld"
-    # The defaults: Tramer & Boneh's recipe for their CNN, measured here at 86.4% on
-    # Fashion-MNIST at (3, 1e-5) (README, "dpprobe finetune"); augmentation multiplicity (K = 2,
-    # crops and flips) trailed it at equal steps, so it is off by default.
-    batch_size: int = 2048
-    epochs: float = 30.0
+    # None: chosen from public quantities (`pipelines.finetune_recipe`: Tramer & Boneh's recipe
+    # for their CNN at large N, measured here at 86.4% on Fashion-MNIST at (3, 1e-5), scaled
+    # down for small N); augmentation multiplicity (K = 2, crops and flips) trailed it at equal
+    # steps, so it is off by default.
+    batch_size: int | None = None
+    epochs: float | None = None
     steps: int | None = None
-    learning_rate: float = 4.0
+    learning_rate: float | None = None
     optimizer: str = "momentum"
     momentum: float = 0.9
     schedule: str = "constant"
     warmup_steps: int = 0
-    clip_norm: float = 0.1
+    clip_norm: float | None = None
     augmult: int = 1
     crop_padding: int = 0
     flip: bool = False
@@ -106,14 +113,13 @@ class FinetuneConfig:
 
     def __post_init__(self):
         cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
-                   delta=cfg.check_delta("delta", self.delta),
-                   learning_rate=cfg.check_number("learning_rate", self.learning_rate, 0),
-                   clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-                   epochs=cfg.check_number("epochs", self.epochs, 0))
-        for name in ("batch_size", "physical_batch_size", "augmult", "devices",
-                     "checkpoint_every"):
+                   delta=cfg.check_delta("delta", self.delta))
+        for name in ("learning_rate", "clip_norm", "epochs"):
+            if getattr(self, name) is not None:
+                cfg.freeze(self, **{name: cfg.check_number(name, getattr(self, name), 0)})
+        for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every"):
             cfg.check_int(name, getattr(self, name))
-        for name in ("steps", "resize", "crop", "microbatch_size"):
+        for name in ("batch_size", "steps", "resize", "crop", "microbatch_size"):
             if getattr(self, name) is not None:
                 cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
         cfg.check_int("warmup_steps", self.warmup_steps, 0)
@@ -144,6 +150,10 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
     out = Path(config.out) if config.out else None
     if out is not None:
+        finished = _finished_run(out, config)
+        if finished is not None:
+            log(f"already complete: {out / 'results.json'}", config.quiet)
+            return finished
         for name in ("results.json", model_files.MODEL_FILE):
             preflight.check_output_paths(**{"--out": out / name})
     start = time.perf_counter()
@@ -151,7 +161,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input.
     model_is_timm = config.model not in finetune.models.MODEL_NAMES
-    train, test, class_names = _load_images(config, rgb=model_is_timm)
+    train, test, class_names = load_images(config, rgb=model_is_timm)
     num_real, num_classes = len(train[1]), len(class_names)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
@@ -159,20 +169,28 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head.
     model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
 
+    # The recipe: what the config gives, else chosen from public quantities (N, size, model).
+    chosen = finetune_recipe(config, num_examples=num_real, image_size=image_size,
+                             num_classes=num_classes)
+    log(chosen.describe(), quiet)
+    warnings = records.warnings(delta=config.delta, num_examples=num_examples)
+    for warning in warnings:
+        log(f"warning: {warning}", quiet)
+
     # Calibrate: q = B / N, T steps, sigma for (epsilon, delta).
-    q = min(1.0, config.batch_size / num_examples)
+    q = min(1.0, chosen.batch_size / num_examples)
     # Epochs over the real records (an audited run takes the steps of the run it audits).
-    steps = config.steps or max(1, math.ceil(config.epochs * num_real / (q * num_examples)))
+    steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
     if math.isinf(config.epsilon):
-        sigma, clip = 0.0, config.clip_norm
+        sigma, clip = 0.0, chosen.clip_norm
     else:
         sigma = accounting.calibrate_noise_multiplier(
             config.epsilon, config.delta, steps=steps, sampling_probability=q,
             accountant=config.accountant)
-        clip = config.clip_norm
+        clip = chosen.clip_norm
     plan = accounting.DpPlan(sigma, steps, q, clip)
     spec = finetune.FinetuneSpec(
-        num_classes, optimizer=config.optimizer, learning_rate=config.learning_rate,
+        num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
         momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
         augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
         ema_decay=config.ema_decay or None, mean=mean, std=std)
@@ -180,15 +198,14 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
                                    microbatch_size=config.microbatch_size,
                                    mixed_precision=config.mixed_precision, devices=config.devices)
     log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
-        f"B = {config.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
+        f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
         f"K = {config.augmult}", quiet)
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
     if out is not None:
-        public = dataclasses.asdict(config) | {"quiet": None, "out": None}
         checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
-                                             config=public)
+                                             config=_options(config))
         if checkpointer.latest_step() is not None:
             log(f"resuming from {out / 'checkpoint'} at step {checkpointer.latest_step()}", quiet)
 
@@ -196,6 +213,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         return (accounting.DpPlan(sigma, done, q, clip).epsilon(config.delta, config.accountant)
                 if sigma else math.inf)
 
+    log("finetune: compiling the training step (the first step includes it)", quiet)
     progress = None if quiet else finetune.print_progress(
         steps, q * num_examples, config.augmult, epsilon_at,
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
@@ -231,7 +249,10 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
                  "num_train": num_real, "num_test": len(test[1]),
                  "image_size": image_size, "channels": channels},
         "model": model_info,
-        "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags),
+        "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
+            "batch_size": chosen.batch_size, "epochs": chosen.epochs,
+            "clip_norm": chosen.clip_norm, "chosen": chosen.chosen},
+        "warnings": warnings,
         "privacy": {
             "epsilon": plan.epsilon(config.delta, config.accountant) if plan.is_private
             else math.inf,
@@ -242,7 +263,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             "neighboring_relation": accounting.NEIGHBORING_RELATION,
             "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
             "dataset_size_public": True,
-            "sampling": f"Poisson, q = {q:g} (expected batch {config.batch_size})",
+            "sampling": f"Poisson, q = {q:g} (expected batch {chosen.batch_size})",
         } | records.randomness(config.seed, "the model's initialization"
                                 + (" and the audit's canaries' in/out coins"
                                    if audit else "")),
@@ -269,49 +290,43 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             timm_architecture=model_info.get("architecture"))
         results["model_file"] = str(out / model_files.MODEL_FILE)
         reporting.write_json(out / "results.json", results)
+        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
+        os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
         checkpointer.close()
         shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
     return results
 
 
-def _load_images(config: FinetuneConfig, *, rgb: bool):
-    """(train images, labels), (test images, labels), class names: uint8 NHWC at the model's
-    input size. Resizing is a function of each image alone (no privacy cost)."""
-    import extract
-
-    if config.test_data is None:
-        splits = extract.open_source(config.data, data_dir=config.data_dir)
-    else:
-        splits = (extract.open_source(config.data, split="train", data_dir=config.data_dir)
-                  | extract.open_source(config.test_data, split="test",
-                                        data_dir=config.data_dir))
-    missing = {"train", "test"} - set(splits)
-    if missing:
-        raise ValueError(f"{config.data} has no {' or '.join(sorted(missing))} split; give the "
-                         "test split of a one-split source (npz:, imagefolder:) with --test-data")
-    if splits["train"].class_names != splits["test"].class_names:
-        raise ValueError("the train and test data declare different classes")
-    out = []
-    for name in ("train", "test"):
-        split = splits[name]
-        out.append((_as_array(split, config.resize, config.crop, rgb),
-                    split.labels.astype(np.int32)))
-    return out[0], out[1], list(splits["train"].class_names)
+def _options(config: FinetuneConfig) -> dict:
+    """The options that make a run what it is (not where it writes, not how much it prints)."""
+    return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
+                                 default=str))
 
 
-def _as_array(split, resize: int | None, crop: int | None, rgb: bool) -> np.ndarray:
-    """The split as uint8 (N, S, S, C): as stored when no resize or crop is asked and the
-    images are square arrays; else each image resized (short side to `resize`, bicubic) and
-    center-cropped (to `crop`, or to a square) by `finetune.images`."""
-    from finetune.images import as_channels, images_to_array
-
-    array = split.array
-    if array is None or resize or crop or array.shape[1] != array.shape[2]:
-        array = np.concatenate([
-            images_to_array(split.images(range(start, min(start + 1024, len(split)))), resize,
-                            crop, rgb)
-            for start in range(0, len(split), 1024)])
-    return as_channels(array, rgb)
+def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
+    """The results of the finished run in `out` when it ran with `config`'s options; None when
+    `out` holds no finished run. A finished run with other options is refused (one line)."""
+    results_file = out / "results.json"
+    if not results_file.is_file():
+        return None
+    try:
+        results = json.loads(results_file.read_text())
+        finished = results.get("job") == "finetune"
+    except (OSError, ValueError, AttributeError):
+        return None  # not a run of ours: the output checks refuse it
+    if not finished:
+        return None
+    try:
+        previous = json.loads((out / OPTIONS_FILE).read_text())
+    except (OSError, ValueError):
+        previous = None
+    if previous != _options(config):
+        differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
+            sorted(k for k in set(previous) | set(_options(config))
+                   if previous.get(k) != _options(config).get(k))) + ")")
+        raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
+                         "give a new --out to train another model")
+    return results | {"already_complete": str(results_file)}
 
 
 def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):

@@ -16,7 +16,7 @@ import numpy as np
 import accounting
 import extract
 from pipelines import config as cfg
-from pipelines import preflight, records, reporting
+from pipelines import plots, preflight, recipe, records, reporting
 from pipelines.reporting import log
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "ProbeConfig", "run_probe"]
@@ -39,6 +39,11 @@ class ProbeConfig:
     `math.inf` in `epsilons` trains a non-private reference (no noise, no guarantee).
 
     Attributes:
+      optimizer, steps, learning_rates, normalization: None (the defaults) chooses them from
+        public quantities (`pipelines.recipe`: the store's backbone, N, epsilon, delta):
+        GroupNorm on ScatterNet features, full-batch momentum, T = 300, lr = r / T per epsilon
+        by the linear scaling rule. A given optimizer other than sgd/momentum takes T = 1 and
+        its default learning rate unless told.
       stream: stream the train split from disk chunk by chunk (None: when it would take more
         than a quarter of the machine's memory as float32).
       devices: shard rows over this many local devices (default 1).
@@ -55,13 +60,13 @@ class ProbeConfig:
     epsilons: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
     delta: float = 1e-5
     seeds: int = 3
-    optimizer: str = "adam"
-    steps: tuple[int, ...] = (1,)
+    optimizer: str | None = None
+    steps: tuple[int, ...] | None = None
     learning_rates: tuple[float, ...] | None = None
     loss: str = "softmax"
     clip_norm: float = 1.0
     accountant: str = "pld"
-    normalization: str = "none"
+    normalization: str | None = None
     groups: int | None = None
     bias_init: float | None = None
     sampling_probability: float = 1.0
@@ -76,24 +81,29 @@ class ProbeConfig:
     quiet: bool = False
 
     def __post_init__(self):
+        learning_rates = check_learning_rates(self.learning_rates)
         cfg.freeze(
             self, store=str(self.store),
-            epsilons=cfg.check_epsilons("epsilons", self.epsilons),
+            epsilons=cfg.check_unique("epsilons", cfg.check_epsilons("epsilons", self.epsilons)),
             delta=cfg.check_delta("delta", self.delta),
-            steps=cfg.check_ints("steps", self.steps),
-            learning_rates=check_learning_rates(self.learning_rates),
+            steps=None if self.steps is None else cfg.check_unique(
+                "steps", cfg.check_ints("steps", self.steps)),
+            learning_rates=learning_rates and cfg.check_unique("learning_rates", learning_rates),
             clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
             sampling_probability=cfg.check_number("sampling_probability",
                                                   self.sampling_probability, 0, 1),
         )
         cfg.check_int("seeds", self.seeds)
         cfg.check_int("physical_batch_size", self.physical_batch_size)
-        cfg.check_groups(self.groups, self.normalization)
+        if self.normalization is None and self.groups is not None:
+            cfg.freeze(self, normalization="group")  # --groups alone means group normalization
+        if self.normalization is not None:
+            cfg.check_groups(self.groups, self.normalization)
         if self.bias_init is not None:
             cfg.check_number("bias_init", self.bias_init)
         if self.devices is not None:
             cfg.check_int("devices", self.devices)
-        runs = (len(self.epsilons) * len(self.steps) * len(self.learning_rates or [None])
+        runs = (len(self.epsilons) * len(self.steps or [1]) * len(self.learning_rates or [None])
                 * self.seeds)
         if runs > MAX_RUNS:
             raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x "
@@ -142,23 +152,24 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     test_in_memory = not stream and not _too_big_for_memory(test_bytes)
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,
                                                  test_in_memory=test_in_memory)
-    import dp
     import probe  # already imported by `_read_splits`, while it read
 
     delta, accountant = config.delta, config.accountant
-    learning_rates = config.learning_rates or (dp.DEFAULT_LEARNING_RATES[config.optimizer],)
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
-    if delta >= 1.0 / num_examples:
-        log(f"warning: delta={delta:g} >= 1/N = {1 / num_examples:.3g}; "
-            "a meaningful guarantee usually needs delta << 1/N", quiet)
-    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
-                           bias_init=config.bias_init, normalization=config.normalization,
-                           groups=config.groups or 1)
+    # The recipe: what the config gives, else chosen from public quantities (pipelines.recipe).
+    chosen = recipe.probe_recipe(config, train_attrs, num_examples)
+    log(chosen.describe(config.epsilons), quiet)
+    warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
+    for warning in warnings:
+        log(f"warning: {warning}", quiet)
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=chosen.optimizer,
+                           bias_init=config.bias_init, normalization=chosen.normalization,
+                           groups=chosen.groups or 1)
 
     # Calibrate the noise of each (epsilon, T). epsilon = inf is the same recipe without noise
     # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
     plans = {}
-    for epsilon, num_steps in itertools.product(config.epsilons, config.steps):
+    for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
         sigma = accounting.calibrate_noise_multiplier(
             epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
             accountant=accountant,
@@ -168,14 +179,14 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
                                                       config.clip_norm)
 
     # Train every config in one program, then test.
-    grid = list(itertools.product(config.epsilons, config.steps, learning_rates,
-                                  range(config.seeds)))
+    grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
+        config.epsilons, chosen.steps, chosen.learning_rates or (None,), range(config.seeds))]
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
     result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
                                               stream=stream, num_examples=num_examples, dim=dim)
 
     # Record: DP outputs and public inputs only (pipelines.records).
-    run_records = [_run_record(config, e, plans[e, t], lr, k, metrics, i)
+    run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
                    for i, (e, t, lr, k) in enumerate(grid)]
     # Every run touched the same training data: choosing among them, or reporting a summary of
     # several, spends their composition. The summary rows say what each aggregate costs.
@@ -188,10 +199,14 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     for row in summary:
         row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
                                                row["num_seeds"], delta, accountant)
+        row["series"] = (f"T={row['steps']}, lr = r(epsilon) / T (linear scaling rule)"
+                         if chosen.scaled else None)
     q = config.sampling_probability
     results = records.header("probe", store, train_attrs, test_attrs) | {
         "wall_seconds": time.perf_counter() - start,
         "probe": spec.to_dict() | {"driver": driver},
+        "recipe": chosen.to_dict(config.epsilons),
+        "warnings": warnings,
         "privacy": {
             "delta": delta,
             "accountant": accountant,
@@ -217,7 +232,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     if config.csv:
         reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
     if config.plot:
-        reporting.plot_accuracy(summary, config.plot, title=reporting.plot_title(results))
+        plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
+                            warnings=warnings)
     if config.save_model:
         from pipelines import model_files
 
@@ -301,8 +317,8 @@ def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chun
     return result, metrics, driver
 
 
-def _run_record(config: ProbeConfig, epsilon: float, plan, lr: float, replicate: int, metrics,
-                i: int) -> dict:
+def _run_record(config: ProbeConfig, optimizer: str, epsilon: float, plan, lr: float,
+                replicate: int, metrics, i: int) -> dict:
     """One run's results: DP outputs and public inputs only."""
     delta, accountant = config.delta, config.accountant
     return {
@@ -313,7 +329,7 @@ def _run_record(config: ProbeConfig, epsilon: float, plan, lr: float, replicate:
         "clip_norm": plan.clip_norm,
         "steps": plan.steps,
         "sampling_probability": plan.sampling_probability,
-        "optimizer": config.optimizer,
+        "optimizer": optimizer,
         "learning_rate": lr,
         "replicate": replicate,
         "test_accuracy": float(metrics["top1"][i]),

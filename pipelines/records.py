@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import math
 
 __all__ = [
     "DIAGNOSTICS_WARNING",
@@ -25,6 +26,7 @@ __all__ = [
     "now",
     "public_split_attrs",
     "randomness",
+    "warnings",
 ]
 
 VERSION = importlib.metadata.version("dpprobe")
@@ -86,3 +88,30 @@ def randomness(seed: int | None, drives: str) -> dict:
         "seed": "given" if seed is not None else "none",
         "seed_drives": (f"only {drives}, never a mechanism" if seed is not None else None),
     }
+
+
+def warnings(train_attrs: dict | None = None, *, delta: float | None = None,
+             num_examples: int | None = None) -> list[str]:
+    """What a user must know about a job's guarantee or its features: a delta of at least 1/N,
+    and features of a randomly initialized backbone. Jobs print them, record them in their
+    results as "warnings", and the plots show them.
+
+    Args:
+      train_attrs: the store's train split attributes (its backbone provenance), if any.
+      delta, num_examples: the job's delta and N, if any.
+
+    Returns:
+      The warnings, as sentences; read off public inputs only.
+    """
+    out = []
+    if delta is not None and num_examples and delta >= 1.0 / num_examples:
+        suggested = 10.0 ** -(math.ceil(math.log10(num_examples)) + 1)
+        out.append(f"delta = {delta:g} >= 1/N = {1 / num_examples:.3g}: a mechanism that "
+                   "publishes a few records outright meets such a delta; choose delta well "
+                   f"below 1/N (e.g. --delta {suggested:g})")
+    backbone = (train_attrs or {}).get("backbone") or {}
+    if backbone.get("weights_source") == "random-init":
+        out.append(f"the features come from a RANDOMLY INITIALIZED backbone "
+                   f"({backbone.get('name')}, seed {backbone.get('seed')}): they carry no "
+                   "pretrained knowledge; fine for tests, meaningless for accuracy")
+    return out

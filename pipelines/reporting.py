@@ -14,23 +14,21 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.files import atomic_write_bytes, atomic_write_text
+from pipelines.files import atomic_write_text
 
 __all__ = [
-    "accuracy_error_bars",
     "account_line",
     "audit_report",
+    "demo_report",
     "format_epsilon",
     "format_store_info",
     "format_table",
     "log",
-    "plot_accuracy",
-    "plot_audit",
-    "plot_title",
     "probe_table",
     "summarize_runs",
     "tune_report",
     "verify_report",
+    "warning_lines",
     "write_csv",
     "write_json",
 ]
@@ -137,70 +135,6 @@ def pm(mean: float | None, std: float | None, scale: float = 100.0, digits: int 
     return f"{mean * scale:.{digits}f} ± {(std or 0.0) * scale:.{digits}f}"
 
 
-def plot_accuracy(summary: Sequence[dict], path, *, title: str = "") -> None:
-    """PNG of test accuracy (mean ± std over seeds) vs epsilon, with the non-private line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in summary:
-        groups[(row.get("steps"), row.get("learning_rate"))].append(row)
-    ticks = set()
-    for index, ((num_steps, lr), rows) in enumerate(groups.items()):
-        color = f"C{index % 10}"
-        label = f"T={num_steps}, lr={lr:g}"
-        private = sorted((r for r in rows if math.isfinite(r["epsilon"])),
-                         key=lambda r: r["epsilon"])
-        if private:
-            ticks.update(r["epsilon"] for r in private)
-            means = [100 * r["test_accuracy_mean"] for r in private]
-            stds = [100 * r["test_accuracy_std"] for r in private]
-            ax.errorbar(
-                [r["epsilon"] for r in private], means, yerr=accuracy_error_bars(means, stds),
-                marker="o", capsize=3, label=label, color=color,
-            )
-            for r, mean in zip(private, means, strict=True):
-                if r.get("epsilon_row") is not None:  # what this point (a mean) costs
-                    ax.annotate(f"{r['epsilon_row']:.3g}", (r["epsilon"], mean), fontsize=7,
-                                xytext=(3, -10), textcoords="offset points", color=color)
-        for r in rows:
-            if not math.isfinite(r["epsilon"]):
-                ax.axhline(100 * r["test_accuracy_mean"], linestyle="--", color=color,
-                           alpha=0.7, label=f"non-private ({label})")
-    ax.set_xscale("log")
-    ax.margins(x=0.1)  # room for the epsilon labels beside the last points
-    if ticks:
-        ax.set_xticks(sorted(ticks), [f"{t:g}" for t in sorted(ticks)])
-        ax.minorticks_off()
-    ax.set_xlabel("epsilon")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save_png(fig, path)
-
-
-def _save_png(fig, path) -> None:
-    """Write a matplotlib figure as PNG, atomically, and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    # The Software tag lets a later run recognize (and replace) its own plot, and only that.
-    fig.savefig(buffer, format="png", metadata={"Software": "dpprobe"})
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
-def accuracy_error_bars(means: Sequence[float], stds: Sequence[float]) -> np.ndarray:
-    """Asymmetric (2, n) error bars of mean +- std, clipped to accuracies in [0, 100]."""
-    means, stds = np.asarray(means, float), np.asarray(stds, float)
-    return np.stack([np.minimum(stds, means), np.minimum(stds, 100.0 - means)])
-
-
 def probe_table(results: dict) -> str:
     """The printed table: epsilon per run and of the row (its seeds composed), noise
     multiplier, steps, lr, accuracy mean ± std; the non-private reference labelled as such."""
@@ -228,6 +162,10 @@ def probe_table(results: dict) -> str:
     ]
     if (results.get("probe") or {}).get("num_classes", 6) <= 5:
         columns.pop()  # top-5 of at most 5 classes is always 100%: not shown
+    if all(_same_epsilon(row["epsilon"], row.get("epsilon_spent")) for row in results["summary"]):
+        columns.remove(("eps spent", "epsilon_spent"))  # it would repeat the first column
+    if all(row.get("num_seeds") == 1 for row in results["summary"]):
+        columns.remove(("eps of row (seeds composed)", "epsilon_row"))  # so would this one
     privacy = results["privacy"]
     header = (
         f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
@@ -241,18 +179,12 @@ def probe_table(results: dict) -> str:
               f"delta={privacy['delta']:g}")
     if private < ledger["num_mechanisms"]:
         footer += "; the non-private reference has no guarantee"
-    return header + "\n" + format_table(rows, columns) + "\n" + footer
+    return "\n".join([header, format_table(rows, columns), footer, *warning_lines(results)])
 
 
-def plot_title(results: dict) -> str:
-    """The accuracy plot's title: data, backbone, optimizer, privacy, the composed epsilon."""
-    backbone = results["provenance"]["train"].get("backbone", {}).get("name", "?")
-    dataset = results["provenance"]["train"].get("dataset", {}).get("name", "?")
-    return (f"{dataset} / {backbone}: {results['probe']['optimizer']}, "
-            f"delta={results['privacy']['delta']:g} ({results['privacy']['accountant'].upper()}, "
-            f"zero-out)\nx: epsilon per run; beside each point: its epsilon (seeds composed)"
-            f"\nall private points together: epsilon "
-            f"{format_epsilon(results['ledger']['epsilon_by_role'].get('private', 0.0))}")
+def _same_epsilon(asked: float, spent: float | None) -> bool:
+    """Whether a run spent its target epsilon, as printed (4 significant digits)."""
+    return spent is None or not math.isfinite(asked) or f"{asked:.4g}" == f"{spent:.4g}"
 
 
 def tune_report(results: dict) -> str:
@@ -260,10 +192,13 @@ def tune_report(results: dict) -> str:
     spec, standardization = results["probe"], results.get("standardization")
     normalization = spec["normalization"] + (
         f" ({spec['groups']} groups)" if spec["normalization"] == "group" else "")
+    standardization = standardization or {}
     lines = [f"recipe: per-example normalization {normalization}, "
-             + ("no standardization" if not standardization else
+             + ("no standardization" if "epsilon" not in standardization else
                 f"private feature standardization (epsilon {standardization['epsilon']:.4g})")
-             + f", {spec['optimizer']}"]
+             + f", {spec['optimizer']}"
+             + (f"; standardization {standardization['decision']}"
+                if standardization.get("decision") else "")]
     for stage in results["stages"]:
         lines.append(f"stage {stage['stage']}: epsilon {stage['epsilon_stage']:.4g} for the "
                      f"stage ({stage['epsilon_per_trial']:.4g} per trial), best r = "
@@ -273,13 +208,13 @@ def tune_report(results: dict) -> str:
             ("r", "r"), ("lr", "learning_rate"), ("steps", "steps"),
             ("noise mult", "noise_multiplier"), ("score % (DP)", "score")]))
     line, chosen, final = results["line"], results["chosen"], results["final"]
-    kind = line.get("extrapolation", "linear")
-    fit = (f"r = {line['alpha']:.4g} * epsilon + {line['b']:.4g}" if kind != "log"
-           else f"r = r1 (epsilon / eps1)^{line['exponent']:.3g}")
-    lines.append(f"linear scaling ({kind}): {fit} -> r* = {line['r_star']:.4g} at the final "
-                 f"run's epsilon {results['privacy']['epsilon_final_alone']:.4g}"
-                 + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else "")
-                 + (" (clipped to the searched range)" if line.get("clipped") else ""))
+    lines.insert(1, results["search"].get("decision") or "")
+    if results["stages"]:
+        lines.append(_line_report(line, results["privacy"]["epsilon_final_alone"]))
+    else:
+        lines.append(f"default recipe: r = {line['r_star']:.4g} (the linear scaling rule "
+                     f"r = 0.011 x mu x N at the final run's epsilon "
+                     f"{results['privacy']['epsilon_final_alone']:.4g})")
     lines.append(f"final run: lr = {chosen['learning_rate']:.4g}, T = {chosen['steps']}, "
                  f"noise multiplier = {chosen['noise_multiplier']:.4g} -> test accuracy "
                  f"{100 * final['test_accuracy']:.2f}%"
@@ -296,7 +231,33 @@ def tune_report(results: dict) -> str:
                  f"epsilon = {ledger['epsilon']:.4f}; Gaussian DP mu = {ledger['gdp_mu']:.4g} "
                  f"(epsilon {ledger['gdp_epsilon']:.4f}); basic composition epsilon = "
                  f"{ledger['basic_composition_epsilon']:.4f}")
-    return "\n".join(lines)
+    return "\n".join(lines + warning_lines(results))
+
+
+def warning_lines(results: dict) -> list[str]:
+    """The job's warnings (`records.warnings`), one line each, for the end of its report."""
+    return [f"warning: {warning}" for warning in results.get("warnings") or ()]
+
+
+def _line_report(line: dict, epsilon_final: float) -> str:
+    """The fitted line and r*, and, when r* was clipped, what that means and what to do."""
+    kind = line.get("extrapolation", "linear")
+    fit = (f"r = {line['alpha']:.4g} * epsilon + {line['b']:.4g}" if kind != "log"
+           else f"r = r1 (epsilon / eps1)^{line['exponent']:.3g}")
+    text = (f"linear scaling ({kind}): {fit} -> r* = {line['r_star']:.4g} at the final run's "
+            f"epsilon {epsilon_final:.4g}"
+            + (" (fit not positive: kept stage 1's best r)" if line["fallback_used"] else ""))
+    if line.get("clipped"):
+        low, high = line["searched"]
+        above = (line.get("r_line") or line["r_star"]) > line["r_star"]
+        text += (f"\n  the line gave r = {line.get('r_line', float('nan')):.4g}, "
+                 f"{'above' if above else 'below'} the r the search tried "
+                 f"([{low:.3g}, {high:.3g}]), so the final run uses {line['r_star']:.4g}, the "
+                 "nearest r it tried: an r the search never scored would be a guess. If the "
+                 f"trials' best r sat at that edge, rerun with --r-{'max' if above else 'min'} "
+                 f"{(high * 3) if above else (low / 3):.3g} to search further, or "
+                 "--extrapolation linear to follow the line")
+    return text
 
 
 def format_store_info(store, summary: dict) -> str:
@@ -340,9 +301,10 @@ def account_line(result: dict) -> str:
     """What `dpprobe account` prints: the noise multiplier, the steps and the epsilon."""
     q = result["sampling_probability"]
     sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
-    return (f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
-            f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
-            f"({result['accountant'].upper()}, zero-out neighbours)")
+    return "\n".join([
+        f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
+        f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
+        f"({result['accountant'].upper()}, zero-out neighbours)", *warning_lines(result)])
 
 
 def audit_report(results: dict) -> str:
@@ -371,54 +333,7 @@ def audit_report(results: dict) -> str:
          if results["claim_refuted"] else "consistent with the claim: no lower bound exceeds it"),
         results["note"],
     ]
-    return "\n".join(lines)
-
-
-def plot_audit(results: dict, path) -> None:
-    """PNG of an audit: the two score histograms with the tests' thresholds, and the empirical
-    trade-off curve (FNR against FPR) beside the claimed Gaussian-DP curve and the one of the
-    lower bound."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from scipy import stats
-
-    claim, bounds, histogram = results["claim"], results["bounds"], results["histogram"]
-    fig, (scores_ax, tradeoff_ax) = plt.subplots(1, 2, figsize=(10.5, 4.2), dpi=120)
-    edges = np.asarray(histogram["edges"])
-    for side, color in (("out", "C0"), ("in", "C3")):
-        scores_ax.stairs(histogram[side], edges, fill=True, alpha=0.45, color=color,
-                         label=f"{side} (canary {'in' if side == 'in' else 'replaced by null'})")
-    scores_ax.axvline(bounds["gdp_threshold"], color="k", linestyle="--", linewidth=1,
-                      label="Gaussian-DP test threshold")
-    scores_ax.axvline(bounds["cp_threshold"], color="k", linestyle=":", linewidth=1,
-                      label="Clopper-Pearson test threshold")
-    scores_ax.set_xlabel("score: -<w[d, :], u> / lr")
-    scores_ax.set_ylabel("models")
-    scores_ax.legend(fontsize=7)
-    fpr = np.linspace(0.0, 1.0, 401)
-    for mu, style, label in (
-            (claim["gdp_mu"], "-",
-             f"claimed: mu = {claim['gdp_mu']:.3f} (eps {claim['epsilon']:.3g})"),
-            (bounds["gdp_mu_lower"], "--",
-             f"lower bound: mu = {bounds['gdp_mu_lower']:.3f} (eps "
-             f"{bounds['gdp_epsilon_lower']:.3g})")):
-        tradeoff_ax.plot(fpr, stats.norm.cdf(stats.norm.isf(fpr) - mu), style, color="k",
-                         linewidth=1, label=label)
-    tradeoff = results["tradeoff"]
-    tradeoff_ax.plot(tradeoff["fpr"], tradeoff["fnr"], color="C3", label="empirical")
-    tradeoff_ax.set_xlabel("false positive rate (type I)")
-    tradeoff_ax.set_ylabel("false negative rate (type II)")
-    tradeoff_ax.set_xlim(0, 1)
-    tradeoff_ax.set_ylim(0, 1)
-    tradeoff_ax.set_aspect("equal")
-    tradeoff_ax.legend(fontsize=7)
-    audit = results["audit"]
-    fig.suptitle(f"audit: {audit['optimizer']}, T={claim['steps']}, {audit['runs_per_side']} "
-                 f"runs per side, delta={claim['delta']:g} (PLD, zero-out); "
-                 f"{100 * bounds['confidence']:g}% lower bounds", fontsize=9)
-    _save_png(fig, path)
+    return "\n".join(lines + warning_lines(results))
 
 
 def finetune_line(results: dict) -> str:
@@ -426,10 +341,12 @@ def finetune_line(results: dict) -> str:
     privacy = results["privacy"]
     ema = results.get("test_accuracy_ema")
     ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
-    return (f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
-            f"{100 * results['test_accuracy']:.2f}%{ema_text} at (epsilon "
-            f"{privacy['epsilon']:.3g}, delta {privacy['delta']:g}), {privacy['accountant']}, "
-            f"{privacy['neighboring_relation_text']}; {results['wall_seconds']:.0f} s")
+    return "\n".join([
+        f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
+        f"{100 * results['test_accuracy']:.2f}%{ema_text} at (epsilon "
+        f"{privacy['epsilon']:.3g}, delta {privacy['delta']:g}), {privacy['accountant']}, "
+        f"{privacy['neighboring_relation_text']}; {results['wall_seconds']:.0f} s",
+        *warning_lines(results)])
 
 
 def finetune_audit_line(audit: dict) -> str:
@@ -451,3 +368,29 @@ def finetune_audit_line(audit: dict) -> str:
             f"{audit['delta']:g}; claimed {audit['claimed_epsilon']:.3f} (ratio "
             f"{audit['ratio']:.3f}); AUROC {audit['auroc']:.3f}; {verdict}; the model is an "
             "audit model (trained with the canaries)")
+
+
+def demo_report(results: dict) -> str:
+    """What `dpprobe demo` prints: the trade-off table, the tuned run beside the published
+    reference, the files it wrote and how long it took."""
+    tune, privacy = results["tune"], results["tune"]["privacy"]
+    lines = [probe_table(results["sweep"]), "",
+             f"tuned privately: {100 * tune['final']['test_accuracy']:.2f}% test accuracy at "
+             f"total epsilon {privacy['epsilon_total']:.4f} (delta {privacy['delta']:g}), every "
+             f"cost paid ({tune['ledger']['num_mechanisms']} mechanisms in its ledger); "
+             + tune["search"]["decision"]]
+    published = results.get("published")
+    if published is not None:
+        lines.append(f"published reference: {published.label.replace(chr(10), ' ')}")
+    predictions = results.get("predictions") or []
+    if predictions:
+        lines.append(f"the tuned model on {len(predictions)} test images: " + ", ".join(
+            f"{p['prediction']} ({100 * p['probability']:.0f}%"
+            + (")" if p["prediction"] == p["label"] else f"; it is {p['label']})")
+            for p in predictions))
+    lines += [f"wrote {path}" for path in results["files"].values()]
+    features = ("reused the features extracted by an earlier run" if results["reused_features"]
+                else "features extracted")
+    lines.append(f"demo finished in {results['wall_seconds']:.0f} s ({features}: "
+                 f"{results['store']})")
+    return "\n".join(lines)

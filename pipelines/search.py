@@ -41,18 +41,30 @@ import accounting
 from accounting import validation
 
 __all__ = [
+    "SearchDecision",
     "StageResult",
     "Trial",
     "budget_split",
+    "decide_search",
+    "final_budget",
     "extrapolate",
     "fit_linear_scaling",
     "search_line",
     "EXTRAPOLATIONS",
     "SEARCHES",
+    "SEARCH_CHOICES",
     "SELECTIONS",
 ]
 
 SEARCHES: tuple[str, ...] = ("random", "grid")
+# `dpprobe tune --search`: decide from public quantities (auto), search, or never search (none).
+SEARCH_CHOICES: tuple[str, ...] = ("auto", *SEARCHES, "none")
+# A search must resolve accuracy differences of about this size (0.5 point) between its trials:
+# when the noise of one trial's score is larger, it picks at random.
+MAX_SCORE_NOISE = 0.005
+# ... and its stage-0 trials must learn something: mu_trial N below this (digits at epsilon 8:
+# 75) leaves a trial's model at the linear scaling rule's r = 0.011 mu N < 1.1, barely trained.
+MIN_TRIAL_MU_N = 100.0
 SELECTIONS: tuple[str, ...] = ("train", "holdout", "public")
 EXTRAPOLATIONS: tuple[str, ...] = ("linear", "clipped", "log")
 
@@ -118,6 +130,79 @@ def budget_split(epsilon: float, delta: float, eps0: float, eps1: float,
             "epsilon_final": accounting.gdp_epsilon(mu_final, delta)}
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchDecision:
+    """Whether `dpprobe tune` searches, and why, in a sentence a user can act on."""
+
+    search: bool
+    reason: str
+    score_noise: float | None  # std of one trial's noisy score, as an accuracy
+    trial_mu_n: float  # mu of one stage-0 trial times N
+
+
+def decide_search(*, num_trained: int, num_scored: int, epsilon: float, delta: float,
+                  eps0: float, eps_select: float | None, trials: int,
+                  scoring: str) -> SearchDecision:
+    """Whether a private search pays: it does when one trial's score is precise to
+    MAX_SCORE_NOISE (the count noise sqrt(2 trials) / mu_select over the scored examples; with
+    "holdout" the counts take the whole mu, with "public" they are exact) and a stage-0 trial,
+    at mu_0 / sqrt(trials), still trains (mu_trial N >= MIN_TRIAL_MU_N). Otherwise the search
+    would choose r by noise: the whole budget is better spent on the default recipe.
+
+    Args:
+      num_trained, num_scored: sizes of the part trials train on and of the part they are
+        scored on (N, a holdout split's parts, or the public validation set).
+      epsilon, delta, eps0, eps_select: the job's budget, stage 0's, the counts'.
+      trials: trials per stage.
+      scoring: "train", "holdout" or "public".
+
+    Returns:
+      A `SearchDecision` whose reason says which and why, in words a user can act on.
+
+    Formal guarantee: a function of public quantities only (sizes, budgets, counts of
+    trials); deciding costs no privacy.
+    """
+    mu_trial = accounting.gdp_mu(eps0, delta) / math.sqrt(trials)
+    trial_mu_n = mu_trial * num_trained
+    noise = None
+    if scoring != "public":
+        mu_count = accounting.gdp_mu(epsilon if scoring == "holdout" else eps_select, delta)
+        noise = math.sqrt(2 * trials) / mu_count / num_scored
+    if noise is not None and noise > MAX_SCORE_NOISE:
+        return SearchDecision(False, (
+            f"no search: with {num_scored} examples to score on, each trial's noisy score "
+            f"has a std of {100 * noise:.2g} accuracy points (a search needs below "
+            f"{100 * MAX_SCORE_NOISE:g} to tell r apart), so it would pick r by noise; the "
+            "whole budget goes to the default recipe instead (--search random forces one)"),
+            noise, trial_mu_n)
+    if trial_mu_n < MIN_TRIAL_MU_N:
+        return SearchDecision(False, (
+            f"no search: each of the {trials} stage-0 trials would get epsilon "
+            f"{accounting.gdp_epsilon(mu_trial, delta):.2g} on {num_trained} examples (mu N = "
+            f"{trial_mu_n:.3g} < {MIN_TRIAL_MU_N:g}), too little to train a model worth "
+            "comparing; the whole budget goes to the default recipe instead (--search random "
+            "forces one)"), noise, trial_mu_n)
+    return SearchDecision(True, (
+        f"search: each trial's score is precise to {100 * (noise or 0.0):.2g} accuracy points "
+        f"and each stage-0 trial trains with mu N = {trial_mu_n:.3g}, so a search can tell r "
+        "apart (--search none spends the whole budget on the default recipe)"),
+        noise, trial_mu_n)
+
+
+def final_budget(epsilon: float, delta: float, eps_standardize: float | None) -> dict:
+    """`budget_split` without a search: mu of the job, of the standardization and of the final
+    run, which gets everything else (Gaussian DP, exact)."""
+    validation.check_delta(delta)
+    mu = accounting.gdp_mu(validation.check_epsilon(epsilon, allow_inf=False), delta)
+    mu_standardize = (0.0 if eps_standardize is None
+                      else accounting.gdp_mu(eps_standardize, delta))
+    if mu_standardize >= mu:
+        raise ValueError(f"eps_standardize={eps_standardize:g} uses all of epsilon={epsilon:g}")
+    mu_final = math.sqrt(mu * mu - mu_standardize * mu_standardize) * (1.0 - 1e-9)
+    return {"mu": mu, "mu_standardize": mu_standardize, "mu_final": mu_final,
+            "epsilon_final": accounting.gdp_epsilon(mu_final, delta)}
+
+
 def fit_linear_scaling(eps0: float, r0: float, eps1: float, r1: float) -> tuple[float, float]:
     """(alpha, b) of the line r = alpha * epsilon + b through (eps0, r0) and (eps1, r1)."""
     alpha = (r1 - r0) / (eps1 - eps0)
@@ -139,7 +224,8 @@ def extrapolate(kind: str, eps0: float, r0: float, eps1: float, r1: float,
     Returns:
       {"r_star", "alpha", "b" (the linear fit, reported for every kind), "exponent" (log only),
       "fallback" (the r kept when the linear fit is not positive, else None), "clipped" (True
-      when "clipped" moved r*)}. All are functions of the stages' DP outputs.
+      when "clipped" moved r*), "r_line" (r* before clipping)}. All are functions of the
+      stages' DP outputs.
     """
     if kind not in EXTRAPOLATIONS:
         raise ValueError(f"extrapolation must be one of {EXTRAPOLATIONS}, got {kind!r}")
@@ -151,6 +237,7 @@ def extrapolate(kind: str, eps0: float, r0: float, eps1: float, r1: float,
     r_star = alpha * epsilon_final + intercept
     if not r_star > 0:
         out["fallback"] = r_star = r1
+    out["r_line"] = r_star
     if kind == "clipped":
         low, high = searched
         clipped = min(max(r_star, low), high)

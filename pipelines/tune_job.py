@@ -1,13 +1,11 @@
 """The tune job: private hyperparameter search with the linear scaling rule on a feature store
-(`pipelines.search` holds the algorithm), then the final probe, with the ledger of the whole job.
-"""
+(`pipelines.search`: the algorithm, and whether a search pays), then the final probe, ledger."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -16,8 +14,16 @@ import extract
 from pipelines import config as cfg
 from pipelines import preflight, recipe, records, reporting, search
 from pipelines.reporting import log
+from pipelines.tune_calls import (
+    correct_counts,
+    load_public_validation,
+    private_standardization,
+    test_metrics,
+    train_runs,
+)
 
-__all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation", "run_tune"]
+__all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation",
+           "private_standardization", "run_tune"]
 
 SCORING = {
     "train": "noisy correct counts on the training data (Gaussian, sensitivity 1), composed "
@@ -39,7 +45,9 @@ class TuneConfig:
       eps_select: budget of the noisy selection counts of both stages with selection "train"
         (default epsilon/20).
       trials: trials per stage.
-      search: "random" (log-uniform r) or "grid" (geometric grid of r).
+      search: "auto" (default: search when it pays, `pipelines.search.decide_search`, from
+        public quantities), "random" (log-uniform r), "grid" (geometric grid of r), or "none"
+        (spend the whole budget on the default recipe's r, `pipelines.recipe`).
       r_range: range of r for the first stage.
       extrapolation: how r* at the final run's epsilon is read off the two stages
         (`pipelines.search.extrapolate`: "linear" as Panda et al., "clipped" to the searched
@@ -73,7 +81,7 @@ class TuneConfig:
     eps1: float | None = None
     eps_select: float | None = None
     trials: int = 5
-    search: str = "random"
+    search: str = "auto"
     r_range: tuple[float, float] = (1.0, 1000.0)
     extrapolation: str = "clipped"
     steps_choices: tuple[int, ...] = (25, 50, 100)
@@ -151,8 +159,8 @@ class TuneConfig:
         if self.extrapolation not in search.EXTRAPOLATIONS:
             raise cfg.ConfigError("extrapolation", f"must be one of {search.EXTRAPOLATIONS}, "
                                   f"got {self.extrapolation!r}")
-        if self.search not in search.SEARCHES:
-            raise cfg.ConfigError("search", f"must be one of {search.SEARCHES}, got "
+        if self.search not in search.SEARCH_CHOICES:
+            raise cfg.ConfigError("search", f"must be one of {search.SEARCH_CHOICES}, got "
                                   f"{self.search!r}")
         # Fails fast when the search budgets leave nothing for the final run.
         search.budget_split(self.epsilon, self.delta, self.eps0, self.eps1, self.eps_select,
@@ -179,24 +187,6 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     return results
 
 
-def private_standardization(normalized, labels, spec, mu: float):
-    """The tune job's private feature standardization of `normalized` (features after
-    `spec`'s per-example normalization, which bounds their norm): `probe.private_standardizer`
-    at mu-GDP (two Gaussian releases of noise multiplier sqrt(2) / mu, each example clipped to
-    the normalization's norm bound; labels outside the class set make null rows, as in
-    training). Returns (standardizer, its DpPlan for the ledger)."""
-    import dp
-    import probe
-
-    bound = probe.normalized_norm_bound(spec.normalization, normalized.shape[-1])
-    sigma = math.sqrt(2.0) / mu
-    labels = np.asarray(labels)
-    standardizer = probe.private_standardizer(
-        normalized, noise_multiplier=sigma, clip_norm=bound, key=dp.make_keys(1)[0],
-        mask=dp.valid_labels(labels, spec.num_classes))
-    return standardizer, accounting.DpPlan(sigma, 2, 1.0, bound)
-
-
 def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None,
                           delta: float | None = None, /, **options) -> dict:
     """Tune r = lr x T privately with the linear scaling rule, then train the final probe.
@@ -220,26 +210,34 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     x, y, train_attrs = extract.load_split(config.store, "train", dtype=None)
     test_x, test_y, test_attrs = extract.load_split(config.store, "test", dtype=None)
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
-    if delta >= 1.0 / len(y):
-        log(f"tune: warning: delta={delta:g} >= 1/N = {1 / len(y):.3g}; a meaningful "
-            "guarantee usually needs delta << 1/N", quiet)
+    warnings = records.warnings(train_attrs, delta=delta, num_examples=len(y))
+    for warning in warnings:
+        log(f"tune: warning: {warning}", quiet)
     rng = np.random.default_rng(config.seed)  # data-independent choices only
+    # Search or not: decided from public quantities (N, the scored part's size, the budgets).
+    public = config.public_validation
+    if selection == "public" and isinstance(public, str):
+        public = load_public_validation(public, x.shape[-1])
+    num_scored = {"holdout": max(1, round(config.validation_fraction * len(y))),
+                  "public": len(public[1]) if public is not None else 0}.get(selection, len(y))
+    num_trained = len(y) - num_scored if selection == "holdout" else len(y)
+    decision = (search.decide_search(
+        num_trained=num_trained, num_scored=num_scored, epsilon=epsilon, delta=delta,
+        eps0=config.eps0, eps_select=config.eps_select, trials=config.trials,
+        scoring=selection) if config.search == "auto" else search.SearchDecision(
+        config.search != "none", f"{'no ' * (config.search == 'none')}search: asked for "
+        f"(--search {config.search})", None, 0.0))
+    searching, search_kind = decision.search, config.search.replace("auto", "random")
+    log(f"tune: {decision.reason}", quiet)
     training_data, scored_data = "all", "all"
-    if selection == "holdout":
+    if searching and selection == "holdout":
         train_idx, val_idx = search._validation_split(len(y), config.validation_fraction, rng)
         train_x, train_y, score_x, score_y = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
         training_data, scored_data = "train part", "validation part"
     elif selection == "public":
-        train_x, train_y = x, y
-        public = config.public_validation
-        score_x, score_y = (load_public_validation(public, x.shape[-1])
-                            if isinstance(public, str) else public)
+        train_x, train_y, (score_x, score_y) = x, y, public
     else:
         train_x, train_y, score_x, score_y = x, y, x, y
-    if len(score_y) < 1000:
-        log(f"tune: warning: trials are scored on only {len(score_y)} examples; their "
-            "accuracies are coarse (noisy counts add more), so the choice of r may be poor",
-            quiet)
     import probe
 
     normalization, groups = config.normalization, config.groups
@@ -248,16 +246,18 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer,
                            normalization=normalization, groups=groups or 1)
     bound = probe.normalized_norm_bound(normalization, x.shape[-1])
-    standardize = math.isfinite(bound) if config.standardize is None else config.standardize
-    if standardize and not math.isfinite(bound):
-        raise ValueError(f"standardization needs a per-example normalization that bounds each "
-                         f"example's norm (group or l2), not {normalization!r}")
+    standardize, why = recipe.decide_standardization(
+        config.standardize, config.eps_standardize, delta, bound, len(train_y))
+    log(f"tune: private standardization {why}", quiet)
     eps_standardize = config.eps_standardize if standardize else None
-    budget = search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select,
-                                 eps_standardize)
+    budget = (search.budget_split(epsilon, delta, config.eps0, config.eps1, config.eps_select,
+                                  eps_standardize) if searching
+              else search.final_budget(epsilon, delta, eps_standardize))
     # Noise of the counts, per stage (each stage scores `trials` models, sensitivity 1 each).
-    mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"])
-    count_sigma = math.sqrt(2 * config.trials) / mu_count if selection != "public" else 0.0
+    mu_count = (budget["mu"] * (1.0 - 1e-9) if selection == "holdout" else budget["mu_select"]
+                ) if searching else None
+    count_sigma = (math.sqrt(2 * config.trials) / mu_count
+                   if searching and selection != "public" else 0.0)
 
     ledger = accounting.PrivacyLedger()
 
@@ -278,7 +278,7 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
         train_spec = dataclasses.replace(spec, normalization="none", groups=1)
 
     def train(runs):
-        params = _train(train_x, train_y, runs, train_spec, quiet)
+        params = train_runs(train_x, train_y, runs, train_spec, quiet)
         return params if standardizer is None else standardizer.fold(params)
 
     # Search: two stages; every trial and every count recorded in the ledger.
@@ -287,8 +287,8 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
         log(f"tune: stage {stage}, {len(runs)} trials, r in [{min(t.r for t in settings):.3g}, "
             f"{max(t.r for t in settings):.3g}]", quiet)
         params = train(runs)
-        counts = _correct_counts(params, score_x, score_y,
-                                 None if selection == "public" else count_sigma, spec)
+        counts = correct_counts(params, score_x, score_y,
+                                None if selection == "public" else count_sigma, spec)
         if selection != "public":
             ledger.record(f"stage{stage}-selection", accounting.DpPlan(count_sigma, len(runs)),
                           role="selection", data=scored_data,
@@ -296,12 +296,16 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
                                     "(sensitivity 1)")
         return counts / len(score_y)
 
-    line = search.search_line(
-        run_stage, epsilon=epsilon, delta=delta, eps0=config.eps0, eps1=config.eps1,
-        trials=config.trials, r_range=config.r_range, steps_choices=config.steps_choices,
-        search=config.search, clip_norm=config.clip_norm, rng=rng, ledger=ledger,
-        eps_select=config.eps_select, training_data=training_data,
-        extrapolation=config.extrapolation, eps_standardize=eps_standardize)
+    if searching:
+        line = search.search_line(
+            run_stage, epsilon=epsilon, delta=delta, eps0=config.eps0, eps1=config.eps1,
+            trials=config.trials, r_range=config.r_range, steps_choices=config.steps_choices,
+            search=search_kind, clip_norm=config.clip_norm, rng=rng, ledger=ledger,
+            eps_select=config.eps_select, training_data=training_data,
+            extrapolation=config.extrapolation, eps_standardize=eps_standardize)
+    else:  # the default recipe's r (pipelines.recipe) at the final run's epsilon
+        line = {"stages": [], "r_star": recipe.total_step_size(budget["epsilon_final"], delta,
+                                                               len(train_y))}
 
     # Final run: the remaining budget, r* decomposed as lr x T. For full-batch GD the noise the
     # weights accumulate is ~ lr sqrt(T) sigma C / N = r C / (mu N): it depends on r, not on
@@ -310,18 +314,23 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     sigma = math.sqrt(steps) / budget["mu_final"]
     plan = accounting.DpPlan(sigma, steps, 1.0, config.clip_norm)
     learning_rate = line["r_star"] / steps
+    log(f"tune: final run, r = {line['r_star']:.4g} (lr {learning_rate:.4g} x T {steps}) at "
+        f"epsilon {budget['epsilon_final']:.4g}", quiet)
     ledger.record("final", plan, role="final", data=training_data, r=line["r_star"],
                   learning_rate=learning_rate)
     params = train([probe.RunSpec(plan, learning_rate)])
-    metrics = _test(params, test_x, test_y, spec)  # test is public; its only use
+    metrics = test_metrics(params, test_x, test_y, spec)  # test is public; its only use
 
     # Record: DP outputs and public inputs only.
     total = ledger.epsilon(delta)
     return records.header("tune", config.store, train_attrs, test_attrs) | {
         "probe": spec.to_dict(),
-        "standardization": None if standardizer is None else (
-            {"epsilon": eps_standardize, "data": training_data} | standardizer.to_dict()),
-        "method": "linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD",
+        "standardization": {"decision": why} if standardizer is None else (
+            {"epsilon": eps_standardize, "data": training_data, "decision": why}
+            | standardizer.to_dict()),
+        "method": ("linear scaling rule (Panda et al. 2023, Alg. 1), full-batch DP-SGD"
+                   if searching else "the default recipe's r (no search), full-batch DP-SGD"),
+        "warnings": warnings,
         "privacy": {
             "epsilon_requested": epsilon,
             "delta": delta,
@@ -331,27 +340,32 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
             "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
             "covers": "every record of the store's train split (tuning, selection and the "
                       "final run included)",
-            "eps0": config.eps0,
-            "eps1": config.eps1,
-            "eps_select": config.eps_select,
+            "eps0": config.eps0 if searching else None,
+            "eps1": config.eps1 if searching else None,
+            "eps_select": config.eps_select if searching else None,
             "eps_standardize": eps_standardize,
             "epsilon_final_alone": budget["epsilon_final"],
         } | records.randomness(config.seed, "the r proposals" + (
             " and the holdout split" if selection == "holdout" else "")),
-        "selection": {"kind": selection, "scoring": SCORING[selection],
+        "selection": {"kind": selection if searching else None,
+                      "scoring": SCORING[selection] if searching else "none (no search)",
                       "count_noise_std": count_sigma if selection != "public" else None,
                       "num_scored": int(len(score_y)),
                       "num_trained": int(len(train_y))}
-        | ({"validation_fraction": config.validation_fraction} if selection == "holdout"
-           else {}),
-        "search": {"kind": config.search, "trials_per_stage": config.trials,
+        | ({"validation_fraction": config.validation_fraction}
+           if searching and selection == "holdout" else {}),
+        "search": {"kind": search_kind if searching else "none", "asked": config.search,
+                   "decision": decision.reason, "score_noise": decision.score_noise,
+                   "trials_per_stage": config.trials,
                    "extrapolation": config.extrapolation,
                    "r_range": list(config.r_range), "steps_choices": list(config.steps_choices)},
         "stages": _stage_records(line["stages"]),
         "line": {"extrapolation": config.extrapolation, "alpha": line["alpha"], "b": line["b"],
                  "exponent": line["exponent"], "r_star": line["r_star"],
-                 "searched": list(line["searched"]), "clipped": line["clipped"],
-                 "fallback_used": line["fallback"] is not None},
+                 "r_line": line.get("r_line"), "searched": list(line["searched"]),
+                 "clipped": line["clipped"], "fallback_used": line["fallback"] is not None}
+        if searching else {"rule": "default recipe: r = recipe.total_step_size(epsilon of the "
+                                   "final run, delta, N)", "r_star": line["r_star"]},
         "chosen": {"r": line["r_star"], "learning_rate": learning_rate, "steps": steps,
                    "noise_multiplier": sigma},
         "final": {"test_accuracy": float(metrics["top1"][0]),
@@ -369,38 +383,6 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     }
 
 
-# The calls into `probe`: training, the trials' scores, the final test.
-
-
-def _train(features, labels, runs: Sequence, spec, quiet: bool) -> dict:
-    """Train `runs` full batch (fresh OS-entropy keys); the stacked params."""
-    import dp
-    import probe
-
-    result = probe.train_probe(features, labels, runs, dp.make_keys(len(runs)), spec,
-                               progress=not quiet)
-    return result.params
-
-
-def _correct_counts(params, features, labels, sigma: float | None, spec) -> np.ndarray:
-    """Each trial's correct count on the scored data, plus N(0, sigma^2); exact with sigma None
-    (public scoring)."""
-    import probe
-
-    kwargs = dict(normalization=spec.normalization, groups=spec.groups)
-    if sigma is None:
-        return probe.correct_counts(params, features, labels, **kwargs)
-    return probe.noisy_correct_counts(params, features, labels, sigma, **kwargs)
-
-
-def _test(params, features, labels, spec) -> dict:
-    """Test metrics of the final probe."""
-    import probe
-
-    return probe.evaluate(params, features, labels, normalization=spec.normalization,
-                          groups=spec.groups)
-
-
 def _stage_records(stages) -> list[dict]:
     return [
         {
@@ -416,20 +398,3 @@ def _stage_records(stages) -> list[dict]:
         }
         for index, stage in enumerate(stages)
     ]
-
-
-def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Features and labels of a public validation set, `npz:PATH` holding `features` (in the
-    store's feature space: the same backbone and preprocessing) and `labels`."""
-    kind, _, path = spec.partition(":")
-    if kind != "npz" or not path:
-        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            features, labels = np.asarray(data["features"]), np.asarray(data["labels"])
-    except (OSError, KeyError, ValueError) as err:
-        raise ValueError(f"cannot read the public validation set {path}: {err}") from err
-    if features.ndim not in (2, 3) or features.shape[-1] != dim or len(labels) != len(features):
-        raise ValueError(f"public validation set {path}: features {features.shape} and labels "
-                         f"{labels.shape} do not fit the store's feature dim {dim}")
-    return features, labels.astype(np.int32)

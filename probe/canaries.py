@@ -29,7 +29,7 @@ Adam, i.e. sign-SGD, it is the small-signal likelihood ratio of the signs).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +111,8 @@ def canary_scores(params, direction: np.ndarray, learning_rates) -> np.ndarray:
 
 
 def train_canary_runs(features, labels, runs: Sequence[RunSpec], spec: ProbeSpec, *,
-                      include: bool, runs_per_call: int | None = None) -> np.ndarray:
+                      include: bool, runs_per_call: int | None = None,
+                      progress: Callable[[int], None] | None = None) -> np.ndarray:
     """Train one probe per run on the rows plus the canary (or its null record), with
     `probe.train_probe` and fresh secret keys (`dp.make_keys`), and score each.
 
@@ -123,6 +124,7 @@ def train_canary_runs(features, labels, runs: Sequence[RunSpec], spec: ProbeSpec
       include: train with the canary, or with a null record in its place.
       runs_per_call: runs per compiled call (a speed and memory knob; default: about
         2.5e7 parameters per call). Calls have equal sizes, so they share one program.
+      progress: called after each call with the number of runs done so far.
 
     Returns:
       (len(runs),) scores, `canary_scores`.
@@ -145,6 +147,8 @@ def train_canary_runs(features, labels, runs: Sequence[RunSpec], spec: ProbeSpec
         result = train_probe(*data, chunk, make_keys(size), spec)
         scores.append(canary_scores(result.params, direction,
                                     [r.learning_rate for r in chunk]))
+        if progress is not None:
+            progress(min(start + size, len(runs)))
     return np.concatenate(scores)[:len(runs)]
 
 

@@ -104,13 +104,13 @@ def test_choices_are_the_library_constants():
     from extract.store import FEATURE_DTYPES
     from pipelines.demo_job import DEMO_DATA
     from pipelines.export_job import FORMATS
-    from pipelines.search import EXTRAPOLATIONS, SEARCHES, SELECTIONS
+    from pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
 
     model = {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES,
              "normalization": probe.NORMALIZATIONS}
     expected = {
         "probe": model | {"accountant": ACCOUNTANTS},
-        "tune": model | {"search": SEARCHES, "extrapolation": EXTRAPOLATIONS,
+        "tune": model | {"search": SEARCH_CHOICES, "extrapolation": EXTRAPOLATIONS,
                          "selection": tuple(s for s in SELECTIONS if s != "public")},
         "account": {"accountant": ACCOUNTANTS},
         "audit": {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES},

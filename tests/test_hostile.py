@@ -544,8 +544,10 @@ CASES = [
     Case("probe-devices-beyond-present", probe("--devices", "64"),
          r"--devices 64, but only \d+ local device"),
     Case("probe-devices-zero", probe("--devices", "0"), r"--devices: must be >= 1, got 0"),
-    Case("probe-groups-without-normalize-group", probe("--groups", "5"),
+    Case("probe-groups-without-normalize-group", probe("--normalize", "l2", "--groups", "5"),
          r"--groups 5 needs --normalize group"),
+    Case("probe-groups-alone-not-dividing-d", probe("--groups", "5"),  # alone: group norm
+         r"groups must divide the feature dim 8, got 5"),
     Case("probe-groups-zero", probe("--normalize", "group", "--groups", "0"),
          r"--groups: must be >= 1, got 0"),
     Case("probe-bias-init-nan", probe("--bias-init", "nan"), r"--bias-init: expected a finite"),
@@ -767,7 +769,7 @@ def test_outputs_honour_the_umask_and_replace_only_dpprobe_files(world, capsys):
 
 
 def test_plot_error_bars_stay_within_0_and_100():
-    from pipelines.reporting import accuracy_error_bars
+    from pipelines.plots import accuracy_error_bars
 
     bars = accuracy_error_bars([99.0, 2.0, 50.0], [5.0, 5.0, 5.0])
     np.testing.assert_allclose(bars, [[5.0, 2.0, 5.0], [1.0, 5.0, 5.0]])

@@ -28,7 +28,7 @@ ALLOWED = [
     r"runs\[\*\]\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\]|learning_rate)",
     r"summary\[\*\]\.test_(top5_)?accuracy_(mean|std)",
     r"stages\[\*\]\.(best_r|trials\[\*\]\.(score|r|learning_rate))",
-    r"line\.(alpha|b|exponent|r_star|clipped|fallback_used|searched\[\*\])",
+    r"line\.(alpha|b|exponent|r_star|r_line|clipped|fallback_used|searched\[\*\])",
     r"chosen\.(r|learning_rate)",
     r"final\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\])",
     r"ledger\.entries\[\*\]\.(r|learning_rate)",
@@ -36,6 +36,11 @@ ALLOWED = [
     r"(num_train|provenance\.train\.(num_examples|dataset\.num_examples))",
     r"selection\.(num_scored|num_trained)",
     r"standardization\.(clip_norms\[\*\]|floor|num_floored)",  # from the released mean, N
+    # The defaults' learning rates are a function of N (public): r = 0.011 mu N (recipe.py).
+    r"recipe\.(num_examples|learning_rates\.[\w.]+\[\*\])", r"summary\[\*\]\.learning_rate",
+    r"ledger\.entries\[\*\]\.name",  # a probe run's name holds its learning rate
+    r"search\.(decision|score_noise)",  # tune's decisions: from N and the budgets
+    r"standardization\.decision",
 ]
 
 
@@ -87,11 +92,16 @@ def neighbours():
      "--steps", "5", "--lr", "0.5"],
     ["probe", "emb.zarr", "--epsilons", "2", "--seeds", "2", "-q", "0.3", "--steps", "4",
      "--optimizer", "sgd", "--lr", "1", "--physical-batch-size", "32"],
+    ["probe", "emb.zarr", "--epsilons", "1,inf", "--seeds", "2"],  # the defaults, from N
     ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
-     "--r-max", "30", "--seed", "3"],
+     "--r-max", "30", "--seed", "3", "--search", "random"],
     ["tune", "emb.zarr", "--epsilon", "2", "--trials", "2", "--steps-choices", "3,6",
-     "--r-max", "30", "--seed", "3", "--normalize", "group", "--groups", "4", "--standardize"],
-], ids=["probe-full-batch", "probe-poisson", "tune", "tune-standardized"])
+     "--r-max", "30", "--seed", "3", "--normalize", "group", "--groups", "4", "--standardize",
+     "--search", "random"],
+    ["tune", "emb.zarr", "--epsilon", "2", "--final-steps", "5", "--normalize", "group",
+     "--groups", "4"],  # too small to search: the default recipe's r, from N
+], ids=["probe-full-batch", "probe-poisson", "probe-defaults", "tune", "tune-standardized",
+        "tune-no-search"])
 def test_job_on_neighbouring_datasets_differs_only_in_dp_outputs(job, neighbours, tmp_path,
                                                                  monkeypatch):
     (d, d_minus), test = neighbours[:2], neighbours[2]
@@ -243,8 +253,8 @@ def test_same_seed_draws_different_noise_and_the_seed_is_never_written(digits_st
         model = tmp_path / f"{name}.safetensors"
         assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2",
                          "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
-                         "--groups", "27", "--seed", "12345", "--out", str(out),
-                         "--model", str(model), "--quiet"]) == 0
+                         "--groups", "27", "--seed", "12345", "--search", "random",
+                         "--out", str(out), "--model", str(model), "--quiet"]) == 0
         outputs.append((json.loads(out.read_text()), read_model_file(model)[0]["head/w"]))
     (a, w_a), (b, w_b) = outputs
     # Same seed, same r proposals of stage 0 (the seed drives only them) ...

@@ -96,11 +96,13 @@ def test_run_probe_takes_its_config_or_keywords(digits_store):
     (dict(clip_norm=math.inf), "clip_norm: expected a finite number, got inf"),
     (dict(sampling_probability=0), r"sampling_probability: must be in \(0, 1\]"),
     (dict(seeds=0), "seeds: must be >= 1, got 0"),
-    (dict(groups=4), "--groups 4 needs --normalize group"),
+    (dict(groups=4, normalization="l2"), "--groups 4 needs --normalize group"),
+    (dict(learning_rates=[1, 2, 1]), "learning_rates: 1 given more than once"),
     (dict(seeds=10**6, epsilons=[1, 2]), "the sweep has 2000000 runs"),
 ])
 def test_probe_config_checks_every_value_once(options, match):
     with pytest.raises(ValueError, match=match):
         ProbeConfig("store.zarr", **options)
     assert ProbeConfig("store.zarr", normalization="group", groups=4).groups == 4
+    assert ProbeConfig("store.zarr", groups=4).normalization == "group"  # as for tune
     assert isinstance(ConfigError("delta", "x"), ValueError)

@@ -158,7 +158,8 @@ def test_tune_with_standardization_pays_for_it_inside_the_budget(digits_store):
     from pipelines import tune_job
 
     options = dict(trials=2, steps_choices=(3,), r_range=(1, 30), quiet=True)
-    on = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, eps_standardize=0.2, **options)
+    on = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, eps_standardize=0.2,
+                                        standardize=True, **options)
     off = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, standardize=False, **options)
     entry = on["ledger"]["entries"][0]
     assert entry["name"] == "standardization" and entry["steps"] == 2
@@ -166,7 +167,8 @@ def test_tune_with_standardization_pays_for_it_inside_the_budget(digits_store):
         0.2, rel=1e-6)
     assert on["ledger"]["epsilon"] == pytest.approx(1.0, abs=1e-6) and (
         on["ledger"]["epsilon"] <= 1.0)
-    assert off["standardization"] is None and "standardization" not in {
-        e["role"] for e in off["ledger"]["entries"]}
+    assert off["standardization"] == {"decision": "off (--no-standardize)"} and (
+        "standardization" not in {
+        e["role"] for e in off["ledger"]["entries"]})
     assert off["chosen"]["noise_multiplier"] < on["chosen"]["noise_multiplier"]
     assert on["final"]["test_accuracy"] > 0.5

@@ -21,6 +21,7 @@ def test_search_total_epsilon_is_at_most_the_request(digits_store, selection):
     result = tune_job.linear_scaling_search(
         digits_store, 2.0, 1e-5, trials=3, r_range=(1, 100), steps_choices=(5, 10),
         normalization="group", groups=27, selection=selection, seed=0, quiet=True,
+        search="random", standardize=True,  # digits is too small for either to pay: asked for
     )
     ledger = result["ledger"]
     # The standardization's two releases, 2 stages x (3 trials + their noisy counts), the final
@@ -57,7 +58,8 @@ def test_tune_cli_writes_results_with_the_ledger(digits_store, tmp_path, capsys)
     out = tmp_path / "tune.json"
     assert cli.main(["tune", digits_store, "--epsilon", "1", "--delta", "1e-5", "--trials", "2",
                      "--steps-choices", "5", "--r-max", "50", "--normalize", "group",
-                     "--groups", "27", "--seed", "1", "--out", str(out), "--quiet"]) == 0
+                     "--groups", "27", "--seed", "1", "--search", "random", "--out", str(out),
+                     "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "privacy ledger" in printed and "basic composition" in printed
     assert "selection: noisy correct counts" in printed
@@ -82,7 +84,8 @@ def test_seeded_search_never_reuses_noise_across_mechanisms(digits_store, monkey
 
     monkeypatch.setattr(dp, "make_keys", recording)
     tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, trials=2, steps_choices=(3,),
-                                 r_range=(1, 10), seed=7, quiet=True)
+                                 r_range=(1, 10), seed=7, quiet=True,
+                                 search="grid", standardize=True)
     # standardization (1 key for its two releases), 2 + 2 trials, the final run
     assert len(seen) == 6 and len(set(seen)) == 6
 

@@ -1,0 +1,126 @@
+"""The defaults chosen from public quantities: the probe's recipe (`pipelines.recipe`), tune's
+decision to search or not (`pipelines.search.decide_search`), finetune's recipe
+(`pipelines.finetune_recipe`)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import accounting
+from pipelines import FinetuneConfig, ProbeConfig, cli, recipe, run_probe, search
+from pipelines.finetune_recipe import finetune_recipe
+
+
+def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():
+    for epsilon in (0.5, 1.0, 3.0, 8.0):
+        assert recipe.total_step_size(epsilon, 1e-5, 60_000) == pytest.approx(
+            0.011 * accounting.gdp_mu(epsilon, 1e-5) * 60_000)
+    # r stops growing at epsilon 8, and the non-private reference takes epsilon 8's r.
+    at_8 = recipe.total_step_size(8.0, 1e-5, 1438)
+    assert recipe.total_step_size(20.0, 1e-5, 1438) == at_8
+    assert recipe.total_step_size(math.inf, 1e-5, 1438) == at_8
+    assert recipe.total_step_size(3.0, 1e-5, 2 * 1438) == pytest.approx(
+        2 * recipe.total_step_size(3.0, 1e-5, 1438))
+
+
+def test_probe_defaults_come_from_the_store_and_are_printed_first_and_recorded(
+        digits_store, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["probe", digits_store, "--epsilons", "1,8,inf", "--seeds", "1",
+                     "--out", str(out)]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("recipe: per-example normalization group (27 groups) [from the "
+                            "store's backbone], full-batch momentum [default], T = 300")
+    results = json.loads(out.read_text())
+    assert (results["probe"]["normalization"], results["probe"]["groups"]) == ("group", 27)
+    assert results["recipe"]["num_examples"] == 1438
+    for run in results["runs"]:
+        epsilon = math.inf if run["epsilon"] == "inf" else run["epsilon"]
+        assert run["optimizer"] == "momentum" and run["steps"] == 300
+        assert run["learning_rate"] == pytest.approx(
+            recipe.total_step_size(epsilon, 1e-5, 1438) / 300)
+    # The recipe gives way to what is given: adam takes its default lr and T = 1.
+    adam = run_probe(digits_store, epsilons=[1.0], seeds=1, optimizer="adam", quiet=True)
+    assert (adam["runs"][0]["steps"], adam["runs"][0]["learning_rate"]) == (1, 1e-3)
+    assert ProbeConfig("s.zarr").optimizer is None  # chosen when the store is read
+
+
+def test_search_is_skipped_where_its_scores_are_noise_and_run_where_they_are_not():
+    def decide(n, epsilon, selection="train"):
+        return search.decide_search(num_trained=n, num_scored=n, epsilon=epsilon, delta=1e-5,
+                                    eps0=epsilon / 20, eps_select=epsilon / 20, trials=5,
+                                    scoring=selection)
+
+    small = decide(1438, 3.0)  # digits: one trial's score has a std of 4.7 points
+    assert not small.search and small.score_noise == pytest.approx(
+        math.sqrt(10) / accounting.gdp_mu(0.15, 1e-5) / 1438)
+    assert "std of 4.7 accuracy points" in small.reason and "--search random" in small.reason
+    assert decide(60_000, 3.0).search  # Fashion-MNIST: 0.11 points
+    assert not decide(60_000, 0.5).search  # 0.57 points
+    public = search.decide_search(num_trained=1438, num_scored=10_000, epsilon=8.0, delta=1e-5,
+                                  eps0=0.4, eps_select=None, trials=5, scoring="public")
+    assert not public.search and "mu N = 74.5 < 100" in public.reason
+
+
+def test_tune_on_small_data_spends_the_whole_budget_on_the_default_recipe(digits_store,
+                                                                         tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert cli.main(["tune", digits_store, "--epsilon", "2", "--final-steps", "20",
+                     "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "no search: with 1438 examples to score on" in printed
+    results = json.loads(out.read_text())
+    assert results["stages"] == [] and results["search"]["kind"] == "none"
+    roles = [entry["role"] for entry in results["ledger"]["entries"]]
+    assert roles == ["final"]  # nothing spent on a search, nor on a standardization this noisy
+    assert results["standardization"]["decision"].startswith("off: with N = 1438 and epsilon "
+                                                              "0.2 the released means would")
+    assert results["ledger"]["epsilon"] == pytest.approx(2.0, abs=1e-6)
+    assert results["chosen"]["r"] == pytest.approx(recipe.total_step_size(
+        results["privacy"]["epsilon_final_alone"], 1e-5, 1438))
+
+
+def test_standardization_is_decided_from_its_noise():
+    noise = math.sqrt(2) / accounting.gdp_mu(0.3, 1e-5) * 18.0 / 1438  # digits, epsilon 3
+    assert recipe.decide_standardization(None, 0.3, 1e-5, 18.0, 1438) == (
+        True, f"on: the released means carry noise of std {noise:.2g} per feature "
+              "(--no-standardize turns it off)")
+    assert not recipe.decide_standardization(None, 0.1, 1e-5, 18.0, 1438)[0]  # epsilon 1
+    assert recipe.decide_standardization(True, 0.1, 1e-5, 18.0, 1438)[0]  # asked for
+    assert not recipe.decide_standardization(None, 0.3, 1e-5, math.inf, 1438)[0]
+    with pytest.raises(ValueError, match="needs a per-example normalization"):
+        recipe.decide_standardization(True, 0.3, 1e-5, math.inf, 1438)
+
+
+def test_a_clipped_r_is_explained_with_what_to_do():
+    from pipelines.reporting import _line_report
+
+    line = {"extrapolation": "clipped", "alpha": 300.0, "b": 10.0, "exponent": None,
+            "r_star": 1000.0, "r_line": 1234.0, "searched": [1.0, 1000.0], "clipped": True,
+            "fallback_used": False}
+    text = _line_report(line, 3.0)
+    assert "clipped to the searched range" not in text
+    assert ("the line gave r = 1234, above the r the search tried ([1, 1e+03]), so the final "
+            "run uses 1000") in text
+    assert "rerun with --r-max 3e+03" in text and "--extrapolation linear" in text
+
+
+@pytest.mark.parametrize(("n", "batch", "epochs", "lr"), [
+    (1438, 256, 54.0, 4.0 * math.sqrt(256 / 2048)),  # digits: not full batch, >= 300 steps
+    (60_000, 2048, 30.0, 4.0),  # Fashion-MNIST: Tramer & Boneh's recipe, unchanged
+    (10_240, 2048, 60.0, 4.0),
+    (100, 16, 48.0, 4.0 * math.sqrt(16 / 2048)),
+])
+def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
+    chosen = finetune_recipe(FinetuneConfig(epsilon=8.0), num_examples=n, image_size=16,
+                             num_classes=10)
+    assert (chosen.batch_size, chosen.epochs, chosen.clip_norm) == (batch, epochs, 0.1)
+    assert chosen.learning_rate == pytest.approx(lr)
+    assert batch <= n / 5 and math.ceil(epochs * n / batch) >= 300
+    given = finetune_recipe(FinetuneConfig(batch_size=64, learning_rate=0.3, steps=7),
+                            num_examples=n, image_size=16, num_classes=10)
+    assert (given.batch_size, given.epochs, given.learning_rate) == (64, None, 0.3)
+    assert set(given.chosen) == {"clip_norm"}

@@ -1,0 +1,138 @@
+"""`--data hf:...`: Hugging Face `datasets` folders (save_to_disk) as a data source for extract and
+finetune, and torch Datasets through the Python extract API. No network: the tests write the
+datasets they read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import extract
+from pipelines import cli, run_extract
+
+datasets = pytest.importorskip("datasets")
+
+CLASSES = ["zero", "one", "two"]
+
+
+def _images(rng, n, side=16):
+    labels = rng.integers(0, 3, n)
+    images = rng.integers(0, 256, (n, side, side)).astype(np.uint8)
+    return images, labels
+
+
+def _dataset(images, labels, *, image=("image",), label="label", class_label=True):
+    from PIL import Image
+
+    features = {name: datasets.Image() for name in image} | {
+        label: datasets.ClassLabel(names=CLASSES) if class_label else datasets.Value("int64")}
+    return datasets.Dataset.from_dict(
+        {name: [Image.fromarray(x) for x in images] for name in image}
+        | {label: labels.tolist()}, features=datasets.Features(features))
+
+
+@pytest.fixture
+def hf_folder(rng, tmp_path):
+    """A DatasetDict (train 30, test 12) saved with save_to_disk, and its arrays."""
+    train, test = _images(rng, 30), _images(rng, 12)
+    datasets.DatasetDict(train=_dataset(*train), test=_dataset(*test)).save_to_disk(
+        str(tmp_path / "ds"))
+    return tmp_path / "ds", train, test
+
+
+def test_hf_folder_gives_both_splits_with_images_labels_and_class_names(hf_folder):
+    path, train, test = hf_folder
+    splits = extract.open_source(f"hf:{path}")
+    assert set(splits) == {"train", "test"}
+    for name, (images, labels) in (("train", train), ("test", test)):
+        split = splits[name]
+        assert split.class_names == CLASSES and split.spec == f"hf:{path}"
+        np.testing.assert_array_equal(split.labels, labels)
+        decoded = np.stack([np.asarray(im) for im in split.images(range(len(split)))])
+        np.testing.assert_array_equal(decoded, images)  # PNG round trip: exact
+    # The fingerprint hashes content: another image gives another fingerprint.
+    assert splits["train"].fingerprint != splits["test"].fingerprint
+
+
+def test_hf_store_equals_the_npz_store_of_the_same_images(hf_folder, tmp_path):
+    path, train, test = hf_folder
+    assert cli.main(["extract", "--backbone", "scatternet", "--data", f"hf:{path}", "--out",
+                     str(tmp_path / "hf.zarr"), "--quiet"]) == 0
+    for name, (images, labels) in (("train", train), ("test", test)):
+        np.savez(tmp_path / f"{name}.npz", images=images, labels=labels,
+                 class_names=np.array(CLASSES))
+        assert cli.main(["extract", "--backbone", "scatternet", "--data",
+                         f"npz:{tmp_path / f'{name}.npz'}", "--split", name, "--out",
+                         str(tmp_path / "npz.zarr"), "--quiet"]) == 0
+        a = extract.load_split(str(tmp_path / "hf.zarr"), name)
+        b = extract.load_split(str(tmp_path / "npz.zarr"), name)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+        assert a[2]["class_names"] == CLASSES
+
+
+def test_hf_one_split_named_columns_and_plain_integer_labels(rng, tmp_path):
+    images, labels = _images(rng, 20)
+    ds = _dataset(images, labels, image=("picture", "thumbnail"), label="y", class_label=False)
+    datasets.DatasetDict(validation=ds).save_to_disk(str(tmp_path / "ds"))
+    spec = f"hf:{tmp_path / 'ds'}:validation"
+    with pytest.raises(ValueError, match=r"cannot tell the image column \(columns \['picture', "
+                                         r"'thumbnail'\].*name it: \?image=COLUMN"):
+        extract.open_source(spec, split="test")
+    with pytest.raises(ValueError, match=r"'y' is not a ClassLabel.*--num-classes K"):
+        extract.open_source(spec + "?image=picture&label=y", split="test")
+    splits = extract.open_source(spec + "?image=picture&label=y", split="test", num_classes=3)
+    assert list(splits) == ["test"] and splits["test"].class_names == ["0", "1", "2"]
+    np.testing.assert_array_equal(splits["test"].labels, labels)
+    with pytest.raises(ValueError, match="has no split 'train'; it has \\['validation'\\]"):
+        extract.open_source(f"hf:{tmp_path / 'ds'}:train")
+    with pytest.raises(ValueError, match="none named train or test"):
+        extract.open_source(f"hf:{tmp_path / 'ds'}")
+
+
+def test_hf_refuses_what_it_cannot_read(tmp_path):
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="not a folder written by save_to_disk"):
+        extract.open_source(f"hf:{tmp_path / 'plain'}")
+    with pytest.raises(ValueError, match="not a dataset in the local Hugging Face cache"):
+        extract.open_source("hf:no-such-user/no-such-dataset-xyz")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['colour'\]"):
+        extract.open_source(f"hf:{tmp_path}?colour=red")
+
+
+def test_finetune_reads_hf_data(hf_folder, tmp_path, monkeypatch):
+    path, _, _ = hf_folder
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["finetune", "--data", f"hf:{path}", "--model", "cnn", "--batch-size",
+                     "10", "--steps", "2", "--physical-batch-size", "16", "--epsilon", "4",
+                     "--delta", "1e-3", "--out", "run", "--quiet"]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["data"]["class_names"] == CLASSES
+    assert (results["data"]["num_train"], results["data"]["num_test"]) == (30, 12)
+
+
+def test_python_extract_api_takes_a_torch_dataset(rng, tmp_path):
+    import torch.utils.data
+
+    images, labels = _images(rng, 16)
+
+    class Pairs(torch.utils.data.Dataset):
+        classes = CLASSES
+
+        def __len__(self):
+            return len(labels)
+
+        def __getitem__(self, i):
+            return images[i], int(labels[i])
+
+    (report,) = run_extract(backbone="scatternet", data=Pairs(), out=str(tmp_path / "t.zarr"),
+                            progress=False)
+    assert report.complete and report.split == "train"
+    np.savez(tmp_path / "a.npz", images=images, labels=labels, class_names=np.array(CLASSES))
+    run_extract(backbone="scatternet", data=f"npz:{tmp_path / 'a.npz'}",
+                out=str(tmp_path / "n.zarr"), progress=False)
+    a, b = (extract.load_split(str(tmp_path / s), "train") for s in ("t.zarr", "n.zarr"))
+    np.testing.assert_array_equal(a[0], b[0])
+    assert a[2]["class_names"] == CLASSES
