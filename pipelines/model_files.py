@@ -52,12 +52,14 @@ def _claim(epsilon: float, delta: float, accountant: str, ledger: dict, covers: 
             "dataset_size_public": True, "covers": covers, "ledger": ledger} | extra
 
 
-def probe_model_name(epsilon: float, steps: int, learning_rate: float, *, many_steps: bool,
-                     many_rates: bool) -> str:
-    """`eps1.safetensors`; `eps1_T10_lr0.5.safetensors` when the sweep has several of them."""
+def probe_model_name(config, epsilon: float, steps: int | None,
+                     learning_rate: float | None) -> str:
+    """`eps1.safetensors`; `eps1_T10_lr0.5.safetensors` when the config asks for several steps
+    or learning rates. A function of the config alone (not of the recipe it leads to, whose
+    learning rate varies with epsilon), so that the job's preflight names the same files."""
     name = f"eps{epsilon:g}"
-    name += f"_T{steps}" if many_steps else ""
-    name += f"_lr{learning_rate:g}" if many_rates else ""
+    name += f"_T{steps}" if len(config.steps or ()) > 1 else ""
+    name += f"_lr{learning_rate:g}" if len(config.learning_rates or ()) > 1 else ""
     return name + ".safetensors"
 
 
@@ -66,8 +68,6 @@ def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) 
 
     The non-private reference (epsilon inf) is not written: it has no guarantee. Returns the
     paths written."""
-    steps_set = {t for _, t, _, _ in grid}
-    rates = {lr for _, _, lr, _ in grid}
     written = []
     for index, (epsilon, steps, lr, replicate) in enumerate(grid):
         if replicate != 0 or not math.isfinite(epsilon):
@@ -76,8 +76,7 @@ def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) 
         ledger = accounting.PrivacyLedger()
         ledger.record(f"epsilon={epsilon:g} T={steps} lr={lr:g} replicate=0", plan,
                       role="final")
-        path = os.path.join(config.save_model, probe_model_name(
-            epsilon, steps, lr, many_steps=len(steps_set) > 1, many_rates=len(rates) > 1))
+        path = os.path.join(config.save_model, probe_model_name(config, epsilon, steps, lr))
         document = header("probe", train_attrs["class_names"]) | dpmodel.linear_document(
             dim=int(train_attrs["feature_shape"][-1]), num_classes=spec.num_classes,
             loss=spec.loss, normalization=spec.normalization, groups=spec.groups,

@@ -169,13 +169,10 @@ def check_model_folder(config) -> None:
     folder = os.fspath(config.save_model)
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise ValueError(f"--save-model {folder} is an existing file; give a folder")
-    rates = config.learning_rates or [None]
     for epsilon in config.epsilons:
-        for steps in config.steps:
-            for rate in rates:
-                name = probe_model_name(epsilon, steps, rate or 0.0,
-                                        many_steps=len(config.steps) > 1,
-                                        many_rates=len(rates) > 1)
+        for steps in config.steps or (None,):
+            for rate in config.learning_rates or (None,):
+                name = probe_model_name(config, epsilon, steps, rate)
                 check_output_paths(**{"--save-model": os.path.join(folder, name)})
 
 

@@ -68,6 +68,20 @@ def test_probe_models_reproduce_the_reported_test_accuracy(digits_store, tmp_pat
             "epsilon_by_role"]["private"]  # the private runs together (the reference has none)
 
 
+def test_probe_defaults_save_one_model_per_epsilon_named_by_epsilon(digits_store, tmp_path):
+    """With no recipe flag the learning rate differs per epsilon (the linear scaling rule):
+    the files are still named by epsilon alone, as the preflight checked them."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "eps8.safetensors").write_text("not ours")  # refused before training
+    args = ["probe", digits_store, "--epsilons", "1,8", "--seeds", "1", "--steps", "3",
+            "--save-model", str(models), "--quiet"]
+    assert cli.main(args) == 2
+    (models / "eps8.safetensors").unlink()
+    assert cli.main(args) == 0
+    assert sorted(p.name for p in models.iterdir()) == ["eps1.safetensors", "eps8.safetensors"]
+
+
 @pytest.mark.slow
 def test_tune_model_reproduces_its_test_accuracy_and_holds_its_transforms(digits_store,
                                                                           tmp_path):
