@@ -6,6 +6,7 @@
    (`pipelines.recipe`) at epsilon 0.5, 1, 2, 4, 8 and without noise, a table and a plot.
 3. Private tuning at epsilon 3 with every cost paid (`dpprobe tune`), put on the same plot
    beside Tramer & Boneh's published 89.7% (whose tuning was not paid for).
+4. The tuned model file, loaded as a user would, predicts the first test images.
 Each step is a public job of the Python API; the demo adds only the order and the plot.
 """
 
