@@ -40,6 +40,7 @@ __all__ = [
     "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
     "compute_epsilon",
+    "event_epsilon",
     "event_to_dict",
     "gaussian_mu",
     "make_accountant",
@@ -105,7 +106,7 @@ class DpPlan:
 
     def epsilon(self, delta: float, accountant: Accountant = "pld") -> float:
         """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per event."""
-        return _event_epsilon(self.dp_event(), delta, accountant)
+        return event_epsilon(self.dp_event(), delta, accountant)
 
     def to_dict(self) -> dict:
         return {
@@ -118,7 +119,7 @@ class DpPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
+def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
     """`compute_epsilon`, cached (for hashable events: those of a `DpPlan`)."""
     return compute_epsilon(event, delta, accountant)
 
