@@ -63,8 +63,9 @@ class DpPlan:
       clip_norm: per-example L2 clipping bound C (does not change epsilon, it sets the scale);
         `inf` (no clipping) only for non-private plans.
 
-    Contract: every example's contribution to each released sum is clipped to `clip_norm`,
-    and with q < 1 each example enters each step independently with probability q.
+    Formal guarantee: `dp_event()` and its `epsilon` hold for zero-out neighbours when every
+    example's contribution to each released sum is clipped to `clip_norm`, and with q < 1 each
+    example enters each step independently with probability q.
     """
 
     noise_multiplier: float
