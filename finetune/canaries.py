@@ -204,15 +204,9 @@ def audit_finetune_gradients(model: nnx.Module, images, labels, plan: DpPlan,
     and estimate epsilon from every step's privatized sum on them.
 
     Args:
-      model, images, labels, spec: as for `train_finetune` (the N real rows).
-      plan: the run's mechanism on the N + m rows (its q is of N + m rows; its epsilon at
-        `delta` is the claim audited).
-      canaries: m.
-      delta, confidence: of the claim and of the lower bound.
+      model, images, labels, plan, spec, canaries, delta, confidence, accountant,
+        **train_options: as for `audit_finetune`.
       seed: the canaries' in/out coins (the auditor's public randomness).
-      accountant: of the claim.
-      **train_options: passed to `train_finetune` (flags, checkpointer, progress; keys and rng
-        only in tests: the production mechanism draws them from OS entropy).
 
     Returns:
       (the trained audit model's `FinetuneResult`, the `GradientCanaryAudit`).
