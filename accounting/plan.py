@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from accounting import _dp_event
 from accounting.gaussian import gdp_epsilon
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 Accountant = Literal["pld", "rdp"]
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
 NEIGHBORING_RELATION = "zero_out"
 NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
 
