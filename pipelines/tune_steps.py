@@ -95,6 +95,8 @@ class Standardization(NamedTuple):
 
 
 class FinalRun(NamedTuple):
+    """The final run's plan and learning rate, the model it trained and its test metrics."""
+
     plan: accounting.DpPlan
     learning_rate: float
     params: dict
