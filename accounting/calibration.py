@@ -28,7 +28,7 @@ import logging
 import math
 
 from accounting.gaussian import gaussian_noise_multiplier
-from accounting.plan import ACCOUNTANTS, Accountant, DpPlan, _event_epsilon
+from accounting.plan import ACCOUNTANTS, Accountant, DpPlan, event_epsilon
 from accounting.validation import check_delta, check_epsilon
 
 __all__ = ["calibrate_noise_multiplier", "check_tractable"]
@@ -175,7 +175,7 @@ def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
             return None  # the ledger holds the event; `compute_epsilon` checks support
 
         def get_epsilon(self, target_delta):
-            return _event_epsilon(self.ledger, target_delta, accountant)
+            return event_epsilon(self.ledger, target_delta, accountant)
 
     def excess(sigma: float) -> float:
         return DpPlan(sigma, steps, q).epsilon(delta, accountant) - epsilon

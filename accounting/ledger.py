@@ -59,8 +59,9 @@ class LedgerEntry:
 class PrivacyLedger:
     """Records the `DpPlan` of every run of a job and composes them.
 
-    Contract: every entry ran on the private dataset (zero-out neighbours), on all of it or on
-    the disjoint part it names (`data`); parts are fixed independently of the data.
+    Formal guarantee: the composition (`epsilon`) bounds the job's privacy loss for zero-out
+    neighbours when every entry ran on the private dataset, on all of it or on the disjoint
+    part it names (`data`), with parts fixed independently of the data.
     """
 
     entries: list[LedgerEntry] = dataclasses.field(default_factory=list)

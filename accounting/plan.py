@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from accounting import _dp_event
 from accounting.gaussian import gdp_epsilon
@@ -40,13 +40,14 @@ __all__ = [
     "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
     "compute_epsilon",
+    "event_epsilon",
     "event_to_dict",
     "gaussian_mu",
     "make_accountant",
 ]
 
 Accountant = Literal["pld", "rdp"]
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
 NEIGHBORING_RELATION = "zero_out"
 NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
 
@@ -62,8 +63,9 @@ class DpPlan:
       clip_norm: per-example L2 clipping bound C (does not change epsilon, it sets the scale);
         `inf` (no clipping) only for non-private plans.
 
-    Contract: every example's contribution to each released sum is clipped to `clip_norm`,
-    and with q < 1 each example enters each step independently with probability q.
+    Formal guarantee: `dp_event()` and its `epsilon` hold for zero-out neighbours when every
+    example's contribution to each released sum is clipped to `clip_norm`, and with q < 1 each
+    example enters each step independently with probability q.
     """
 
     noise_multiplier: float
@@ -105,7 +107,7 @@ class DpPlan:
 
     def epsilon(self, delta: float, accountant: Accountant = "pld") -> float:
         """Epsilon of `dp_event()` at `delta` (zero-out neighbours); cached per event."""
-        return _event_epsilon(self.dp_event(), delta, accountant)
+        return event_epsilon(self.dp_event(), delta, accountant)
 
     def to_dict(self) -> dict:
         return {
@@ -118,7 +120,7 @@ class DpPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
+def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant) -> float:
     """`compute_epsilon`, cached (for hashable events: those of a `DpPlan`)."""
     return compute_epsilon(event, delta, accountant)
 

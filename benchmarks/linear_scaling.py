@@ -84,7 +84,7 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     test_x, test_y, _ = extract.load_split(store, "test", dtype=None)
     train_idx = val_idx = None
     if seed is not None:
-        train_idx, val_idx = search._validation_split(len(y), 0.1, np.random.default_rng(seed))
+        train_idx, val_idx = search.validation_split(len(y), 0.1, np.random.default_rng(seed))
     normalization, groups = recipe.backbone_normalization(attrs.get("backbone"))
     config = TuneConfig(store, epsilon, DELTA)
     spec = probe.ProbeSpec(10, optimizer=config.optimizer, normalization=normalization,

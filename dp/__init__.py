@@ -26,6 +26,7 @@ from dp.auditing import (
     tradeoff_curve,
 )
 from dp.clipping import (
+    NULL_LABEL,
     ClippedSum,
     Clipper,
     null_if_nonfinite,
@@ -46,6 +47,7 @@ from dp.sampling import PoissonStep, pad_rows, poisson_batches
 
 __all__ = [
     "DEFAULT_LEARNING_RATES",
+    "NULL_LABEL",
     "OPTIMIZERS",
     "AuditBounds",
     "ClippedSum",

@@ -17,7 +17,8 @@ gradient, no recompilation across batch sizes.
 Null records. An example whose label lies outside the declared classes, whose input holds a
 NaN or Inf, or whose gradient is not finite is a null record: it contributes exactly zero,
 by a rule that looks at that example alone (`valid_labels`, `zero_nonfinite_rows`,
-`null_if_nonfinite`), so no outcome depends on whether one private record is bad.
+`null_if_nonfinite`), so no outcome depends on whether one private record is bad. A trainer's
+input that holds a null record on purpose (an excluded canary) gives it the label `NULL_LABEL`.
 
 Formal guarantee:
   For every clipper here and any input values, each example with mask 1 contributes to
@@ -33,8 +34,11 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ClippedSum", "Clipper", "null_if_nonfinite", "per_example_clipper",
+__all__ = ["NULL_LABEL", "ClippedSum", "Clipper", "null_if_nonfinite", "per_example_clipper",
            "valid_labels", "zero_nonfinite_rows"]
+
+# The label a trainer's input gives a null record (an excluded canary): outside every class set.
+NULL_LABEL = -1
 
 
 class ClippedSum(NamedTuple):

@@ -28,7 +28,7 @@ import struct
 import numpy as np
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_KEY", "ModelFileError", "encode_model",
-           "is_model_file", "read_model_file", "safetensors_metadata"]
+           "is_model_file", "json_default", "read_model_file", "safetensors_metadata"]
 
 FORMAT = "dpprobe-model"
 FORMAT_VERSION = 1
@@ -50,16 +50,18 @@ def encode_model(arrays: dict[str, np.ndarray], document: dict) -> bytes:
     document = {"format": FORMAT, "format_version": FORMAT_VERSION} | document
     document["arrays"] = sorted(arrays)
     arrays = {name: np.ascontiguousarray(value) for name, value in arrays.items()}
-    return save(arrays, metadata={METADATA_KEY: json.dumps(document, default=_jsonable)})
+    return save(arrays, metadata={METADATA_KEY: json.dumps(document, default=json_default)})
 
 
-def _jsonable(value):
+def json_default(value):
+    """`json.dumps(default=...)` for the values dpprobe's documents hold beyond JSON's own:
+    NumPy scalars and arrays, paths (as strings)."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

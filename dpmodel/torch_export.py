@@ -87,11 +87,11 @@ def _linear_to_torch(model) -> torch.nn.Module:
     record = model.document["backbone"]
     backbone = load_backbone(record, model.path, weights=model.weights, device="cpu")
     if backbone.name == "scatternet":
-        from extract.backbones import _Scattering
+        from extract.backbones import Scattering
 
         _, height, width = backbone_input_shape(record, model.feature_dim)
         provenance = record["backbone"]
-        body = _Scattering((height, width), J=int(provenance["J"]), L=int(provenance["L"]))
+        body = Scattering((height, width), J=int(provenance["J"]), L=int(provenance["L"]))
         return torch.nn.Sequential(_Flatten(body), head)
     prep = backbone.preprocessing
     return torch.nn.Sequential(Normalize(prep["mean"], prep["std"]), _Flatten(backbone.module),

@@ -12,72 +12,26 @@ readers, and released models:
 
 Everything here is re-exported from the packages that implement it (`pipelines`, `extract`,
 `dpmodel`), which remain importable; this is the name that does not collide with a user's own
-modules.
+modules. The jobs, their configs and the report tables are `pipelines`' public names (its
+`__all__`), listed once there.
 """
 
+import pipelines
 from dpmodel import Model, ModelFileError, Privacy, load_model
 from extract import iter_split_chunks, load_split, open_split, store_summary, verify_store
-from pipelines import (
-    AccountConfig,
-    AuditConfig,
-    DemoConfig,
-    ExportConfig,
-    ExtractConfig,
-    FinetuneConfig,
-    InfoConfig,
-    PredictConfig,
-    ProbeConfig,
-    TuneConfig,
-    VerifyConfig,
-    account,
-    linear_scaling_search,
-    run_audit,
-    run_demo,
-    run_export,
-    run_extract,
-    run_extract_ray,
-    run_finetune,
-    run_predict,
-    run_probe,
-    run_tune,
-    store_info,
-    verify,
-)
+from pipelines import *  # noqa: F403 - the jobs and their configs (`pipelines.__all__`)
 from pipelines.records import VERSION as __version__
 
 __all__ = [
-    "AccountConfig",
-    "AuditConfig",
-    "DemoConfig",
-    "ExportConfig",
-    "ExtractConfig",
-    "FinetuneConfig",
-    "InfoConfig",
     "Model",
     "ModelFileError",
-    "PredictConfig",
     "Privacy",
-    "ProbeConfig",
-    "TuneConfig",
-    "VerifyConfig",
     "__version__",
-    "account",
     "iter_split_chunks",
-    "linear_scaling_search",
     "load_model",
     "load_split",
     "open_split",
-    "run_audit",
-    "run_demo",
-    "run_export",
-    "run_extract",
-    "run_extract_ray",
-    "run_finetune",
-    "run_predict",
-    "run_probe",
-    "run_tune",
-    "store_info",
     "store_summary",
-    "verify",
     "verify_store",
 ]
+__all__ += pipelines.__all__

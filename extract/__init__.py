@@ -6,7 +6,8 @@ Modules, in the order data flows through them:
   backbones   the frozen models (timm, ScatterNet)
   extractor   `extract_split`: a source through a backbone into a store, resumably
   store       the store's format and invariants (writer: `SplitWriter`; read: `load_split`,
-              `iter_split_chunks`; verify: `verify_store` and the chunk sha256 check)
+              `iter_split_chunks`; verify: `verify_store` and the chunk sha256 check;
+              zarr_io: reaching the store's Zarr nodes, locally or by URL)
 
 The store and data-source API import only NumPy (Zarr on first use); the backbone API (torch,
 timm) is imported on first use too, so that jobs which only read a store start fast.

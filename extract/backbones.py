@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Backbone", "create_backbone", "file_sha256", "resolve_device"]
+__all__ = ["Backbone", "Scattering", "create_backbone", "file_sha256", "resolve_device"]
 
 
 @dataclasses.dataclass
@@ -226,7 +226,10 @@ def _missing_keys_of_timm_load(found: list[str]):
         logger.propagate = propagate
 
 
-class _Scattering(torch.nn.Module):
+class Scattering(torch.nn.Module):
+    """The ScatterNet feature map of images of `shape` as a torch module (kymatio's
+    `Scattering2D`: J scales, L angles)."""
+
     def __init__(self, shape: tuple[int, int], J: int = 2, L: int = 8):
         super().__init__()
         from kymatio.torch import Scattering2D
@@ -259,7 +262,7 @@ def _scatternet(device, *, resize=None, crop=None, J: int = 2, L: int = 8) -> Ba
         def forward(self, x):
             shape = tuple(x.shape[-2:])
             if self.inner is None or self.inner.scattering.shape != shape:
-                self.inner = _Scattering(shape, J, L).to(x.device)
+                self.inner = Scattering(shape, J, L).to(x.device)
             return self.inner(x)
 
     module = _Lazy().to(device)

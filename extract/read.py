@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from extract.store import DamagedStoreError, StorePath, _first_line, open_split
+from extract.store import open_split
 from extract.verify import check_chunk_sums
+from extract.zarr_io import DamagedStoreError, StorePath, first_line
 
 if TYPE_CHECKING:
     import zarr
@@ -97,7 +98,7 @@ def _unreadable(where: str, start: int, rows: int, num_rows: int,
                 err: BaseException) -> DamagedStoreError:
     return DamagedStoreError(f"{where}: chunk {start // rows} (rows {start}:"
                              f"{min(start + rows, num_rows)}) is unreadable "
-                             f"({type(err).__name__}: {_first_line(err)})")
+                             f"({type(err).__name__}: {first_line(err)})")
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:

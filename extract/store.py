@@ -27,7 +27,8 @@ exactly the chunks that were not done. Chunks are independent files, so separate
 (`--shard k/n`, Ray tasks) can fill disjoint chunks of one split.
 
 This module holds the format and its invariants (opening a store, checking a complete split
-against its metadata, what the splits of one store share). Around it:
+against its metadata, what the splits of one store share). Around it: `extract.zarr_io` reaches
+the store's Zarr nodes (local or by URL) with errors naming the damaged file,
 `extract.writer` writes a split (`SplitWriter`), `extract.read` reads one into memory or
 chunk by chunk, and `extract.verify` checks a whole store (`dpprobe verify`).
 """
@@ -36,13 +37,24 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib.util
-import json
 import math
 import os
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from extract.zarr_io import (
+    DamagedStoreError,
+    StorePath,
+    check_url_backend,
+    first_line,
+    is_local,
+    open_array,
+    open_group,
+    open_root,
+    read_json,
+    split_names,
+)
 
 if TYPE_CHECKING:
     import zarr
@@ -58,16 +70,15 @@ __all__ = [
     "choose_rows_per_chunk",
     "chunk_checksum",
     "identity_differences",
+    "jsonable",
     "local_split_attrs",
     "open_split",
     "shard_chunks",
     "split_attrs",
     "store_identity",
     "store_summary",
+    "timestamp",
 ]
-
-# A store: a local path, or a URL (s3://, gs://, ...) that fsspec opens.
-StorePath: TypeAlias = str | os.PathLike[str]
 
 FORMAT = "dpprobe.features"
 FORMAT_VERSION = 1
@@ -75,32 +86,10 @@ FEATURE_DTYPES = ("float16", "float32")
 # Preprocessing keys that may differ between the splits of one store: the train split's
 # augmented views (the test split is never augmented) and the autocast speed knob.
 _PER_SPLIT_PREPROCESSING = ("views", "augment", "augment_seed", "amp")
-# Optional packages that fsspec needs for a store URL's scheme, and how to install them.
-_URL_BACKENDS = {
-    "s3": ("s3fs", "pip install s3fs"),
-    "s3a": ("s3fs", "pip install s3fs"),
-    "gs": ("gcsfs", "pip install gcsfs"),
-    "gcs": ("gcsfs", "pip install gcsfs"),
-    "http": ("aiohttp", "pip install aiohttp"),
-    "https": ("aiohttp", "pip install aiohttp"),
-    "az": ("adlfs", "pip install adlfs"),
-    "abfs": ("adlfs", "pip install adlfs"),
-}
-
-
-class DamagedStoreError(ValueError):
-    """A store whose files do not hold what its metadata promises (missing or corrupt chunks,
-    unreadable or inconsistent metadata)."""
 
 
 class IncompleteSplitError(RuntimeError):
     """The split exists but its extraction did not finish."""
-
-
-def _zarr():
-    """Zarr, imported on first use, so that `import extract` stays light for the commands that
-    never open a store (`local_split_attrs` reads a local store's metadata without it)."""
-    return importlib.import_module("zarr")
 
 
 def choose_rows_per_chunk(
@@ -131,30 +120,6 @@ def shard_chunks(num_chunks: int, shard: tuple[int, int] | None) -> list[int]:
     return [int(c) for c in np.array_split(np.arange(num_chunks), count)[index]]
 
 
-def _is_local(store: StorePath) -> bool:
-    return isinstance(store, str | os.PathLike) and "://" not in str(store)
-
-
-def _check_url_backend(store: StorePath) -> None:
-    """Refuse a store URL whose fsspec backend is not installed, with the install command."""
-    if _is_local(store):
-        return
-    scheme = str(store).split("://", 1)[0].lower()
-    backend = _URL_BACKENDS.get(scheme)
-    if backend and importlib.util.find_spec(backend[0]) is None:
-        raise ValueError(f"store {store}: {scheme}:// URLs need the {backend[0]} package; "
-                         f"install it with `{backend[1]}`")
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def check_out_path(store: StorePath) -> bool:
     """Refuse an output path that is neither new nor a dpprobe feature store.
 
@@ -162,8 +127,8 @@ def check_out_path(store: StorePath) -> bool:
     new path, an empty folder, or a store recognized by its root attributes. Returns whether
     the store already exists. URLs are checked when opened.
     """
-    if not _is_local(store):
-        _check_url_backend(store)
+    if not is_local(store):
+        check_url_backend(store)
         return False
     path = os.fspath(store)
     if not os.path.lexists(path):
@@ -174,59 +139,12 @@ def check_out_path(store: StorePath) -> bool:
     entries = [name for name in os.listdir(path) if not name.startswith(".dpprobe-")]
     if not entries:
         return False
-    root = _read_json(os.path.join(path, "zarr.json"))
+    root = read_json(os.path.join(path, "zarr.json"))
     if root is None or (root.get("attributes") or {}).get("format") != FORMAT:
         what = "a Zarr store not written by dpprobe" if root is not None else "a folder"
         raise ValueError(f"--out {path} is {what} (not a dpprobe feature store); dpprobe only "
                          "writes into a new path or its own store: give another --out")
     return True
-
-
-def _open_root(store: StorePath, mode: str) -> zarr.Group:
-    _check_url_backend(store)
-    if _is_local(store) and mode == "r":
-        if not os.path.isdir(store):
-            raise FileNotFoundError(f"no feature store at {store}")
-        if not os.path.exists(os.path.join(store, "zarr.json")):
-            raise ValueError(f"{store} is not a dpprobe feature store (it has no zarr.json)")
-    try:
-        return _zarr().open_group(store, mode=mode, zarr_format=3)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"no feature store at {store}") from err
-    except (ValueError, TypeError, KeyError) as err:
-        raise DamagedStoreError(f"{store}/zarr.json is unreadable or not a Zarr v3 group "
-                                f"({type(err).__name__}: {_first_line(err)})") from err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _group(root: zarr.Group, store: StorePath, split: str) -> zarr.Group:
-    """root[split], refusing unreadable metadata with a message naming it."""
-    try:
-        group = root[split]
-    except KeyError:
-        raise
-    except Exception as err:  # noqa: BLE001 - any metadata failure is damage
-        raise DamagedStoreError(f"{store}/{split}/zarr.json is unreadable "
-                                f"({type(err).__name__}: {_first_line(err)})") from err
-    if not isinstance(group, _zarr().Group):
-        raise DamagedStoreError(f"{store}/{split} is not a Zarr group")
-    return group
-
-
-def _split_names(root: zarr.Group, store: StorePath) -> list[str]:
-    names = []
-    for name in ("train", "test"):
-        try:
-            if name in root:
-                names.append(name)
-        except Exception as err:  # noqa: BLE001
-            raise DamagedStoreError(f"{store}/{name}/zarr.json is unreadable "
-                                    f"({type(err).__name__}: {_first_line(err)})") from err
-    return names
 
 
 def store_identity(attrs: dict) -> dict:
@@ -236,7 +154,7 @@ def store_identity(attrs: dict) -> dict:
     preprocessing = {k: v for k, v in (attrs.get("preprocessing") or {}).items()
                      if k not in _PER_SPLIT_PREPROCESSING}
     dataset = attrs.get("dataset") or {}
-    return _jsonable({
+    return jsonable({
         "backbone": attrs.get("backbone"),
         "preprocessing": preprocessing,
         "feature_dim": (attrs.get("feature_shape") or [None])[-1],
@@ -257,16 +175,16 @@ def open_split(store: StorePath, split: str, *, require_complete: bool = True) -
     dtypes and chunking as recorded, every chunk marked done and (on local disk) every chunk
     file present. A missing chunk file would otherwise read as zeros.
     """
-    root = _open_root(store, "r")
+    root = open_root(store, "r")
     if dict(root.attrs).get("format") != FORMAT:
         raise ValueError(f"{store} is not a dpprobe feature store")
-    present = _split_names(root, store)
+    present = split_names(root, store)
     if split not in present:
         raise KeyError(f"{store} has no {split!r} split (it has {present}); extract it first")
-    group = _group(root, store, split)
+    group = open_group(root, store, split)
     attrs = dict(group.attrs)
     if require_complete and not attrs.get("complete", False):
-        done = np.asarray(_array(group, store, split, "chunks_done")[:])
+        done = np.asarray(open_array(group, store, split, "chunks_done")[:])
         raise IncompleteSplitError(
             f"{store}/{split} is incomplete ({int(done.sum())}/{done.size} chunks done): its "
             "extraction was interrupted. Rerun the same `dpprobe extract` command to resume."
@@ -274,17 +192,6 @@ def open_split(store: StorePath, split: str, *, require_complete: bool = True) -
     if require_complete:
         _check_complete_split(group, store, split, attrs)
     return group
-
-
-def _array(group: zarr.Group, store: StorePath, split: str, name: str) -> zarr.Array:
-    try:
-        array = group[name]
-    except Exception as err:  # noqa: BLE001 - a missing or unreadable zarr.json
-        raise DamagedStoreError(f"{store}/{split}/{name}: array metadata missing or unreadable "
-                                f"({type(err).__name__}: {_first_line(err)})") from err
-    if not isinstance(array, _zarr().Array):
-        raise DamagedStoreError(f"{store}/{split}/{name} is not a Zarr array")
-    return array
 
 
 def _check_complete_split(group: zarr.Group, store: StorePath, split: str, attrs: dict) -> None:
@@ -307,19 +214,19 @@ def _check_complete_split(group: zarr.Group, store: StorePath, split: str, attrs
     }
     arrays = {}
     for name, (shape, chunks, kind) in expected.items():
-        array = arrays[name] = _array(group, store, split, name)
+        array = arrays[name] = open_array(group, store, split, name)
         if tuple(array.shape) != shape or tuple(array.chunks) != chunks or array.dtype != kind:
             raise DamagedStoreError(
                 f"{where}/{name}/zarr.json says {array.dtype} {tuple(array.shape)} in chunks "
                 f"{tuple(array.chunks)}, the split's attributes say {kind} {shape} in chunks "
                 f"{chunks}: the metadata was altered")
-    if _is_local(store):
+    if is_local(store):
         check_chunk_files(group, store, split)
     try:
         done = np.asarray(arrays["chunks_done"][:])
     except Exception as err:  # noqa: BLE001
         raise DamagedStoreError(f"{where}/chunks_done is unreadable "
-                                f"({type(err).__name__}: {_first_line(err)})") from err
+                                f"({type(err).__name__}: {first_line(err)})") from err
     if not done.all():
         raise DamagedStoreError(f"{where} is marked complete but chunks "
                                 f"{np.flatnonzero(done == 0).tolist()[:10]} are not marked done")
@@ -335,11 +242,11 @@ def check_chunk_files(group: zarr.Group, store: StorePath, split: str) -> None:
     """
     sums = None
     for name in ("chunks_done", "chunk_sha256", "features", "labels"):
-        array = _array(group, store, split, name)
+        array = open_array(group, store, split, name)
         for chunk in _missing_chunks(array, os.path.join(store, split, name)):
             if name in ("features", "labels"):
                 if sums is None:
-                    sums = np.asarray(_array(group, store, split, "chunk_sha256")[:])
+                    sums = np.asarray(open_array(group, store, split, "chunk_sha256")[:])
                 if _is_fill_chunk(group, store, split, sums, chunk):
                     continue
             key = array.metadata.encode_chunk_key((chunk,) + (0,) * (array.ndim - 1))
@@ -359,14 +266,14 @@ def _is_fill_chunk(group: zarr.Group, store: StorePath, split: str, sums: np.nda
                    chunk: int) -> bool:
     """Whether row chunk `chunk`, as Zarr reads it (fill values for a missing file), has the
     sha256 recorded when it was written."""
-    features = _array(group, store, split, "features")
+    features = open_array(group, store, split, "features")
     rows = features.chunks[0]
     start, stop = chunk * rows, min((chunk + 1) * rows, features.shape[0])
     if chunk >= len(sums):
         return False
     try:
         block = np.asarray(features[start:stop])
-        labels = np.asarray(_array(group, store, split, "labels")[start:stop])
+        labels = np.asarray(open_array(group, store, split, "labels")[start:stop])
     except Exception:  # noqa: BLE001 - an unreadable chunk is not a fill chunk
         return False
     return bytes(sums[chunk]) == chunk_checksum(block, labels)
@@ -381,10 +288,10 @@ def local_split_attrs(store: StorePath, split: str) -> dict | None:
     """A complete split's attributes, read from the Zarr v3 metadata (`zarr.json`) of a store on
     local disk without importing Zarr; None when that is not possible (a URL, a missing or
     incomplete split, not a dpprobe store): `open_split` then gives the answer or the error."""
-    if not _is_local(store):
+    if not is_local(store):
         return None
-    root = _read_json(os.path.join(store, "zarr.json"))
-    group = _read_json(os.path.join(store, split, "zarr.json"))
+    root = read_json(os.path.join(store, "zarr.json"))
+    group = read_json(os.path.join(store, split, "zarr.json"))
     if root is None or group is None:
         return None
     attrs = group.get("attributes") or {}
@@ -396,13 +303,13 @@ def local_split_attrs(store: StorePath, split: str) -> dict | None:
 
 def store_summary(store: StorePath) -> dict:
     """Root and per-split attributes (provenance) of a store, with completion counts."""
-    root = _open_root(store, "r")
+    root = open_root(store, "r")
     if dict(root.attrs).get("format") != FORMAT:
         raise ValueError(f"{store} is not a dpprobe feature store")
     summary = {"root": dict(root.attrs), "splits": {}}
-    for name in _split_names(root, store):
-        group = _group(root, store, name)
-        done = np.asarray(_array(group, store, name, "chunks_done")[:])
+    for name in split_names(root, store):
+        group = open_group(root, store, name)
+        done = np.asarray(open_array(group, store, name, "chunks_done")[:])
         summary["splits"][name] = dict(group.attrs) | {
             "chunks_done": int(done.sum()),
             "num_chunks": int(done.size),
@@ -410,15 +317,17 @@ def store_summary(store: StorePath) -> dict:
     return summary
 
 
-def _now() -> str:
+def timestamp() -> str:
+    """The format's timestamps (a split's `created` and `completed`): UTC, ISO 8601, to the
+    second."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _jsonable(value):
+def jsonable(value):
     """Normalize tuples/lists so attrs read back from JSON compare equal to fresh ones."""
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 

@@ -15,17 +15,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from extract.store import (
-    FORMAT,
+from extract.store import FORMAT, check_chunk_files, chunk_checksum, identity_differences
+from extract.zarr_io import (
     DamagedStoreError,
     StorePath,
-    _group,
-    _is_local,
-    _open_root,
-    _split_names,
-    check_chunk_files,
-    chunk_checksum,
-    identity_differences,
+    is_local,
+    open_group,
+    open_root,
+    split_names,
 )
 
 __all__ = ["VerifyReport", "check_chunk_sums", "verify_store"]
@@ -87,10 +84,10 @@ def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
     problems: list[str] = []
     summary: dict = {}
     try:
-        root = _open_root(store, "r")
+        root = open_root(store, "r")
         if dict(root.attrs).get("format") != FORMAT:
             return VerifyReport([f"{store} is not a dpprobe feature store"], {})
-        present = _split_names(root, store)
+        present = split_names(root, store)
     except (FileNotFoundError, DamagedStoreError) as err:
         return VerifyReport([str(err)], {})
     identities = {}
@@ -99,7 +96,7 @@ def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
             problems.append(f"{split}: missing split")
             continue
         try:
-            group = _group(root, store, split)
+            group = open_group(root, store, split)
         except DamagedStoreError as err:
             problems.append(f"{split}: {err}")
             continue
@@ -128,7 +125,7 @@ def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
             problems.append(f"{split}: marked complete but chunks {np.flatnonzero(done == 0)} "
                             "are not done")
         rows = attrs.get("rows_per_chunk") or features.chunks[0]
-        if _is_local(store) and attrs.get("complete"):
+        if is_local(store) and attrs.get("complete"):
             try:
                 check_chunk_files(group, store, split)
             except DamagedStoreError as err:

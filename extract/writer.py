@@ -23,19 +23,14 @@ from extract.store import (
     FEATURE_DTYPES,
     FORMAT,
     FORMAT_VERSION,
-    StorePath,
-    _group,
-    _is_local,
-    _jsonable,
-    _now,
-    _open_root,
-    _split_names,
-    _zarr,
     check_out_path,
     choose_rows_per_chunk,
     chunk_checksum,
     identity_differences,
+    jsonable,
+    timestamp,
 )
+from extract.zarr_io import StorePath, import_zarr, is_local, open_group, open_root, split_names
 
 if TYPE_CHECKING:
     import zarr
@@ -48,7 +43,7 @@ _JOB_KEYS = ("backbone", "preprocessing", "dataset", "feature_shape", "dtype", "
 
 
 def _compressor():
-    return _zarr().codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+    return import_zarr().codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
 
 
 # Locks this process holds: {lock file: [open handle, count]}, so that one process may open a
@@ -91,7 +86,7 @@ class _SplitLock:
                 # A filesystem without flock (some network mounts): write unlocked, as before.
             handle.seek(0)
             handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {timestamp()}\n")
             handle.flush()
             _HELD_LOCKS[self.path] = [handle, 1]
             self.handle = handle
@@ -118,7 +113,7 @@ class _SplitLock:
 @contextlib.contextmanager
 def _creation_lock(store: StorePath) -> Iterator[None]:
     """Serialize split creation between processes sharing a local store (shards)."""
-    if not _is_local(store):
+    if not is_local(store):
         yield  # object stores: create the split before launching shards (as --ray does)
         return
     with open(os.path.join(store, ".dpprobe-create.lock"), "a") as handle:
@@ -193,7 +188,7 @@ class SplitWriter:
         }
         class_names = dataset.get("class_names")
         existed = check_out_path(store)
-        local = _is_local(store)
+        local = is_local(store)
         self.fresh_store = local and not existed  # a new path or an empty folder
         self.created_dir = local and not os.path.lexists(store)
         if local:
@@ -205,7 +200,7 @@ class SplitWriter:
             if local:
                 self._lock = _SplitLock(store, split, shared=shard)
             with _creation_lock(store):
-                root = _open_root(store, "a")
+                root = open_root(store, "a")
                 self.group, self.resumed = self._open_or_create(
                     root, job, feature_shape, dtype, class_names, overwrite, existed)
             self.features, self.labels, self.chunks_done, self.checksums = (
@@ -221,14 +216,14 @@ class SplitWriter:
         if existed and attrs.get("format") != FORMAT:
             raise ValueError(f"{self.store} is not a dpprobe feature store "
                              f"(format={attrs.get('format')!r})")
-        present = _split_names(root, self.store)
+        present = split_names(root, self.store)
         new_attrs = {"feature_shape": job["feature_shape"], "class_names": class_names,
                      "backbone": job["backbone"], "preprocessing": job["preprocessing"],
                      "dataset": job["dataset"]}
         for other in present:
             if other == self.split:
                 continue
-            differ = identity_differences(dict(_group(root, self.store, other).attrs),
+            differ = identity_differences(dict(open_group(root, self.store, other).attrs),
                                           new_attrs)
             if differ:
                 raise ValueError(
@@ -236,10 +231,10 @@ class SplitWriter:
                     f"{', '.join(differ)}; all splits of a store share one backbone (its weights "
                     "included), preprocessing, feature dim and class list. Use another --out"
                 )
-        existing = _group(root, self.store, self.split) if self.split in present else None
+        existing = open_group(root, self.store, self.split) if self.split in present else None
         if existing is not None and not overwrite:
             old = dict(existing.attrs)
-            same_job = all(_jsonable(old.get(k)) == _jsonable(job[k]) for k in _JOB_KEYS)
+            same_job = all(jsonable(old.get(k)) == jsonable(job[k]) for k in _JOB_KEYS)
             if same_job:
                 return existing, True
             if old.get("format") == FORMAT and _chunks_done_count(existing) > 0:
@@ -254,7 +249,7 @@ class SplitWriter:
         if not attrs:
             root.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
                                "backbone": job["backbone"], "class_names": class_names})
-        elif _jsonable(attrs.get("backbone")) != _jsonable(job["backbone"]) or (
+        elif jsonable(attrs.get("backbone")) != jsonable(job["backbone"]) or (
                 attrs.get("class_names") != class_names):
             # Only reached when no other split disagrees (checked above).
             root.attrs.update({"backbone": job["backbone"], "class_names": class_names})
@@ -290,7 +285,7 @@ class SplitWriter:
                 "views": int(feature_shape[0]) if len(feature_shape) == 2 else 1,
                 "num_classes": job["dataset"].get("num_classes"),
                 "class_names": job["dataset"].get("class_names"),
-                "created": _now(),
+                "created": timestamp(),
                 "complete": False,
             }
         )
@@ -307,11 +302,11 @@ class SplitWriter:
         (a new split, a new store), then release the split. Never touches anything else."""
         try:
             if self._lock is not None and self._lock.alone():
-                if self.created_split and _is_local(self.store):
+                if self.created_split and is_local(self.store):
                     group = os.path.join(self.store, self.split)
                     if not any(_chunks_done_files(group)):
                         shutil.rmtree(group, ignore_errors=True)
-                if self.fresh_store and _is_local(self.store):
+                if self.fresh_store and is_local(self.store):
                     ours = ("zarr.json", ".dpprobe-create.lock", f".dpprobe-{self.split}.lock")
                     if all(name in ours for name in os.listdir(self.store)):
                         self.close()
@@ -389,10 +384,10 @@ def _mark_complete(group: zarr.Group) -> bool:
     if not np.asarray(group["chunks_done"][:]).all():
         return False
     if not group.attrs.get("complete", False):
-        group.attrs.update({"complete": True, "completed": _now()})
+        group.attrs.update({"complete": True, "completed": timestamp()})
     return True
 
 
 def finalize_split(store: StorePath, split: str) -> bool:
     """Mark a split complete if all its chunks are done (e.g. after shards ran elsewhere)."""
-    return _mark_complete(_open_root(store, "a")[split])
+    return _mark_complete(open_root(store, "a")[split])

@@ -52,6 +52,7 @@ from flax import nnx
 from accounting import DpPlan
 from dp.auditing import one_run_epsilon_bound
 from dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gradient_canaries
+from dp.clipping import NULL_LABEL
 from finetune.specs import FinetuneResult, FinetuneSpec
 from finetune.train import model_inputs, train_finetune
 
@@ -127,10 +128,10 @@ def make_canaries(shape: tuple[int, ...], dtype, num_classes: int, count: int,
 def insert_canaries(images, labels, canary_images, canary_labels, included
                     ) -> tuple[np.ndarray, np.ndarray]:
     """The training set of an audited run: the N rows, then the m canaries, each excluded one
-    a null record (label -1): N + m rows whatever the coins."""
+    a null record (label `NULL_LABEL`): N + m rows whatever the coins."""
     images = np.concatenate([np.asarray(images), canary_images.astype(np.asarray(images).dtype)])
     labels = np.concatenate([np.asarray(labels, np.int32),
-                             np.where(included, canary_labels, -1).astype(np.int32)])
+                             np.where(included, canary_labels, NULL_LABEL).astype(np.int32)])
     return images, labels
 
 
@@ -203,15 +204,9 @@ def audit_finetune_gradients(model: nnx.Module, images, labels, plan: DpPlan,
     and estimate epsilon from every step's privatized sum on them.
 
     Args:
-      model, images, labels, spec: as for `train_finetune` (the N real rows).
-      plan: the run's mechanism on the N + m rows (its q is of N + m rows; its epsilon at
-        `delta` is the claim audited).
-      canaries: m.
-      delta, confidence: of the claim and of the lower bound.
+      model, images, labels, plan, spec, canaries, delta, confidence, accountant,
+        **train_options: as for `audit_finetune`.
       seed: the canaries' in/out coins (the auditor's public randomness).
-      accountant: of the claim.
-      **train_options: passed to `train_finetune` (flags, checkpointer, progress; keys and rng
-        only in tests: the production mechanism draws them from OS entropy).
 
     Returns:
       (the trained audit model's `FinetuneResult`, the `GradientCanaryAudit`).

@@ -6,7 +6,7 @@ intact) holds everything the run needs to go on exactly: parameters, optimizer s
 privatizer's step count), EMA, the step, the noise and augmentation keys, the batch sampler's
 state, and the job's public configuration (a resume with another configuration is refused).
 
-Privacy: a resumed run continues the same run of the same `DpPlan`: it never re-spends the
+Formal guarantee: a resumed run continues the same run of the same `DpPlan`: it never re-spends the
 budget (the steps done are not redone) and never reuses a noise draw (step t's noise is
 `fold_in(noise_key, t)` for the saved key, and t only grows). The checkpoint holds secrets (the
 noise key would let anyone subtract the noise from the released model): the directory is

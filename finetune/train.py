@@ -42,7 +42,7 @@ from flax import nnx
 
 from accounting import DpPlan
 from dp.canaries import GradientCanaries, canary_tap
-from dp.clipping import per_example_clipper, valid_labels, zero_nonfinite_rows
+from dp.clipping import NULL_LABEL, per_example_clipper, valid_labels, zero_nonfinite_rows
 from dp.noise import make_keys, noise_stddev
 from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
@@ -221,7 +221,7 @@ def train_finetune(
     count = 0 if canaries is None else canaries.count
     num_examples = num_real + count
     if count:  # canary j's row: any image (its loss ignores it), label 0 if in, else null
-        labels = np.concatenate([labels, np.where(canaries.included, 0, -1)])
+        labels = np.concatenate([labels, np.where(canaries.included, 0, NULL_LABEL)])
     static_canaries = (num_real, canaries.norm) if count else None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     state = init_state(params, spec, plan, keys[0], num_examples, count)

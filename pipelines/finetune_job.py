@@ -140,7 +140,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     """DP-SGD finetuning of a whole model: `run_finetune(FinetuneConfig(...))` or the config's
     fields as keywords. Returns the results dict (also `out`/results.json).
 
-    Privacy: one run of the Poisson-sampled Gaussian (`accounting.DpPlan(sigma, T, q, C)`,
+    Formal guarantee: one run of the Poisson-sampled Gaussian (`accounting.DpPlan(sigma, T, q, C)`,
     sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public). Noise
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
     trained model, its test accuracy) and public inputs.

@@ -10,10 +10,10 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
+from dpmodel.format import json_default
 from pipelines.files import atomic_write_text
 
 __all__ = [
@@ -40,16 +40,6 @@ def log(message: str, quiet: bool = False) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _json_default(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value)}")
-
-
 def _finite(value):
     """JSON has no inf/nan: inf epsilon is written as the string "inf"."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -62,7 +52,7 @@ def _finite(value):
 
 
 def write_json(path, payload: dict) -> None:
-    atomic_write_text(path, json.dumps(_finite(payload), indent=2, default=_json_default) + "\n")
+    atomic_write_text(path, json.dumps(_finite(payload), indent=2, default=json_default) + "\n")
 
 
 def write_csv(path, rows: Sequence[dict], columns: Sequence[str]) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "extrapolate",
     "fit_linear_scaling",
     "search_line",
+    "validation_split",
     "EXTRAPOLATIONS",
     "SEARCHES",
     "SEARCH_CHOICES",
@@ -299,36 +300,39 @@ def search_line(
     # Each trial of a stage of n trials is (mu_s / sqrt(n))-GDP; its epsilon is the line's x.
     mu_trial = [mu / math.sqrt(trials) for mu in (budget["mu0"], budget["mu1"])]
     eps_trial = [accounting.gdp_epsilon(mu, delta) for mu in mu_trial]
-    stages: list[StageResult] = []
-    for stage in (0, 1):
-        if stage == 0:
-            rs = _candidates(rng, trials, low, high, search)
-        else:  # linear scaling: around (eps1 / eps0) r0, within a factor of 2
-            center = stages[0].best_r * eps_trial[1] / eps_trial[0]
-            spread = 2.0 if trials > 1 else 1.0
-            rs = (_candidates(rng, trials, center / spread, center * spread, search)
-                  if trials > 1 else [center])
+
+    def stage(index: int, rs) -> StageResult:
+        """One search stage: each proposed r decomposed as lr x T, its plan, recorded in the
+        ledger, trained and scored by `run_stage`; the best score wins."""
         settings = [_decompose(r, steps_choices, rng, search, i) for i, r in enumerate(rs)]
-        plans = [accounting.DpPlan(math.sqrt(t.steps) / mu_trial[stage], t.steps, 1.0, clip_norm)
-                 for t in settings]
+        plans = [accounting.DpPlan(math.sqrt(t.steps) / mu_trial[index], t.steps, 1.0,
+                                   clip_norm) for t in settings]
         for i, (trial, plan) in enumerate(zip(settings, plans, strict=True)):
-            ledger.record(f"stage{stage}-trial{i}", plan, role="tuning", data=training_data,
-                          stage=stage, r=trial.r, learning_rate=trial.learning_rate)
-        scores = np.asarray(run_stage(stage, settings, plans), float)
-        stages.append(StageResult(
-            epsilon_per_trial=eps_trial[stage],
-            epsilon_stage=accounting.gdp_epsilon(budget[f"mu{stage}"], delta),
-            trials=settings, plans=plans, scores=scores, best=int(np.argmax(scores)),
-        ))
+            ledger.record(f"stage{index}-trial{i}", plan, role="tuning", data=training_data,
+                          stage=index, r=trial.r, learning_rate=trial.learning_rate)
+        scores = np.asarray(run_stage(index, settings, plans), float)
+        return StageResult(
+            epsilon_per_trial=eps_trial[index],
+            epsilon_stage=accounting.gdp_epsilon(budget[f"mu{index}"], delta),
+            trials=settings, plans=plans, scores=scores, best=int(np.argmax(scores)))
+
+    # Alg. 1, first search: r0, the best r within r_range at eps0.
+    first = stage(0, _candidates(rng, trials, low, high, search))
+    # Second search, around (eps1 / eps0) r0 (linear scaling), within a factor of 2: r1.
+    center = first.best_r * eps_trial[1] / eps_trial[0]
+    spread = 2.0 if trials > 1 else 1.0
+    second = stage(1, _candidates(rng, trials, center / spread, center * spread, search)
+                   if trials > 1 else [center])
+    # The line r = alpha epsilon + b through (eps0, r0) and (eps1, r1); r* at eps_f.
     searched = (min(low, center / spread), max(high, center * spread))
-    fit = extrapolate(extrapolation, stages[0].epsilon_per_trial, stages[0].best_r,
-                      stages[1].epsilon_per_trial, stages[1].best_r, budget["epsilon_final"],
+    fit = extrapolate(extrapolation, first.epsilon_per_trial, first.best_r,
+                      second.epsilon_per_trial, second.best_r, budget["epsilon_final"],
                       searched)
-    return {"budget": budget, "stages": stages, "extrapolation": extrapolation,
+    return {"budget": budget, "stages": [first, second], "extrapolation": extrapolation,
             "searched": searched} | fit
 
 
-def _validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarray, np.ndarray]:
+def validation_split(num_examples: int, fraction: float, rng) -> tuple[np.ndarray, np.ndarray]:
     """A random partition of the row indices, drawn independently of the data (N is public)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"validation_fraction must be in (0, 1), got {fraction}")

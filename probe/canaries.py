@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp.clipping import NULL_LABEL
 from dp.noise import make_keys
 from probe.clipping import residuals
 from probe.specs import ProbeSpec, RunSpec
@@ -80,7 +81,7 @@ def add_canary(features, labels, *, include: bool) -> tuple[np.ndarray, np.ndarr
     out[:-1, ..., :-1] = features
     out[-1, ..., -1] = CANARY_NORM
     # A label outside [0, num_classes) makes the row a null record (it contributes nothing).
-    return out, np.append(labels, CANARY_LABEL if include else -1)
+    return out, np.append(labels, CANARY_LABEL if include else NULL_LABEL)
 
 
 def canary_direction(spec: ProbeSpec) -> np.ndarray:

@@ -26,7 +26,7 @@ interface of `dp.clipping`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 Loss = Literal["softmax", "sigmoid"]
-LOSSES: tuple[str, ...] = ("softmax", "sigmoid")
+LOSSES: tuple[str, ...] = get_args(Loss)
 
 
 def linear_logits(params: dict, features: jax.Array) -> jax.Array:
