@@ -169,6 +169,8 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
         images = images[..., 0]
     if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
         raise ValueError(f"{path}: images must be (N, H, W) or (N, H, W, 3), got {images.shape}")
+    if images.shape[0] == 0 or min(images.shape[1:3]) < 1:
+        raise ValueError(f"{path}: images have shape {images.shape}; need at least one image")
     defects = None
     if not strict:
         try:
@@ -186,8 +188,6 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
     class_names = _class_names(path, data, num_classes)
     if strict:
         _check_label_range(path, labels, class_names)
-    if images.shape[0] == 0 or min(images.shape[1:3]) < 1:
-        raise ValueError(f"{path}: images have shape {images.shape}; need at least one image")
     return ImageSplit(
         dataset=f"npz:{path.name}",
         split=split,

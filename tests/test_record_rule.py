@@ -46,8 +46,8 @@ def _npz(directory, rng, defect):
 
 def _folder(directory, rng, defect):
     """imgs/{train,test}/CLASS/NN.png (16x16 RGB), train's BAD_ROW file defective (`defect`:
-    "corrupt", "size": 20 x 11, "mode": grayscale) or nulled (None: an empty file, which no
-    reader can decode)."""
+    "corrupt", "size": 20 x 11, "mode": grayscale), nulled (None: an empty file, which no
+    reader can decode) or absent (any other `defect`)."""
     for split, count in (("train", 40), ("test", 20)):
         for row in range(count):
             folder = directory / "imgs" / split / CLASSES[row % 4]
@@ -62,7 +62,7 @@ def _folder(directory, rng, defect):
                     folder / f"{row:02d}.png")  # 20 x 11
             elif defect == "mode":
                 Image.fromarray(pixels).convert("L").save(folder / f"{row:02d}.png")
-            else:
+            elif defect is None:
                 (folder / f"{row:02d}.png").write_bytes(b"")
     return ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test",
             "--crop", "16"]  # larger than the odd-size image's short side
@@ -162,3 +162,21 @@ def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
     data = _folder(tmp_path, np.random.default_rng(0), None)[:4]
     assert cli.main([*JOB, *data]) == 2
     assert "--resize R or --crop S" in capsys.readouterr().err
+
+
+def test_verify_data_passes_clean_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = _folder(tmp_path, np.random.default_rng(0), "absent")[1]
+    assert cli.main(["verify", "--data", spec]) == 0
+    out = capsys.readouterr().out
+    assert "train: 39 records, none changed by the rule" in out and out.endswith("OK\n")
+
+
+def test_a_bad_record_of_the_public_test_split_is_refused_by_name(tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    data = _npz(tmp_path, np.random.default_rng(0), None)
+    np.savez("test.npz", images=np.zeros((4, 16, 16), np.uint8), labels=[0, 1, 9, 2],
+             class_names=CLASSES)
+    assert cli.main([*JOB, *data]) == 2
+    assert "the test split (public)" in capsys.readouterr().err
