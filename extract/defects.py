@@ -19,6 +19,13 @@ publishing job never prints them, nor counts them.
 
 `dpprobe extract` keeps its strict readers: its store stays with the owner, and refusing a bad
 row there, by name and value, is what the owner needs.
+
+Formal guarantee:
+  Each record's outcome (kept, clamped, resized, or made a null record) is a function of that
+  record alone, the same function for every record; the rule raises only for faults of the
+  whole source that no record's content decides (a dtype that is not a number). So replacing
+  one record by a null record changes one row of the trainer's input and nothing else, which
+  is the zero-out neighbouring relation the accounting assumes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ import dataclasses
 import sys
 
 import extract
-from extract.data_check import DataReport, check_data
 from pipelines import config as cfg
 from pipelines import reporting
 
@@ -40,7 +39,7 @@ class InfoConfig:
 
 
 def verify(config: VerifyConfig | str | None = None, /,
-           **options) -> extract.VerifyReport | DataReport:
+           **options) -> extract.VerifyReport | extract.DataReport:
     """`extract.verify_store`, optionally re-fingerprinting the source data; or, without a
     store, `extract.check_data` on the data alone.
 
@@ -55,7 +54,7 @@ def verify(config: VerifyConfig | str | None = None, /,
     """
     config = cfg.make_config(VerifyConfig, config, "store", **options)
     if config.store is None:
-        return check_data(config.data, data_dir=config.data_dir)
+        return extract.check_data(config.data, data_dir=config.data_dir)
     fingerprints, extra_problems = None, []
     if config.data:
         fingerprints, extra_problems = _source_fingerprints(config)
