@@ -3,6 +3,8 @@
 Modules, in the order data flows through them:
   sources     data specs and `open_source` (datasets: the file readers; hf: Hugging Face
               `datasets` folders and cache; splits: what they yield)
+  defects     the per-record rule a publishing job reads data by (`open_source(strict=False)`);
+              data_check: what it would change, for the data's owner (`check_data`)
   backbones   the frozen models (timm, ScatterNet)
   extractor   `extract_split`: a source through a backbone into a store, resumably
   store       the store's format and invariants (writer: `SplitWriter`; read: `load_split`,
@@ -15,6 +17,8 @@ timm) is imported on first use too, so that jobs which only read a store start f
 
 import importlib
 
+from extract.data_check import DataReport, check_data
+from extract.defects import NULL_LABEL, Defect
 from extract.read import iter_split_chunks, load_split
 from extract.sources import (
     ImageSplit,
@@ -66,14 +70,18 @@ __all__ = [
     "Backbone",
     "ExtractReport",
     "DamagedStoreError",
+    "DataReport",
+    "Defect",
     "ImageSplit",
     "IncompleteSplitError",
+    "NULL_LABEL",
     "PrecomputedSplit",
     "SplitWriter",
     "VerifyReport",
     "augment_image",
     "check_out_path",
     "choose_rows_per_chunk",
+    "check_data",
     "chunk_checksum",
     "create_backbone",
     "embed_images",

@@ -3,7 +3,8 @@ gzipped IDX files), scikit-learn digits, npz archives (images or precomputed fea
 folders (ROOT/CLASS/IMAGE) and CIFAR-10/100 python-pickle batches.
 
 Every reader refuses a damaged or unexpected file with a message naming it, before anything is
-written.
+written. With `strict=False` (a publishing job's reader) a fault of one record is not refused:
+the public per-record rule of `extract.defects` applies to it, the same for every record.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from extract.defects import NULL, Defect, pixel_rule
 from extract.splits import ImageSplit, PrecomputedSplit, _check_label_range, _first_line, _sha256
 
 __all__ = [
@@ -156,25 +158,36 @@ def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
     return [str(c) for c in range(num_classes)]
 
 
-def read_npz_images(path: Path, split: str, num_classes: int | None = None) -> ImageSplit:
+def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
+                    strict: bool = True) -> ImageSplit:
+    """An npz of `images` (N, H, W[, 1 or 3]) and `labels` (N,): refused by value when a
+    pixel or label is out of range (`strict`, extract), else by the publishing rule
+    (`extract.defects`: clamped, or null records)."""
     data = _load_npz(path, ("images", "labels"))
     images, labels = data["images"], np.asarray(data["labels"])
     if images.ndim == 4 and images.shape[-1] == 1:
         images = images[..., 0]
     if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
         raise ValueError(f"{path}: images must be (N, H, W) or (N, H, W, 3), got {images.shape}")
-    if images.dtype != np.uint8:
+    if images.shape[0] == 0 or min(images.shape[1:3]) < 1:
+        raise ValueError(f"{path}: images have shape {images.shape}; need at least one image")
+    defects = None
+    if not strict:
+        try:
+            images, defects = pixel_rule(images)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+    elif images.dtype != np.uint8:
         if not np.issubdtype(images.dtype, np.floating) or not np.isfinite(images).all():
             raise ValueError(f"{path}: images must be uint8 or finite floats in [0, 1]")
         if images.min() < 0 or images.max() > 1:
             raise ValueError(f"{path}: float images must lie in [0, 1], got "
                              f"[{images.min()}, {images.max()}]")
         images = np.round(images * 255.0).astype(np.uint8)
-    _check_labels(path, labels, len(images))
+    _check_labels(path, labels, len(images), strict=strict)
     class_names = _class_names(path, data, num_classes)
-    _check_label_range(path, labels, class_names)
-    if images.shape[0] == 0 or min(images.shape[1:3]) < 1:
-        raise ValueError(f"{path}: images have shape {images.shape}; need at least one image")
+    if strict:
+        _check_label_range(path, labels, class_names)
     return ImageSplit(
         dataset=f"npz:{path.name}",
         split=split,
@@ -182,6 +195,7 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None) -> I
         class_names=class_names,
         fingerprint=_sha256(images, labels.astype(np.int32)),
         array=images,
+        defects=defects,
     )
 
 
@@ -213,19 +227,23 @@ def read_npz_features(path: Path, split: str, num_classes: int | None = None) ->
     )
 
 
-def _check_labels(path, labels: np.ndarray, count: int) -> None:
+def _check_labels(path, labels: np.ndarray, count: int, *, strict: bool = True) -> None:
+    """Labels (N,) of integers (structural); non-negative too when `strict`."""
     if labels.ndim != 1 or len(labels) != count:
         raise ValueError(f"{path}: labels must be (N,) with N={count}, got {labels.shape}")
-    if not np.issubdtype(labels.dtype, np.integer) or (labels.size and labels.min() < 0):
+    if not np.issubdtype(labels.dtype, np.integer) or (strict and labels.size
+                                                       and labels.min() < 0):
         raise ValueError(f"{path}: labels must be non-negative integers, got {labels.dtype}"
                          + (f" with minimum {labels.min()}" if labels.size and np.issubdtype(
                              labels.dtype, np.number) else ""))
 
 
-def read_imagefolder(root: Path, split: str) -> ImageSplit:
+def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSplit:
     """ROOT/CLASS/IMAGE. Hidden folders (.git, .ipynb_checkpoints) are not classes; a class
     folder without images is refused (the class list is the folder names, so it would declare
-    a class no example has). Every image's header is checked here, before anything is written.
+    a class no example has). Every image's header is checked here, before anything is written:
+    a bad one is refused by name (`strict`, extract), else it is a null record (the publishing
+    rule, `extract.defects`).
     """
     from PIL import Image
 
@@ -244,17 +262,21 @@ def read_imagefolder(root: Path, split: str) -> ImageSplit:
                              f"{IMAGE_EXTENSIONS}; remove it or add its images")
         files += found
         labels += [index] * len(found)
-    digest = hashlib.sha256()
-    for file, label in zip(files, labels, strict=True):
+    digest, defects = hashlib.sha256(), None if strict else []
+    for row, (file, label) in enumerate(zip(files, labels, strict=True)):
         try:
             content = file.read_bytes()
         except OSError as err:
-            raise ValueError(f"cannot read image {file}: {err.strerror}") from err
+            if strict:
+                raise ValueError(f"cannot read image {file}: {err.strerror}") from err
+            content = b""
         try:
             with Image.open(io.BytesIO(content)) as image:
                 image.verify()
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
-            raise ValueError(f"{file} is not a readable image ({_first_line(err)})") from err
+            if strict:
+                raise ValueError(f"{file} is not a readable image ({_first_line(err)})") from err
+            defects.append(Defect(row, NULL, f"not a readable image ({_first_line(err)})"))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content).digest())
 
@@ -271,11 +293,13 @@ def read_imagefolder(root: Path, split: str) -> ImageSplit:
         fingerprint=digest.hexdigest(),
         load=load,
         files=files,
+        defects=defects,
     )
 
 
-def read_cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
-    """CIFAR-10/100 python-pickle batches (data_batch_1..5 + test_batch, or train + test)."""
+def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, ImageSplit]:
+    """CIFAR-10/100 python-pickle batches (data_batch_1..5 + test_batch, or train + test); a
+    label outside the classes is refused (`strict`), else a null record."""
     if not root.is_dir():
         raise FileNotFoundError(f"CIFAR directory {root} does not exist")
     if kind == "cifar10":
@@ -313,15 +337,16 @@ def read_cifar(root: Path, kind: str) -> dict[str, ImageSplit]:
         array = np.concatenate(images).transpose(0, 2, 3, 1).copy()
         labels = np.asarray(labels, np.int64)
         names_out = class_names or [str(c) for c in range(10 if kind == "cifar10" else 100)]
-        _check_label_range(root / names[0], labels, names_out)
-        labels = labels.astype(np.int32)
+        if strict:
+            _check_label_range(root / names[0], labels, names_out)
         splits[split] = ImageSplit(
             dataset=kind,
             split=split,
             labels=labels,
             class_names=names_out,
-            fingerprint=_sha256(array, labels),
+            fingerprint=_sha256(array, labels.astype(np.int32)),
             array=array,
+            defects=None if strict else [],
         )
     return splits
 

@@ -54,7 +54,8 @@ def parse_hf_spec(text: str) -> HfSpec:
     return HfSpec(location, split, options.get("image") or None, options.get("label") or None)
 
 
-def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None) -> dict[str, ImageSplit]:
+def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None,
+            strict: bool = True) -> dict[str, ImageSplit]:
     """The splits of an `hf:` dataset, each an `ImageSplit` that decodes its images on demand.
 
     Args:
@@ -64,6 +65,8 @@ def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None) -> dict
         to `split` when that names one ("all": both).
       num_classes: the declared class count, for a label column that is not a ClassLabel
         (with a ClassLabel it must agree with its names).
+      strict: refuse a label outside the classes (extract); else it is a null record (the
+        publishing rule, `extract.defects`).
 
     Returns:
       {split name: ImageSplit}, each with its class names and a sha256 fingerprint of its
@@ -88,7 +91,8 @@ def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None) -> dict
             if split not in parts:
                 raise ValueError(f"hf:{spec.location} has no {split} split")
             parts = {split: parts[split]}
-    return {name: _split(spec, name, part, num_classes) for name, part in parts.items()}
+    return {name: _split(spec, name, part, num_classes, strict)
+            for name, part in parts.items()}
 
 
 def _load(spec: HfSpec):
@@ -117,7 +121,8 @@ def _load(spec: HfSpec):
                          f"Hugging Face cache ({type(err).__name__}: {_first_line(err)})") from err
 
 
-def _split(spec: HfSpec, name: str, dataset, num_classes: int | None) -> ImageSplit:
+def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
+           strict: bool = True) -> ImageSplit:
     """One split: columns found or named, labels and class names checked, fingerprinted."""
     import datasets
 
@@ -156,7 +161,8 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None) -> ImageSp
 
     return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
                       labels=labels, class_names=class_names,
-                      fingerprint=_fingerprint(dataset, image_column, labels), load=load)
+                      fingerprint=_fingerprint(dataset, image_column, labels), load=load,
+                      defects=None if strict else [])
 
 
 def _only(candidates: list[str], kind: str, where: str, dataset) -> str:

@@ -66,6 +66,7 @@ def open_source(
     data_dir: str | os.PathLike | None = None,
     precomputed: bool = False,
     num_classes: int | None = None,
+    strict: bool = True,
 ) -> dict[str, ImageSplit | PrecomputedSplit]:
     """Open the splits of a data source.
 
@@ -78,6 +79,10 @@ def open_source(
       num_classes: the declared class count K, for sources without class names (an npz
         without `class_names`); must agree with the source's own names when it has them.
         The class list is a public input: it is never inferred from the labels.
+      strict: refuse a record that is out of range or unreadable, naming it and its value
+        (`dpprobe extract`, the owner's tool); False applies the publishing job's per-record
+        rule instead (`extract.defects`: clamped, or a null record), and each image split
+        lists what it did in `defects` (for the owner, never to be published).
 
     Returns:
       {split name: split}.
@@ -92,24 +97,25 @@ def open_source(
     elif kind == "digits":
         splits = read_digits()
     elif kind in ("cifar10", "cifar100"):
-        splits = read_cifar(Path(path), kind)
+        splits = read_cifar(Path(path), kind, strict=strict)
     elif kind == "hf":
-        splits = read_hf(parse_hf_spec(path), split=split, num_classes=num_classes)
+        splits = read_hf(parse_hf_spec(path), split=split, num_classes=num_classes,
+                         strict=strict)
     else:
         name = split if split and split != "all" else "train"
         if split == "all":
             raise ValueError(f"{kind} sources hold one split; name it with --split train|test")
         if kind == "npz":
             one = (read_npz_features(Path(path), name, num_classes) if precomputed
-                   else read_npz_images(Path(path), name, num_classes))
+                   else read_npz_images(Path(path), name, num_classes, strict=strict))
         else:
-            one = read_imagefolder(Path(path), name)
-        _check_declared(one, num_classes, spec)
-        one.spec = spec
-        return {name: one}
+            one = read_imagefolder(Path(path), name, strict=strict)
+        splits = {name: one}
     for one in splits.values():
         _check_declared(one, num_classes, spec)
         one.spec = spec
+        if not strict and isinstance(one, ImageSplit) and one.defects is None:
+            one.defects = []  # a built-in dataset: the rule finds nothing to change
     if split and split != "all":
         return {split: splits[split]}
     return splits

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from extract.defects import NULL, NULL_LABEL, Defect, label_defects
+
 __all__ = ["ImageSplit", "PrecomputedSplit"]
 
 
@@ -19,6 +21,11 @@ class ImageSplit:
 
     Either `array` holds every image as uint8 (N, H, W) or (N, H, W, 3), or `load` reads image
     i from disk. `images(indices)` returns PIL images either way.
+
+    `defects` None (a strict reader, `dpprobe extract`): a label outside the declared classes
+    is refused. A list (a publishing job's reader, `extract.defects`): the records the rule
+    changed so far; a label outside the classes joins them, and every null record's label
+    becomes `NULL_LABEL`.
     """
 
     dataset: str
@@ -30,17 +37,33 @@ class ImageSplit:
     load: Callable[[int], object] | None = None
     spec: str = ""
     files: Sequence | None = None  # where image i comes from, to name it in errors
+    defects: list[Defect] | None = None
 
     def __post_init__(self):
-        self.labels = np.asarray(self.labels, dtype=np.int32)
-        if self.labels.ndim != 1:
-            raise ValueError(f"{self.dataset}: labels must be 1-D, got shape {self.labels.shape}")
-        if len(self.labels) == 0:
+        raw = np.asarray(self.labels)
+        if raw.ndim != 1:
+            raise ValueError(f"{self.dataset}: labels must be 1-D, got shape {raw.shape}")
+        if len(raw) == 0:
             raise ValueError(f"{self.dataset}: the {self.split} split holds no examples")
-        if self.array is not None and len(self.array) != len(self.labels):
-            raise ValueError(f"{self.dataset}: {len(self.array)} images but "
-                             f"{len(self.labels)} labels")
-        _check_label_range(self.dataset, self.labels, self.class_names)
+        if self.array is not None and len(self.array) != len(raw):
+            raise ValueError(f"{self.dataset}: {len(self.array)} images but {len(raw)} labels")
+        if self.defects is None:
+            self.labels = raw.astype(np.int32)
+            _check_label_range(self.dataset, self.labels, self.class_names)
+            return
+        if not self.class_names:
+            raise ValueError(f"{self.dataset}: no classes declared")
+        # The rule, before the cast to int32 (which could wrap a huge label into the classes).
+        self.defects = sorted(self.defects + label_defects(raw, self.class_names),
+                              key=lambda defect: defect.row)
+        self.labels = np.where((raw >= 0) & (raw < len(self.class_names)), raw,
+                               NULL_LABEL).astype(np.int32)
+        self.null_rows([d.row for d in self.defects if d.kind == NULL])
+
+    def null_rows(self, rows: Sequence[int]) -> None:
+        """Make `rows` null records (label `NULL_LABEL`): the publishing rule's outcome for a
+        record it cannot train on (their defects say why, for the owner)."""
+        self.labels[np.asarray(rows, dtype=np.int64)] = NULL_LABEL
 
     def describe(self, i: int) -> str:
         """Where example i comes from (its file, or its row)."""

@@ -14,28 +14,31 @@ __all__ = ["as_channels", "images_to_array", "resize_and_crop"]
 
 def resize_and_crop(image, resize: int | None, crop: int | None):
     """A PIL image with its short side resized to `resize` (bicubic), then center-cropped to
-    `crop` x `crop` (default: a square of the short side)."""
+    `crop` x `crop` (default: a square of the short side). An image whose short side is then
+    smaller than `crop` is resized (its short side to `crop`) first: the rule never depends on
+    refusing an image."""
     from PIL import Image
 
     if image.mode not in ("L", "RGB"):
         image = image.convert("RGB")
     width, height = image.size
-    if resize:
-        scale = resize / min(width, height)
+    short = resize or min(width, height)  # the short side after --resize
+    target = crop if crop and crop > short else resize
+    if target:
+        scale = target / min(width, height)
         width, height = max(1, round(width * scale)), max(1, round(height * scale))
         image = image.resize((width, height), Image.BICUBIC)
     side = crop or min(width, height)
-    if side > min(width, height):
-        raise ValueError(f"--crop {side} exceeds the image's short side {min(width, height)}")
     left, top = (width - side) // 2, (height - side) // 2
     return image.crop((left, top, left + side, top + side))
 
 
 def images_to_array(images: Iterable, resize: int | None, crop: int | None,
                     rgb: bool) -> np.ndarray:
-    """PIL images as uint8 (N, S, S, C), each through `resize_and_crop`; grayscale repeated to
-    3 channels when `rgb`."""
-    array = np.stack([np.asarray(resize_and_crop(image, resize, crop)) for image in images])
+    """PIL images as uint8 (N, S, S, C), each through `resize_and_crop`; each converted to RGB
+    when `rgb` (grayscale repeated to 3 channels)."""
+    array = np.stack([np.asarray(resize_and_crop(image.convert("RGB") if rgb else image,
+                                                 resize, crop)) for image in images])
     return as_channels(array, rgb)
 
 

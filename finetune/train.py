@@ -284,7 +284,7 @@ def _placement(flags: FinetuneFlags):
 
 def print_progress(total_steps: int, expected_batch: float, views: int,
                    epsilon_at: Callable[[int], float] | None = None, *, first_step: int = 0,
-                   every: int | None = None, stream=sys.stderr):
+                   every: int | None = None, stream=None):
     """A `progress` callback: one line per `every` steps (about 20 lines in all) with the
     throughput and, if given, the epsilon spent so far (`epsilon_at(steps)`).
 
@@ -293,6 +293,7 @@ def print_progress(total_steps: int, expected_batch: float, views: int,
     line says how long it took: it includes compiling the step (about 46 s for a ViT on a
     CPU), which would otherwise pass in silence."""
     every = every or max(1, total_steps // 20)
+    stream = stream or sys.stderr  # the one in use now, not the one at import
     start = time.perf_counter()
     first = [True]
 

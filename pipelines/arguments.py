@@ -173,9 +173,11 @@ def extract(p) -> None:
 
 
 def verify(p) -> None:
-    p.add_argument("store")
+    p.add_argument("store", nargs="?", help="feature store (omit it to check --data alone)")
     p.add_argument("--data",
-                   help="also re-fingerprint this data spec and compare with the recorded one")
+                   help="also re-fingerprint this data spec and compare with the recorded one; "
+                   "without STORE, list the records a publishing job would train as null "
+                   "records, clamp or resize (for the data's owner, not a DP output)")
     p.add_argument("--data-dir", help="Fashion-MNIST directory for --data")
     p.add_argument("--quiet", dest="progress", action="store_false")
 

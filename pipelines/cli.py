@@ -58,7 +58,7 @@ def _extract(config: ExtractConfig, args) -> int:
 
 def _verify(config: VerifyConfig, args) -> int:
     report = verify(config)
-    print(reporting.verify_report(report))
+    print(report.text() if config.store is None else reporting.verify_report(report))
     return 0 if report.ok else 1
 
 

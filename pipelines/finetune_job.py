@@ -18,7 +18,7 @@ from pathlib import Path
 import accounting
 from pipelines import config as cfg
 from pipelines import files, model_files, preflight, records, reporting
-from pipelines.finetune_data import load_images
+from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
 from pipelines.reporting import log
 
@@ -159,9 +159,11 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     start = time.perf_counter()
     quiet = config.quiet
 
-    # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input.
+    # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
+    # by the public per-record rule (a bad record trains as a null record; nothing counts them).
     model_is_timm = config.model not in finetune.models.MODEL_NAMES
     train, test, class_names = load_images(config, rgb=model_is_timm)
+    log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
@@ -286,7 +288,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             out / model_files.MODEL_FILE, results,
             trained.ema_model if released == "EMA" else trained.model, released=released,
             name=config.model, image_size=image_size, channels=channels, resize=config.resize,
-            crop=config.crop, rgb=model_is_timm, mean=mean, std=std,
+            crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
             timm_architecture=model_info.get("architecture"))
         results["model_file"] = str(out / model_files.MODEL_FILE)
         reporting.write_json(out / "results.json", results)

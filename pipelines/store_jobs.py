@@ -1,5 +1,6 @@
-"""The jobs that read a feature store's own records: verify (every chunk, optionally against
-the source data) and info (provenance)."""
+"""The data owner's checks: verify (a feature store's every chunk, optionally against the
+source data; or raw data alone, `--data` without a store: the records a publishing job's rule
+would change) and info (a store's provenance). Their output is private to the owner."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ __all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """The store to verify; `data` (with `data_dir` for fashion-mnist) re-fingerprints a data
-    spec and compares it with the recorded one."""
+    spec and compares it with the recorded one. Without a store, `data` is checked alone
+    (`extract.check_data`: the records a publishing job would null, clamp or resize)."""
 
-    store: str
+    store: str | None = None
     data: str | None = None
     data_dir: str | None = None
     progress: bool = True
+
+    def __post_init__(self):
+        if self.store is None and self.data is None:
+            raise cfg.ConfigError("store", "give a STORE to verify, or --data SPEC to check "
+                                  "raw data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +38,23 @@ class InfoConfig:
     store: str
 
 
-def verify(config: VerifyConfig | str, /, **options) -> extract.VerifyReport:
-    """`extract.verify_store`, optionally re-fingerprinting the source data.
+def verify(config: VerifyConfig | str | None = None, /,
+           **options) -> extract.VerifyReport | extract.DataReport:
+    """`extract.verify_store`, optionally re-fingerprinting the source data; or, without a
+    store, `extract.check_data` on the data alone.
 
     Takes a `VerifyConfig`, or the store and the config's other fields as keywords. A source
     with its own splits (fashion-mnist, digits, cifar) is compared split by split. A
     single-split source (npz, imagefolder) is compared with the split it was extracted into:
     the one that recorded this data spec, else the one whose fingerprint it matches.
+
+    Returns:
+      the store's `VerifyReport`, or for data alone a `DataReport` (private to the data's
+      owner: it names records and quotes their values). Either has `ok`.
     """
     config = cfg.make_config(VerifyConfig, config, "store", **options)
+    if config.store is None:
+        return extract.check_data(config.data, data_dir=config.data_dir)
     fingerprints, extra_problems = None, []
     if config.data:
         fingerprints, extra_problems = _source_fingerprints(config)

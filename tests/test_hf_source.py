@@ -107,7 +107,10 @@ def test_finetune_reads_hf_data(hf_folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["finetune", "--data", f"hf:{path}", "--model", "cnn", "--batch-size",
                      "10", "--steps", "2", "--physical-batch-size", "16", "--epsilon", "4",
-                     "--delta", "1e-3", "--out", "run", "--quiet"]) == 0
+                     "--delta", "1e-3", "--out", "run", "--quiet"]) == 2  # files: no size
+    assert cli.main(["finetune", "--data", f"hf:{path}", "--model", "cnn", "--batch-size",
+                     "10", "--steps", "2", "--physical-batch-size", "16", "--epsilon", "4",
+                     "--delta", "1e-3", "--resize", "16", "--out", "run", "--quiet"]) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["data"]["class_names"] == CLASSES
     assert (results["data"]["num_train"], results["data"]["num_test"]) == (30, 12)

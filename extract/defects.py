@@ -1,0 +1,104 @@
+"""The public per-record rule of a publishing job, and the defects it finds for the data's owner.
+
+A publishing job (`finetune`) must never let one record decide what it publishes: an abort
+that only some record's content triggers, or a message quoting a record's value, tells D from
+D with that record nulled with certainty (an unbounded epsilon for that record). So the
+readers, opened with `strict=False`, apply one rule to every record alike instead of refusing
+the dataset:
+
+  - a label outside the declared classes, a NaN or Inf pixel, or an image that cannot be read
+    makes a null record (label `NULL_LABEL`, zero pixels), which the trainer turns into a zero
+    gradient (`dp.clipping.valid_labels`);
+  - float pixels are clamped to [0, 1], integer pixels to [0, 255];
+  - images of other sizes or modes are brought to the model's input by the public resize,
+    crop and channel rule (`finetune.images`).
+
+Each application of the rule is kept as a `Defect` (row, kind, and a detail that quotes the
+value). Defects are for the data's owner only (`dpprobe verify --data SPEC` lists them); a
+publishing job never prints them, nor counts them.
+
+`dpprobe extract` keeps its strict readers: its store stays with the owner, and refusing a bad
+row there, by name and value, is what the owner needs.
+
+Formal guarantee:
+  Each record's outcome (kept, clamped, resized, or made a null record) is a function of that
+  record alone, the same function for every record; the rule raises only for faults of the
+  whole source that no record's content decides (a dtype that is not a number). So replacing
+  one record by a null record changes one row of the trainer's input and nothing else, which
+  is the zero-out neighbouring relation the accounting assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["NULL", "NULL_LABEL", "Defect", "label_defects", "pixel_rule"]
+
+# The label of a null record: outside every class list, as the trainer's canaries use it.
+NULL_LABEL = -1
+# Defect kinds: what the rule did to the record.
+NULL, CLAMPED, RESIZED = "null record", "clamped", "resized"
+
+
+@dataclasses.dataclass(frozen=True)
+class Defect:
+    """One record the rule changed: its row, what the rule did (`NULL`, `CLAMPED`,
+    `RESIZED`), and why, with the record's value (private: for the data's owner only)."""
+
+    row: int
+    kind: str
+    detail: str
+
+
+def label_defects(labels: np.ndarray, class_names: Sequence[str]) -> list[Defect]:
+    """The rows whose label lies outside the declared classes [0, K): null records.
+
+    Args:
+      labels: (N,) integer labels, as read (before any cast that could wrap them).
+      class_names: the declared class list (public).
+
+    Returns:
+      one `Defect` of kind `NULL` per such row, quoting its label.
+    """
+    labels = np.asarray(labels)
+    bad = np.flatnonzero((labels < 0) | (labels >= len(class_names)))
+    return [Defect(int(i), NULL, f"label {labels[i]} outside the declared classes "
+                   f"[0, {len(class_names)})") for i in bad]
+
+
+def pixel_rule(images: np.ndarray) -> tuple[np.ndarray, list[Defect]]:
+    """Images of any real dtype as uint8, by the per-record rule: a row holding NaN or Inf is a
+    null record (zero pixels); float pixels are clamped to [0, 1] (then scaled to 255), integer
+    pixels to [0, 255]. A function of each row alone.
+
+    Args:
+      images: (N, H, W[, C]) uint8, integer or float pixels.
+
+    Returns:
+      (uint8 images, the defects: `NULL` rows and `CLAMPED` rows with their range).
+    """
+    if images.dtype == np.uint8:
+        return images, []
+    if np.issubdtype(images.dtype, np.floating):
+        low, high, scale = 0.0, 1.0, 255.0
+    elif np.issubdtype(images.dtype, np.integer):
+        low, high, scale = 0, 255, 1.0
+    else:
+        raise ValueError(f"images must be uint8, integers or floats, got {images.dtype}")
+    rows = images.reshape(len(images), -1)
+    finite = (np.isfinite(rows).all(axis=1) if scale != 1.0
+              else np.ones(len(images), dtype=bool))
+    defects = [Defect(int(i), NULL, "pixels hold NaN or Inf") for i in np.flatnonzero(~finite)]
+    if rows.shape[1]:
+        safe = np.where(finite[:, None], rows, low)
+        smallest, largest = safe.min(axis=1), safe.max(axis=1)
+        for i in np.flatnonzero(finite & ((smallest < low) | (largest > high))):
+            defects.append(Defect(int(i), CLAMPED, f"pixels in [{smallest[i]}, {largest[i]}], "
+                                  f"clamped to [{low}, {high}]"))
+    clamped = np.clip(np.where(finite.reshape((-1,) + (1,) * (images.ndim - 1)), images, low),
+                      low, high)
+    out = np.round(clamped.astype(np.float64) * scale).astype(np.uint8)
+    return out, sorted(defects, key=lambda d: d.row)

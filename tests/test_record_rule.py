@@ -1,0 +1,182 @@
+"""Zero records decide a publishing run (issue 28): for each defect of one record, `finetune`
+on D and on D with that record nulled both finish, and what they print and write differs only
+in DP outputs and timings; the record's value appears nowhere. `dpprobe verify --data` lists
+the same records, with their values, for the data's owner."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dpmodel import read_model_file
+from extract import defects, open_source
+from pipelines import cli
+from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED
+from tests.test_privacy import _differing_leaves
+
+CLASSES = np.array(["a", "b", "c", "d"])
+BAD_ROW = 7  # the defective record (its file: b/07.*)
+JOB = ["finetune", "--model", "cnn", "--batch-size", "20", "--steps", "2",
+       "--physical-batch-size", "16", "--lr", "0.5", "--epsilon", "2", "--delta", "1e-3",
+       "--out", "run"]
+
+
+def _npz(directory, rng, defect):
+    """train.npz (40 float images in [0, 1]) with row BAD_ROW defective (`defect`: "label",
+    "nan", "range") or nulled (None: label -1, zero pixels); test.npz clean."""
+    images = rng.random((40, 16, 16)).astype(np.float32)
+    labels = rng.integers(0, 4, 40)
+    if defect == "label":
+        labels[BAD_ROW] = 1234567
+    elif defect == "nan":
+        images[BAD_ROW, 3, 5] = np.nan
+    elif defect == "range":
+        images[BAD_ROW, 3, 5] = 1.7
+    else:
+        images[BAD_ROW], labels[BAD_ROW] = 0.0, defects.NULL_LABEL
+    np.savez(directory / "train.npz", images=images, labels=labels, class_names=CLASSES)
+    np.savez(directory / "test.npz", images=rng.random((20, 16, 16)).astype(np.float32),
+             labels=rng.integers(0, 4, 20), class_names=CLASSES)
+    return ["--data", "npz:train.npz", "--test-data", "npz:test.npz"]
+
+
+def _folder(directory, rng, defect):
+    """imgs/{train,test}/CLASS/NN.png (16x16 RGB), train's BAD_ROW file defective (`defect`:
+    "corrupt", "size": 20 x 11, "mode": grayscale), nulled (None: an empty file, which no
+    reader can decode) or absent (any other `defect`)."""
+    for split, count in (("train", 40), ("test", 20)):
+        for row in range(count):
+            folder = directory / "imgs" / split / CLASSES[row % 4]
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = rng.integers(0, 256, (16, 16, 3)).astype(np.uint8)
+            if split == "test" or row != BAD_ROW:
+                Image.fromarray(pixels).save(folder / f"{row:02d}.png")
+            elif defect == "corrupt":
+                (folder / f"{row:02d}.png").write_bytes(b"not-an-image-31337")
+            elif defect == "size":
+                Image.fromarray(pixels[:11, :].repeat(2, axis=1)[:, :20]).save(
+                    folder / f"{row:02d}.png")  # 20 x 11
+            elif defect == "mode":
+                Image.fromarray(pixels).convert("L").save(folder / f"{row:02d}.png")
+            elif defect is None:
+                (folder / f"{row:02d}.png").write_bytes(b"")
+    return ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test",
+            "--crop", "16"]  # larger than the odd-size image's short side
+
+
+# (writer, defect, strings of the bad record's value or place that must appear nowhere; the
+# first is in what `verify --data` says of it)
+DEFECTS = {
+    "label-outside-the-classes": (_npz, "label", ["1234567", "row 7"]),
+    "nan-pixel": (_npz, "nan", ["NaN or Inf", "row 7"]),
+    "float-pixel-above-1": (_npz, "range", ["1.7", "row 7"]),
+    "corrupt-file": (_folder, "corrupt", ["cannot identify", "31337", "07.png"]),
+    "odd-size": (_folder, "size", ["20x11", "(20, 11)", "07.png"]),
+    "odd-mode": (_folder, "mode", ["16x16 L", "07.png"]),
+}
+
+
+def _masked(text: str) -> str:
+    """Printed text with the DP outputs (accuracies) and timings masked."""
+    text = re.sub(r"\d+(\.\d+)?%", "ACC%", text)
+    text = re.sub(r"\d+(\.\d+)? s\b", "TIME s", text)
+    return re.sub(r"\d+ img/s", "RATE img/s", text)
+
+
+def _run(directory, writer, defect, capsys, monkeypatch):
+    directory.mkdir()
+    monkeypatch.chdir(directory)
+    data = writer(directory, np.random.default_rng(0), defect)
+    capsys.readouterr()
+    status = cli.main([*JOB, *data])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    written = {f.relative_to(directory / "run").as_posix(): f
+               for f in sorted((directory / "run").rglob("*")) if f.is_file()}
+    texts = {name: f.read_text() for name, f in written.items() if f.suffix != ".safetensors"}
+    model = read_model_file(directory / "run" / "model.safetensors")[1]
+    return printed.out, printed.err, texts, model
+
+
+@pytest.mark.parametrize("case", list(DEFECTS))
+def test_one_defective_record_never_decides_the_finetune_run(case, tmp_path, capsys,
+                                                             monkeypatch):
+    writer, defect, secrets = DEFECTS[case]
+    runs = [_run(tmp_path / name, writer, kind, capsys, monkeypatch)
+            for name, kind in (("D", defect), ("D_nulled", None))]
+    (out, err, texts, model), (out_n, err_n, texts_n, model_n) = runs
+    assert _masked(out) == _masked(out_n)
+    assert _masked(err) == _masked(err_n)
+    assert "dpprobe verify --data" in err  # the one fixed line, the same whatever the data
+    assert texts.keys() == texts_n.keys()
+    results, results_n = (json.loads(t["results.json"]) for t in (texts, texts_n))
+    leaked = [p for p in _differing_leaves(results, results_n)
+              if not any(re.fullmatch(a, p) for a in ALLOWED)]
+    assert not leaked, f"results.json: non-DP leaves differ: {leaked}"
+    for name in set(texts) - {"results.json"}:
+        assert texts[name] == texts_n[name], name
+    leaked = [p for p in _differing_leaves(model, model_n)
+              if not any(re.fullmatch(a, p) for a in MODEL_ALLOWED)]
+    assert not leaked, f"model file: non-DP leaves differ: {leaked}"
+    everything = out + err + json.dumps(texts) + json.dumps(model)
+    for secret in secrets:
+        assert secret not in everything, f"{secret!r} published"
+
+
+@pytest.mark.parametrize("case", list(DEFECTS))
+def test_verify_data_lists_the_record_with_its_value_for_the_owner(case, tmp_path, capsys,
+                                                                   monkeypatch):
+    writer, defect, secrets = DEFECTS[case]
+    monkeypatch.chdir(tmp_path)
+    spec = writer(tmp_path, np.random.default_rng(0), defect)[1]
+    capsys.readouterr()
+    assert cli.main(["verify", "--data", spec]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("for the data's owner only, not a DP output")
+    (line,) = [line for line in out.splitlines() if line.startswith("  ")]
+    assert ("row 7" in line or "07.png" in line) and secrets[0] in line
+
+
+def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
+    images = np.linspace(-0.5, 1.5, 2 * 4).reshape(2, 2, 2).astype(np.float32)
+    images[1, 0, 0] = np.inf
+    out, found = defects.pixel_rule(images)
+    assert out.dtype == np.uint8 and out[1].max() == 0  # the null record: zero pixels
+    np.testing.assert_array_equal(out[0], np.round(np.clip(images[0], 0, 1) * 255))
+    assert [(d.row, d.kind) for d in found] == [(0, defects.CLAMPED), (1, defects.NULL)]
+    ints, found = defects.pixel_rule(np.array([[[-3, 300]]], np.int64))
+    np.testing.assert_array_equal(ints, [[[0, 255]]])
+    np.savez(tmp_path / "t.npz", images=images[:1], labels=[9], class_names=CLASSES)
+    with pytest.raises(ValueError, match=r"float images must lie in \[0, 1\]"):
+        open_source(f"npz:{tmp_path / 't.npz'}")  # extract, the owner's tool: by value
+    (split,) = open_source(f"npz:{tmp_path / 't.npz'}", strict=False).values()
+    assert split.labels.tolist() == [defects.NULL_LABEL]
+
+
+def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    data = _folder(tmp_path, np.random.default_rng(0), None)[:4]
+    assert cli.main([*JOB, *data]) == 2
+    assert "--resize R or --crop S" in capsys.readouterr().err
+
+
+def test_verify_data_passes_clean_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = _folder(tmp_path, np.random.default_rng(0), "absent")[1]
+    assert cli.main(["verify", "--data", spec]) == 0
+    out = capsys.readouterr().out
+    assert "train: 39 records, none changed by the rule" in out and out.endswith("OK\n")
+
+
+def test_a_bad_record_of_the_public_test_split_is_refused_by_name(tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    data = _npz(tmp_path, np.random.default_rng(0), None)
+    np.savez("test.npz", images=np.zeros((4, 16, 16), np.uint8), labels=[0, 1, 9, 2],
+             class_names=CLASSES)
+    assert cli.main([*JOB, *data]) == 2
+    assert "the test split (public)" in capsys.readouterr().err
