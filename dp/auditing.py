@@ -47,6 +47,7 @@ from accounting.validation import check_delta
 
 __all__ = [
     "AuditBounds",
+    "OneRunAudit",
     "audit_bounds",
     "choose_thresholds",
     "gdp_mu_bounds",
@@ -90,6 +91,29 @@ class AuditBounds:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {
             "tpr_at_fpr": {f"{fpr:g}": tpr for fpr, tpr in self.tpr_at_fpr.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class OneRunAudit:
+    """What every one-run audit reports: its rigorous lower bound beside the claim it tests
+    (the white-box gradient audit and the black-box image audit add their own fields).
+
+    Attributes:
+      epsilon_lower: the one-run lower bound on epsilon at `delta`, at `confidence`
+        (`one_run_epsilon_bound`).
+      claimed_epsilon: the plan's epsilon at `delta` (its accountant, zero-out neighbours).
+      refuted: epsilon_lower > claimed_epsilon.
+      canaries, included: m, and how many were in the training set.
+      confidence, delta: of the bound (delta is the claim's).
+    """
+
+    epsilon_lower: float
+    claimed_epsilon: float
+    refuted: bool
+    canaries: int
+    included: int
+    confidence: float
+    delta: float
 
 
 def _upper_rate(count, total: int, significance: float):

@@ -56,7 +56,7 @@ import numpy as np
 import optax
 
 from accounting import DpPlan
-from dp.auditing import one_run_epsilon_bound
+from dp.auditing import OneRunAudit, one_run_epsilon_bound
 
 __all__ = ["CanaryTapState", "GradientCanaries", "GradientCanaryAudit", "audit_gradient_canaries",
            "canary_tap", "fit_subsampled_gaussian", "guess_count", "likelihood_ratio_scores"]
@@ -195,29 +195,20 @@ def fit_subsampled_gaussian(projections: np.ndarray, included: np.ndarray, *,
 
 
 @dataclasses.dataclass(frozen=True)
-class GradientCanaryAudit:
-    """What one white-box audited run shows (module docstring).
+class GradientCanaryAudit(OneRunAudit):
+    """What one white-box audited run shows (module docstring): `OneRunAudit`'s rigorous
+    bound, and
 
     Attributes:
-      epsilon_lower: rigorous one-run lower bound on epsilon at `delta`, at `confidence`.
       epsilon_estimate: the fitted mechanism's epsilon at `delta`: an estimate, not a bound.
-      claimed_epsilon: the plan's epsilon at `delta` (its accountant, zero-out neighbours).
-      refuted: epsilon_lower > claimed_epsilon.
       fitted: the fitted noise multiplier (s / a), sampling rate and signal size (units of C).
       guesses: k, the top scores guessed "in" (`guess_count`).
-      canaries, included, confidence, delta, accountant, estimate_accountant.
+      accountant, estimate_accountant: of the claim and of the estimate.
     """
 
-    epsilon_lower: float
     epsilon_estimate: float
-    claimed_epsilon: float
-    refuted: bool
     fitted: dict
     guesses: int
-    canaries: int
-    included: int
-    confidence: float
-    delta: float
     accountant: str
     estimate_accountant: str
 

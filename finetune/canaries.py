@@ -50,7 +50,7 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
-from dp.auditing import one_run_epsilon_bound
+from dp.auditing import OneRunAudit, one_run_epsilon_bound
 from dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gradient_canaries
 from dp.clipping import NULL_LABEL
 from finetune.specs import FinetuneResult, FinetuneSpec
@@ -75,28 +75,17 @@ NOTE = ("A one-run lower bound (Steinke, Nasr & Jagielski 2023), weak by constru
 
 
 @dataclasses.dataclass(frozen=True)
-class CanaryAudit:
-    """What one audited run shows.
+class CanaryAudit(OneRunAudit):
+    """What one black-box audited run shows: `OneRunAudit`'s bound (claimed epsilon with PLD),
+    and
 
     Attributes:
-      epsilon_lower: the one-run lower bound on epsilon at `delta`, at `confidence`.
-      confidence, delta: of the bound (delta is the claim's).
-      canaries, included: m, and how many were in the training set.
-      claimed_epsilon: the plan's epsilon at `delta` (PLD, zero-out neighbours).
       ratio: epsilon_lower / claimed_epsilon.
       auroc: of the scores (in vs out; a point estimate, no confidence).
-      refuted: epsilon_lower > claimed_epsilon.
     """
 
-    epsilon_lower: float
-    confidence: float
-    delta: float
-    canaries: int
-    included: int
-    claimed_epsilon: float
     ratio: float
     auroc: float
-    refuted: bool
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {
