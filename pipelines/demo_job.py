@@ -22,6 +22,7 @@ import extract
 from pipelines import config as cfg
 from pipelines import plots, preflight, recipe
 from pipelines.extract_job import run_extract
+from pipelines.options import integer, option
 from pipelines.probe_job import run_probe
 from pipelines.reporting import log
 from pipelines.tune_job import run_tune
@@ -55,10 +56,11 @@ class DemoConfig:
     """Where the demo writes, which data (None: fashion-mnist if installed, else digits), how
     many seeds (independent runs) per epsilon, whether to show progress."""
 
-    out_dir: str = "runs/demo"
-    data: str | None = None
-    seeds: int = 1
-    progress: bool = True
+    out_dir: str = option("runs/demo", "--out", help="output directory (default %(default)s)")
+    data: str | None = option(None, choices=DEMO_DATA, help="force a dataset (default: "
+                              "fashion-mnist if installed, else digits)")
+    seeds: int = option(1, type=integer, help="runs per epsilon (default %(default)s)")
+    progress: bool = option(True, "--quiet", action="store_false", help="only the report")
 
     def __post_init__(self):
         if self.data is not None and self.data not in DEMO_DATA:

@@ -20,6 +20,7 @@ import numpy as np
 from pipelines import config as cfg
 from pipelines import predict_inputs, preflight
 from pipelines.files import atomic_writer
+from pipelines.options import integer, option
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
@@ -40,14 +41,19 @@ class PredictConfig:
       data_dir: Fashion-MNIST's folder, as for `extract`.
     """
 
-    model: str
-    data: tuple[str, ...]
-    split: str = "test"
-    out: str | None = None
-    top_k: int = 1
-    weights: str | None = None
-    data_dir: str | None = None
-    quiet: bool = False
+    model: str = option(help="a dpprobe model file")
+    data: tuple[str, ...] = option(
+        nargs="+", metavar="SPEC", help="a feature store, a data spec as for extract (digits, "
+        "fashion-mnist, npz:PATH, imagefolder:PATH, ...), or image files / folders of images")
+    split: str = option("test", help="the split of a store or data spec (default %(default)s)")
+    out: str | None = option(None, help="write the CSV here (default: stdout)")
+    top_k: int = option(1, type=integer, metavar="K", help="also write the K best classes and "
+                        "their probabilities (default %(default)s)")
+    weights: str | None = option(
+        None, help="a copy of the backbone's weights file, where the recorded path is not on "
+        "this machine (its sha256 must match the record)")
+    data_dir: str | None = option(None, help="directory of Fashion-MNIST's gzipped IDX files")
+    quiet: bool = option(False, action="store_true", help="no progress bar")
 
     def __post_init__(self):
         data = (self.data,) if isinstance(self.data, str | os.PathLike) else tuple(self.data)

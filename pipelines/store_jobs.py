@@ -9,6 +9,7 @@ import sys
 import extract
 from pipelines import config as cfg
 from pipelines import reporting
+from pipelines.options import option
 
 __all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
 
@@ -18,17 +19,18 @@ class VerifyConfig:
     """The store to verify; `data` (with `data_dir` for fashion-mnist) re-fingerprints a data
     spec and compares it with the recorded one."""
 
-    store: str
-    data: str | None = None
-    data_dir: str | None = None
-    progress: bool = True
+    store: str = option(positional=True)
+    data: str | None = option(
+        None, help="also re-fingerprint this data spec and compare with the recorded one")
+    data_dir: str | None = option(None, help="Fashion-MNIST directory for --data")
+    progress: bool = option(True, "--quiet", action="store_false")
 
 
 @dataclasses.dataclass(frozen=True)
 class InfoConfig:
     """The store whose provenance to show."""
 
-    store: str
+    store: str = option(positional=True)
 
 
 def verify(config: VerifyConfig | str, /, **options) -> extract.VerifyReport:
