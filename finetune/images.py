@@ -26,7 +26,7 @@ def resize_and_crop(image, resize: int | None, crop: int | None):
         image = image.resize((width, height), Image.BICUBIC)
     side = crop or min(width, height)
     if side > min(width, height):
-        raise ValueError(f"--crop {side} exceeds the image's short side {min(width, height)}")
+        raise ValueError(f"`crop={side}` exceeds the image's short side {min(width, height)}")
     left, top = (width - side) // 2, (height - side) // 2
     return image.crop((left, top, left + side, top + side))
 

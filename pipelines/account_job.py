@@ -34,7 +34,7 @@ class AccountConfig:
 
     def __post_init__(self):
         if (self.epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("give exactly one of --epsilon and --noise-multiplier")
+            raise ValueError("give exactly one of `epsilon` and `noise_multiplier`")
         if self.epsilon is not None:
             cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
         else:

@@ -102,7 +102,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
       samples, NumPy) are returned only, not written.
     """
     config = cfg.make_config(AuditConfig, config, "store", **options)
-    preflight.check_output_paths(**{"--out": config.out, "--plot": config.plot})
+    preflight.check_output_paths(out=config.out, plot=config.plot)
     start = time.perf_counter()
     quiet = config.quiet
     train_attrs = dict(extract.open_split(config.store, "train").attrs)

@@ -170,14 +170,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def make_config(args: argparse.Namespace):
     """The command's config from its parsed options; a bad value is a usage error that names
-    its option (`argument --delta: must be in (0, 1), got 0`)."""
+    its option (`argument --delta: must be in (0, 1), got 0`), as do the fields quoted in its
+    reason (`options.cli_words`)."""
     fields = {f.name for f in dataclasses.fields(args.config_class)}
     try:
         return args.config_class(**{k: v for k, v in vars(args).items() if k in fields})
     except ConfigError as err:
         flags = [flag for action in args.parser._actions if action.dest == err.field
                  for flag in action.option_strings or [action.dest]]
-        args.parser.error(f"argument {'/'.join(flags) or err.field}: {err.reason}")
+        reason = options.cli_words(err.reason, args.parser)
+        args.parser.error(f"argument {'/'.join(flags) or err.field}: {reason}")
 
 
 def _use_jax_compilation_cache() -> None:
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: a clear one-line error, no traceback (set DPPROBE_DEBUG=1 for one).
         if os.environ.get("DPPROBE_DEBUG"):
             raise
-        print(f"dpprobe {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        message = options.cli_words(_one_line(err), args.parser)  # fields named as options
+        print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -91,7 +91,8 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
     files = {"sweep": out / "results.json", "tune": out / "tune.json",
              "model": out / "tuned.safetensors", "plot": out / "tradeoff.png"}
     preflight.check_demo_job(config.out_dir)
-    preflight.check_output_paths(**{f"--out ({name})": path for name, path in files.items()})
+    for path in files.values():
+        preflight.check_output_paths(out_dir=path)
     start = time.perf_counter()
     quiet = not config.progress
     data = config.data or demo_data()

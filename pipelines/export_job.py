@@ -63,7 +63,7 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
     if os.path.realpath(config.out) == os.path.realpath(config.model):
         raise ValueError(f"OUT {config.out} is the model file itself; choose another path")
     if config.format == "onnx":
-        preflight.require_module("onnxscript", "--format onnx",
+        preflight.require_module("onnxscript", "`format=onnx`",
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
     model = dpmodel.load_model(config.model)
     model.weights = config.weights

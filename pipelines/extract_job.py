@@ -102,16 +102,16 @@ class ExtractConfig:
             if not (count >= 1 and 0 <= index < count):
                 raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
         if self.views is not None and self.views > 1 and not self.augment:
-            raise ValueError(f"--views {self.views} without --augment would store identical "
-                             "views; add --augment flip,crop")
+            raise ValueError(f"`views={self.views}` without `augment` would store identical "
+                             "views; add `augment=flip,crop`")
         if self.augment and self.views is None:
-            raise ValueError("--augment needs --views K (K augmented views per example)")
+            raise ValueError("`augment` needs `views=K` (K augmented views per example)")
         if self.ray and self.shard is not None:
-            raise ValueError("--ray launches the shards itself; drop --shard")
+            raise ValueError("`ray` launches the shards itself; drop `shard`")
         if (self.ray_shards is not None or self.ray_address) and not self.ray:
-            raise ValueError("--ray-shards/--ray-address need --ray")
+            raise ValueError("`ray_shards`/`ray_address` need `ray=True`")
         if self.weights is not None and self.random_init:
-            raise ValueError("--weights and --random-init exclude each other")
+            raise ValueError("`weights` and `random_init` exclude each other")
 
 
 def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
@@ -126,7 +126,7 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     config = cfg.make_config(ExtractConfig, config, None, **options)
     extract.check_out_path(config.out)
     if config.ray:
-        preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
+        preflight.require_module("ray", "`ray=True`", "pip install ray==2.60.0")
         reports = run_extract_ray(config)
     else:
         reports = _extract_local(config, shard=config.shard)
@@ -144,7 +144,7 @@ def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
                                      precomputed=precomputed, num_classes=config.num_classes)
     else:  # a torch Dataset (Python API)
         if precomputed:
-            raise ValueError("--backbone none reads an npz of features, not a torch Dataset")
+            raise ValueError("`backbone=none` reads an npz of features, not a torch Dataset")
         name = config.split if config.split not in (None, "all") else "train"
         splits = {name: extract.from_torch_dataset(config.data, split=name,
                                                    num_classes=config.num_classes)}

@@ -152,4 +152,4 @@ class FinetuneConfig:
         if not 0.0 <= self.ema_decay < 1.0:
             raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         if self.weights is not None and self.random_init:
-            raise cfg.ConfigError("weights", "--weights and --random-init exclude each other")
+            raise cfg.ConfigError("weights", "`weights` and `random_init` exclude each other")

@@ -23,7 +23,7 @@ def load_images(config, *, rgb: bool):
     missing = {"train", "test"} - set(splits)
     if missing:
         raise ValueError(f"{config.data} has no {' or '.join(sorted(missing))} split; give the "
-                         "test split of a one-split source (npz:, imagefolder:) with --test-data")
+                         "test split of a one-split source (npz:, imagefolder:) with `test_data`")
     if splits["train"].class_names != splits["test"].class_names:
         raise ValueError("the train and test data declare different classes")
     out = []

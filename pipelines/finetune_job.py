@@ -50,7 +50,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             log(f"already complete: {out / 'results.json'}", config.quiet)
             return finished
         for name in ("results.json", model_files.MODEL_FILE):
-            preflight.check_output_paths(**{"--out": out / name})
+            preflight.check_output_paths(out=out / name)
     start = time.perf_counter()
     quiet = config.quiet
 
@@ -220,7 +220,7 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
             sorted(k for k in set(previous) | set(_options(config))
                    if previous.get(k) != _options(config).get(k))) + ")")
         raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
-                         "give a new --out to train another model")
+                         "give a new `out` to train another model")
     return results | {"already_complete": str(results_file)}
 
 
@@ -233,8 +233,8 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
     rngs = nnx.Rngs(config.seed)
     if config.model in finetune.models.MODEL_NAMES:
         if config.weights or config.random_init:
-            raise ValueError(f"--model {config.model} trains from scratch: drop --weights and "
-                             "--random-init")
+            raise ValueError(f"`model={config.model}` trains from scratch: drop `weights` and "
+                             "`random_init`")
         model = finetune.models.create_model(config.model, num_classes, image_size=image_size,
                                              in_channels=channels, rngs=rngs,
                                              head_bias_init=config.head_bias_init)

@@ -114,8 +114,8 @@ def add_options(parser: argparse.ArgumentParser, config_class) -> None:
 
 def cli_words(text: str, parser: argparse.ArgumentParser) -> str:
     """`text` with each quoted field of the parser's command as its flag: `weights` ->
-    --weights, `crop=300` -> --crop 300, `standardize=False` -> --no-standardize. Other quoted
-    names stay as they are."""
+    --weights, `crop=300` -> --crop 300, `random_init=True` -> --random-init,
+    `standardize=False` -> --no-standardize. Other quoted names stay as they are."""
     flags = {}
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
@@ -131,7 +131,9 @@ def cli_words(text: str, parser: argparse.ArgumentParser) -> str:
             return name_flag
         if isinstance(action, argparse.BooleanOptionalAction):
             return name_flag if value == "True" else "--no-" + name_flag[2:]
-        return f"{name_flag} {value}"
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return name_flag  # `random_init=True`, `progress=False`: the flag itself
+        return f"{name_flag} {value.strip(chr(39))}"  # `normalization='group'`: --normalize group
 
     return re.sub(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`", replace, text)
 

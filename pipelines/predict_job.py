@@ -74,7 +74,7 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
     if config.out:
-        preflight.check_output_paths(**{"--out": config.out})
+        preflight.check_output_paths(out=config.out)
         _refuse_overwriting(config.out, (config.model, *source.paths))
     top_k = min(config.top_k, len(model.class_names))
     columns = ["id", "prediction", "probability"] + (["label"] if source.has_labels else [])
@@ -160,12 +160,12 @@ def _take(pending: collections.deque, count: int):
 
 
 def _refuse_overwriting(out: str, inputs) -> None:
-    """--out must not be the model or any input (or inside an input folder)."""
+    """`out` must not be the model or any input (or inside an input folder)."""
     target = os.path.realpath(out)
     for path in inputs:
         real = os.path.realpath(path)
         if target == real or target.startswith(real.rstrip(os.sep) + os.sep):
-            raise ValueError(f"--out {out} would overwrite {path}; choose another path")
+            raise ValueError(f"`out` {out} would overwrite {path}; choose another path")
 
 
 def predict_line(result: dict) -> str:

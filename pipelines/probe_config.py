@@ -144,7 +144,7 @@ class ProbeConfig:
         cfg.check_int("seeds", self.seeds)
         cfg.check_int("physical_batch_size", self.physical_batch_size)
         if self.normalization is None and self.groups is not None:
-            cfg.freeze(self, normalization="group")  # --groups alone means group normalization
+            cfg.freeze(self, normalization="group")  # groups alone means group normalization
         if self.normalization is not None:
             cfg.check_groups(self.groups, self.normalization)
         if self.bias_init is not None:
@@ -154,9 +154,9 @@ class ProbeConfig:
         runs = (len(self.epsilons) * len(self.steps or [1]) * len(self.learning_rates or [None])
                 * self.seeds)
         if runs > MAX_RUNS:
-            raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x "
-                             f"--seeds); at most {MAX_RUNS} train in one program: use fewer "
-                             "--seeds")
+            raise ValueError(f"the sweep has {runs} runs (`epsilons` x `steps` x "
+                             f"`learning_rates` x `seeds`); at most {MAX_RUNS} train in one "
+                             "program: use fewer `seeds`")
 
 
 def check_learning_rates(values) -> tuple[float, ...] | None:

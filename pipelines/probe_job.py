@@ -51,8 +51,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     if stream and config.sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
     if config.devices and config.devices > 1 and (stream or config.sampling_probability < 1.0):
-        raise ValueError("--devices shards in-memory full-batch training; it does not combine "
-                         "with --stream or -q < 1")
+        raise ValueError("`devices` shards in-memory full-batch training; it does not combine "
+                         "with `stream` or `sampling_probability` < 1")
     test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
     test_in_memory = not stream and not _too_big_for_memory(test_bytes)
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,

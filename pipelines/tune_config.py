@@ -137,12 +137,12 @@ class TuneConfig:
         selection = self.selection
         if self.public_validation is not None:
             if selection not in (None, "public"):
-                raise ValueError(f"--public-validation scores trials exactly on public data; it "
-                                 f"does not combine with --selection {selection}")
+                raise ValueError(f"`public_validation` scores trials exactly on public data; it "
+                                 f"does not combine with `selection={selection}`")
             selection = "public"
         elif selection == "public":
             raise ValueError("selection 'public' needs a public validation set "
-                             "(--public-validation)")
+                             "(`public_validation`)")
         selection = selection or "train"
         if selection not in search.SELECTIONS:
             raise cfg.ConfigError("selection", f"must be one of {search.SELECTIONS}, got "
@@ -151,15 +151,15 @@ class TuneConfig:
         if selection == "train":
             eps_select = epsilon / 20 if eps_select is None else eps_select
         elif eps_select is not None:
-            raise ValueError(f"--eps-select applies to --selection train, not {selection}")
+            raise ValueError(f"`eps_select` applies to `selection=train`, not {selection}")
         budgets = {"eps0": epsilon / 20 if self.eps0 is None else self.eps0,
                    "eps1": epsilon / 10 if self.eps1 is None else self.eps1}
         if eps_select is not None:
             budgets["eps_select"] = eps_select
         if self.standardize is False:
             if self.eps_standardize is not None:
-                raise ValueError("--eps-standardize is the budget of the standardization; it "
-                                 "does not combine with --no-standardize")
+                raise ValueError("`eps_standardize` is the budget of the standardization; it "
+                                 "does not combine with `standardize=False`")
         else:
             budgets["eps_standardize"] = (epsilon / 10 if self.eps_standardize is None
                                           else self.eps_standardize)
@@ -168,7 +168,8 @@ class TuneConfig:
         budgets.setdefault("eps_standardize", None)
         low, high = (cfg.check_number("r_range", r, 0) for r in self.r_range)
         if not low < high:
-            raise ValueError(f"--r-min ({low:g}) must be below --r-max ({high:g})")
+            raise cfg.ConfigError("r_range", f"the low end ({low:g}) must be below the high end "
+                                  f"({high:g})")
         cfg.freeze(self, store=str(self.store), epsilon=epsilon,
                    delta=cfg.check_delta("delta", self.delta), selection=selection,
                    **budgets, r_range=(low, high),
@@ -184,9 +185,9 @@ class TuneConfig:
         if self.normalization is not None:
             cfg.check_groups(self.groups, self.normalization)
         if self.standardize and self.normalization == "none":
-            raise ValueError("--standardize needs a per-example normalization that bounds each "
-                             "example's norm (--normalize group or l2), the sensitivity of its "
-                             "released statistics")
+            raise ValueError("`standardize=True` needs a per-example normalization that bounds "
+                             "each example's norm (`normalization` group or l2), the sensitivity "
+                             "of its released statistics")
         if self.extrapolation not in search.EXTRAPOLATIONS:
             raise cfg.ConfigError("extrapolation", f"must be one of {search.EXTRAPOLATIONS}, "
                                   f"got {self.extrapolation!r}")

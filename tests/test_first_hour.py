@@ -143,7 +143,8 @@ def test_help_offers_only_options_the_command_accepts(command, monkeypatch):
         [command, *{"extract": ["--backbone", "x", "--data", "x", "--out", "x"],
                     "tune": ["s", "--epsilon", "1"], "audit": ["s", "--epsilon", "1"],
                     "account": ["--epsilon", "1"], "probe": ["s"], "verify": ["s"],
-                    "info": ["s"]}.get(command, [])]).parser
+                    "info": ["s"], "predict": ["--model", "m", "--data", "s"],
+                    "export": ["o", "--model", "m", "--format", "onnx"]}.get(command, [])]).parser
     accepted = {flag for action in parser._actions for flag in action.option_strings}
     offered = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", parser.format_help()))
     assert offered <= accepted, f"{command} --help offers {sorted(offered - accepted)}"
