@@ -5,7 +5,7 @@ PATH_OR_NAME is a folder written by `Dataset.save_to_disk` / `DatasetDict.save_t
 (`datasets.load_dataset`, offline unless HF_HUB_OFFLINE=0). The image column is the one whose
 feature is `datasets.Image`, the label column the one that is a `datasets.ClassLabel` (whose
 names are the declared class list); name them with `?image=COL&label=COL` when there are several
-or none. A label column of plain integers needs the class count declared (`--num-classes K`).
+or none. A label column of plain integers needs the class count declared (`num_classes=K`).
 
 `datasets` is imported only when an `hf:` spec is read.
 """

@@ -74,7 +74,7 @@ def open_source(
       split: for single-split sources (npz, imagefolder), the split name to give the data
         ("train" or "test"); for multi-split sources, restrict to that split ("all" = both).
       data_dir: override Fashion-MNIST's directory.
-      precomputed: read `features` (not `images`) from an npz (`--backbone none`).
+      precomputed: read `features` (not `images`) from an npz (`backbone="none"` in `run_extract`).
       num_classes: the declared class count K, for sources without class names (an npz
         without `class_names`); must agree with the source's own names when it has them.
         The class list is a public input: it is never inferred from the labels.

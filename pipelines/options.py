@@ -21,7 +21,25 @@ import importlib
 import re
 from collections.abc import Callable
 
-__all__ = ["Flag", "add_options", "cli_fields", "cli_words", "flag", "option"]
+__all__ = [
+    "LOSSES",
+    "NORMALIZATIONS",
+    "OPTIMIZERS",
+    "Choices",
+    "Flag",
+    "RangeEnd",
+    "add_options",
+    "cli_fields",
+    "cli_words",
+    "flag",
+    "integer",
+    "integers",
+    "names",
+    "number",
+    "numbers",
+    "option",
+    "shard",
+]
 
 _KEY = "dpprobe"  # the key of a field's metadata that holds its options
 
@@ -50,7 +68,8 @@ def flag(*names: str, help: str | Callable[[], str] | None = None, **settings) -
 
 
 def option(default=dataclasses.MISSING, /, *names: str, help=None, flags: tuple[Flag, ...] = (),
-           exclusive: str | None = None, positional: bool = False, **settings):
+           exclusive: str | None = None, positional: bool = False,
+           **settings) -> dataclasses.Field:
     """A config field with its command-line option(s).
 
     Args:
@@ -58,8 +77,8 @@ def option(default=dataclasses.MISSING, /, *names: str, help=None, flags: tuple[
       names: the flag's names (default `--field-name`).
       help: its help text; `%(default)s` shows the field's default.
       flags: more flags that set the same field (`flag(...)`), after this one.
-      exclusive: the name of a mutually exclusive group of flags (any config's fields); a
-        `required=True` on one of its flags makes the group required.
+      exclusive: the name of a mutually exclusive group, shared by the fields of one config
+        whose flags exclude each other; a `required=True` on one makes the group required.
       positional: a positional argument named by the field (`store`).
       settings: argparse's (`type`, `choices`, `metavar`, `action`, `nargs`, ...).
     """
