@@ -115,7 +115,7 @@ def check_tractable(noise_multiplier: float, sampling_probability: float,
         raise ValueError(
             f"noise multiplier {noise_multiplier:g} with q={sampling_probability:g} is below "
             f"{MIN_SAMPLED_PLD_NOISE_MULTIPLIER:g}, where the PLD accountant takes minutes and "
-            "gigabytes (and the guarantee means little); use --accountant rdp")
+            "gigabytes (and the guarantee means little); use `accountant=rdp`")
 
 
 def _check_met(epsilon, delta, steps, sigma) -> None:
@@ -139,7 +139,7 @@ def _below_floor(epsilon, q, steps) -> ValueError:
     return ValueError(
         f"epsilon={epsilon:g} with q={q:g} and {steps} step(s) needs a noise multiplier below "
         f"{MIN_SAMPLED_PLD_NOISE_MULTIPLIER:g}, where the PLD accountant takes minutes and "
-        "gigabytes (and the guarantee means little); use a smaller epsilon, or --accountant rdp")
+        "gigabytes (and the guarantee means little); use a smaller epsilon, or `accountant=rdp`")
 
 
 def _bracket(epsilon, delta, steps, q, accountant, full_batch_sigma) -> tuple[float, float]:

@@ -48,7 +48,7 @@ def load_backbone(record: dict, path: str, *, weights: str | None = None, device
             if not file or not os.path.isfile(file):
                 raise FileNotFoundError(
                     f"{path}: the backbone's weights file {file} is not on this machine; pass "
-                    f"--weights PATH to a copy (sha256 {provenance.get('weights_sha256')})")
+                    f"`weights=PATH` to a copy (sha256 {provenance.get('weights_sha256')})")
             digest = extract.file_sha256(file)
             if digest != provenance.get("weights_sha256"):
                 raise ValueError(f"{path}: weights file {file} has sha256 {digest}, the model "
@@ -58,11 +58,11 @@ def load_backbone(record: dict, path: str, *, weights: str | None = None, device
         elif source == "random-init":
             if weights is not None:
                 raise ValueError(f"{path}: the backbone was randomly initialized (seed "
-                                 f"{provenance.get('seed')}); it takes no --weights")
+                                 f"{provenance.get('seed')}); it takes no `weights`")
             kwargs |= {"random_init": True, "seed": int(provenance.get("seed") or 0)}
         elif weights is not None:
             raise ValueError(f"{path}: the backbone's weights came from the hub without a "
-                             "recorded sha256; --weights cannot be checked against them")
+                             "recorded sha256; `weights` cannot be checked against them")
         backbone = extract.create_backbone(name, resize=resize, crop=crop, device=device,
                                            **kwargs)
     differ = [k for k in _CHECKED if k in prep and backbone.preprocessing.get(k) != prep[k]

@@ -180,8 +180,8 @@ class Model:
                 batch = torch.stack([backbone.transform(image)
                                      for image in images[start:start + EMBED_BATCH]])
             except RuntimeError as err:
-                raise ValueError(f"images of different sizes for a backbone without --resize/"
-                                 f"--crop ({str(err).splitlines()[0]})") from err
+                raise ValueError(f"images of different sizes for a backbone without `resize`/"
+                                 f"`crop` ({str(err).splitlines()[0]})") from err
             out.append(backbone.forward(batch).cpu().numpy())
         return np.concatenate(out)
 

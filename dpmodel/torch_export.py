@@ -128,8 +128,8 @@ def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
     """A fine-tuned ViT as timm's state dict, and the `timm.create_model` arguments that load
     it with `load_state_dict(strict=True)`."""
     if model.kind != "network" or model.document["architecture"]["family"] != "vit":
-        raise ValueError(f"{model.path}: --format timm exports a fine-tuned timm ViT; this is a "
-                         f"{_describe(model)} (use --format torch or onnx)")
+        raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT; this is a "
+                         f"{_describe(model)} (use `format=torch` or `format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],
               "img_size": arch["image_size"], "in_chans": arch["in_channels"]}

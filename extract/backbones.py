@@ -95,10 +95,10 @@ def create_backbone(
         raise ValueError(f"crop ({crop}) cannot exceed resize ({resize})")
     if name == "scatternet":
         if weights is not None or random_init:
-            raise ValueError("scatternet has no weights: drop --weights/--random-init")
+            raise ValueError("scatternet has no weights: drop `weights`/`random_init`")
         return _scatternet(dev, resize=resize, crop=crop)
     if weights is not None and random_init:
-        raise ValueError("--weights and --random-init exclude each other")
+        raise ValueError("`weights` and `random_init` exclude each other")
     return _timm_backbone(name, weights, random_init, seed, resize, crop, dev)
 
 
@@ -154,15 +154,15 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
         if weights is None and pretrained:
             raise RuntimeError(
                 f"could not load pretrained weights for {name!r} from the hub ({first}). "
-                "Offline? Pass --weights PATH to a local .safetensors/.pth file, "
-                "or --random-init for a test run."
+                "Offline? Pass `weights=PATH` to a local .safetensors/.pth file, "
+                "or `random_init=True` for a test run."
             ) from err
-        raise ValueError(f"--weights {weights}: could not load it into {name!r} "
+        raise ValueError(f"`weights={weights}`: could not load it into {name!r} "
                          f"({type(err).__name__}: {first})") from err
     if missing:
         # timm loads non-strictly (the classifier is dropped): a file of another architecture
         # would load nothing at all. Refuse any parameter of the model the file lacks.
-        raise ValueError(f"--weights {weights} does not fit {name!r}: it lacks {len(missing)} of "
+        raise ValueError(f"`weights={weights}` does not fit {name!r}: it lacks {len(missing)} of "
                          f"the model's parameters (e.g. {missing[0]}); nothing was loaded")
     model = model.eval().to(device)
     for param in model.parameters():

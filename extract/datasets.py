@@ -79,7 +79,7 @@ def read_fashion_mnist(directory: Path) -> dict[str, ImageSplit]:
             if not file.exists():
                 raise FileNotFoundError(
                     f"Fashion-MNIST file {file} is missing. Install Debian's package "
-                    "(`sudo apt-get install dataset-fashion-mnist`) or pass --data-dir DIR "
+                    "(`sudo apt-get install dataset-fashion-mnist`) or pass `data_dir=DIR` "
                     "holding the four gzipped IDX files."
                 )
             arrays[part] = _read_idx(file, FASHION_MNIST_SHA256[stem])
@@ -153,7 +153,7 @@ def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
                              f"got shape {names.shape}")
         return [str(c) for c in names]
     if num_classes is None:
-        raise ValueError(f"{path} has no class_names: declare the classes with --num-classes K "
+        raise ValueError(f"{path} has no class_names: declare the classes with `num_classes=K` "
                          "(labels must lie in [0, K))")
     return [str(c) for c in range(num_classes)]
 

@@ -86,7 +86,7 @@ class _Rows(torch.utils.data.Dataset):
             raise ValueError(
                 f"image {self.split.describe(row)} ({image.size[0]}x{image.size[1]} "
                 f"{image.mode}) preprocesses to {tuple(tensor.shape)}, the first image to "
-                f"{self.shape}: pass --resize R --crop S so that every image gets one size")
+                f"{self.shape}: pass `resize=R` `crop=S` so that every image gets one size")
         return tensor
 
     def __len__(self) -> int:
@@ -215,7 +215,7 @@ def extract_split(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if shard is not None and overwrite:
-        raise ValueError("--overwrite with --shard would let shards erase each other; "
+        raise ValueError("`overwrite` with `shard` would let shards erase each other; "
                          "delete the split first, then launch the shards")
     unknown = set(augment) - set(AUGMENTATIONS)
     if unknown:
@@ -223,10 +223,10 @@ def extract_split(
     if views is not None and views < 1:
         raise ValueError(f"views must be >= 1, got {views}")
     if augment and views is None:
-        raise ValueError("augmentations need --views K (K augmented views per example)")
+        raise ValueError("augmentations need `views=K` (K augmented views per example)")
     if views is not None and views > 1 and not augment:
-        raise ValueError(f"--views {views} without --augment would store {views} identical "
-                         "views; add --augment flip,crop")
+        raise ValueError(f"`views={views}` without `augment` would store {views} identical "
+                         "views; add `augment=flip,crop`")
     if name == "test":  # the test split is never augmented
         views, augment = None, ()
     if isinstance(split, PrecomputedSplit):
@@ -290,7 +290,7 @@ def _check_float16_range(split: PrecomputedSplit) -> None:
     largest = float(np.abs(split.features).max()) if split.features.size else 0.0
     if largest > float(np.finfo(np.float16).max):
         raise ValueError(f"{split.dataset}: features reach |x| = {largest:.4g}, beyond float16 "
-                         "(65504); extract with --dtype float32")
+                         "(65504); extract with `dtype=float32`")
 
 
 def _first_embedding_dim(backbone: Backbone, split: ImageSplit) -> int:

@@ -5,7 +5,7 @@ PATH_OR_NAME is a folder written by `Dataset.save_to_disk` / `DatasetDict.save_t
 (`datasets.load_dataset`, offline unless HF_HUB_OFFLINE=0). The image column is the one whose
 feature is `datasets.Image`, the label column the one that is a `datasets.ClassLabel` (whose
 names are the declared class list); name them with `?image=COL&label=COL` when there are several
-or none. A label column of plain integers needs the class count declared (`--num-classes K`).
+or none. A label column of plain integers needs the class count declared (`num_classes=K`).
 
 `datasets` is imported only when an `hf:` spec is read.
 """
@@ -86,7 +86,7 @@ def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None,
         parts = {name: loaded[name] for name in SPLIT_NAMES if name in loaded}
         if not parts:
             raise ValueError(f"hf:{spec.location} has splits {sorted(loaded)}, none named "
-                             "train or test; name one: hf:PATH:SPLIT (with --split train|test)")
+                             "train or test; name one: hf:PATH:SPLIT (with `split=train|test`)")
         if split not in (None, "all"):
             if split not in parts:
                 raise ValueError(f"hf:{spec.location} has no {split} split")
@@ -140,13 +140,13 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
     if isinstance(feature, datasets.ClassLabel):
         class_names = list(feature.names)
         if num_classes is not None and num_classes != len(class_names):
-            raise ValueError(f"--num-classes {num_classes} disagrees with {where}, whose "
+            raise ValueError(f"`num_classes={num_classes}` disagrees with {where}, whose "
                              f"{label_column!r} names {len(class_names)} classes")
     elif num_classes is not None:
         class_names = [str(c) for c in range(num_classes)]
     else:
         raise ValueError(f"{where}: column {label_column!r} is not a ClassLabel, so it names no "
-                         "classes: declare them with --num-classes K (labels in [0, K))")
+                         "classes: declare them with `num_classes=K` (labels in [0, K))")
     labels = np.asarray(dataset[label_column])
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "

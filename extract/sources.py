@@ -55,7 +55,7 @@ def parse_data_spec(spec: str) -> tuple[str, str | None]:
     if kind in _WITH_PATH and not path:
         raise ValueError(f"data source {kind!r} needs a path: {kind}:PATH")
     if kind in ("fashion-mnist", "digits") and sep:
-        raise ValueError(f"data source {kind!r} takes no path (use --data-dir)")
+        raise ValueError(f"data source {kind!r} takes no path (use `data_dir`)")
     return kind, (path or None)
 
 
@@ -75,7 +75,7 @@ def open_source(
       split: for single-split sources (npz, imagefolder), the split name to give the data
         ("train" or "test"); for multi-split sources, restrict to that split ("all" = both).
       data_dir: override Fashion-MNIST's directory.
-      precomputed: read `features` (not `images`) from an npz (`--backbone none`).
+      precomputed: read `features` (not `images`) from an npz (`backbone="none"` in `run_extract`).
       num_classes: the declared class count K, for sources without class names (an npz
         without `class_names`); must agree with the source's own names when it has them.
         The class list is a public input: it is never inferred from the labels.
@@ -89,9 +89,9 @@ def open_source(
     """
     kind, path = parse_data_spec(spec)
     if num_classes is not None and num_classes < 1:
-        raise ValueError(f"--num-classes must be >= 1, got {num_classes}")
+        raise ValueError(f"`num_classes` must be >= 1, got {num_classes}")
     if precomputed and kind != "npz":
-        raise ValueError("--backbone none needs an npz:PATH source holding features and labels")
+        raise ValueError("`backbone=none` needs an npz:PATH source holding features and labels")
     if kind == "fashion-mnist":
         splits = read_fashion_mnist(Path(data_dir) if data_dir else FASHION_MNIST_DIR)
     elif kind == "digits":
@@ -104,7 +104,7 @@ def open_source(
     else:
         name = split if split and split != "all" else "train"
         if split == "all":
-            raise ValueError(f"{kind} sources hold one split; name it with --split train|test")
+            raise ValueError(f"{kind} sources hold one split; name it with `split=train|test`")
         if kind == "npz":
             one = (read_npz_features(Path(path), name, num_classes) if precomputed
                    else read_npz_images(Path(path), name, num_classes, strict=strict))
@@ -124,7 +124,7 @@ def open_source(
 def _check_declared(split: ImageSplit | PrecomputedSplit, num_classes: int | None,
                     spec: str) -> None:
     if num_classes is not None and num_classes != split.num_classes:
-        raise ValueError(f"--num-classes {num_classes} disagrees with {spec}, which names "
+        raise ValueError(f"`num_classes={num_classes}` disagrees with {spec}, which names "
                          f"{split.num_classes} classes")
 
 

@@ -134,7 +134,7 @@ def check_out_path(store: StorePath) -> bool:
     if not os.path.lexists(path):
         return False
     if not os.path.isdir(path):
-        raise ValueError(f"--out {path} is an existing file, not a dpprobe feature store; "
+        raise ValueError(f"`out` {path} is an existing file, not a dpprobe feature store; "
                          "give a new path")
     entries = [name for name in os.listdir(path) if not name.startswith(".dpprobe-")]
     if not entries:
@@ -142,8 +142,8 @@ def check_out_path(store: StorePath) -> bool:
     root = read_json(os.path.join(path, "zarr.json"))
     if root is None or (root.get("attributes") or {}).get("format") != FORMAT:
         what = "a Zarr store not written by dpprobe" if root is not None else "a folder"
-        raise ValueError(f"--out {path} is {what} (not a dpprobe feature store); dpprobe only "
-                         "writes into a new path or its own store: give another --out")
+        raise ValueError(f"`out` {path} is {what} (not a dpprobe feature store); dpprobe only "
+                         "writes into a new path or its own store: give another `out`")
     return True
 
 

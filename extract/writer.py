@@ -195,7 +195,7 @@ class SplitWriter:
             try:
                 os.makedirs(store, exist_ok=True)
             except OSError as err:
-                raise ValueError(f"--out {store}: cannot create it ({err.strerror})") from err
+                raise ValueError(f"`out={store}`: cannot create it ({err.strerror})") from err
         try:
             if local:
                 self._lock = _SplitLock(store, split, shared=shard)
@@ -229,7 +229,7 @@ class SplitWriter:
                 raise ValueError(
                     f"{self.store}/{other} was extracted with a different "
                     f"{', '.join(differ)}; all splits of a store share one backbone (its weights "
-                    "included), preprocessing, feature dim and class list. Use another --out"
+                    "included), preprocessing, feature dim and class list. Use another `out`"
                 )
         existing = open_group(root, self.store, self.split) if self.split in present else None
         if existing is not None and not overwrite:
@@ -240,12 +240,12 @@ class SplitWriter:
             if old.get("format") == FORMAT and _chunks_done_count(existing) > 0:
                 raise ValueError(
                     f"{self.store}/{self.split} was written by a different job (backbone, "
-                    "data, preprocessing or layout differ); pass --overwrite to replace it"
+                    "data, preprocessing or layout differ); pass `overwrite=True` to replace it"
                 )
             # A split without a single finished chunk holds no data: any job may replace it.
         if existing is not None and dict(existing.attrs).get("format") != FORMAT:
             raise ValueError(f"{self.store}/{self.split} was not written by dpprobe; "
-                             "--overwrite only replaces dpprobe splits")
+                             "`overwrite` only replaces dpprobe splits")
         if not attrs:
             root.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
                                "backbone": job["backbone"], "class_names": class_names})
@@ -344,7 +344,7 @@ class SplitWriter:
             raise ValueError(
                 f"{self.store}/{self.split}: features of rows {start}:{stop} exceed the float16 "
                 f"range (|x| up to {float(np.abs(features).max()):.4g} > 65504); extract with "
-                "--dtype float32" + (" --overwrite" if self.pending_chunks() != list(
+                "`dtype=float32`" + (" `overwrite=True`" if self.pending_chunks() != list(
                     range(self.num_chunks)) else ""))
         labels = np.asarray(labels, np.int32)
         self.features[start:stop] = stored

@@ -81,7 +81,7 @@ class Checkpointer:
             changed = sorted(k for k in set(meta["config"]) | set(self.config)
                              if meta["config"].get(k) != self.config.get(k))
             raise ValueError(f"{self.directory} holds a checkpoint of another run (differs in: "
-                             f"{', '.join(changed)}); use another --out, or the same options")
+                             f"{', '.join(changed)}); use another `out`, or the same options")
         arrays = restored["arrays"]
         rng = np.random.default_rng()
         rng.bit_generator.state = _python_ints(meta["sampler"])

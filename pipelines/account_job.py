@@ -7,6 +7,7 @@ import dataclasses
 import accounting
 from pipelines import config as cfg
 from pipelines import records
+from pipelines.options import integer, number, option
 
 __all__ = ["AccountConfig", "account"]
 
@@ -16,17 +17,24 @@ class AccountConfig:
     """T Gaussian steps (Poisson-sampled if `sampling_probability` < 1): give exactly one of
     `epsilon` (a target: calibrate the noise multiplier) and `noise_multiplier`."""
 
-    delta: float = 1e-5
-    epsilon: float | None = None
-    noise_multiplier: float | None = None
-    steps: int = 1
-    sampling_probability: float = 1.0
-    accountant: str = "pld"
-    num_examples: int | None = None  # the dataset size N, to warn when delta >= 1/N
+    delta: float = option(1e-5, type=number, help="delta (default %(default)s)")
+    epsilon: float | None = option(None, type=number, exclusive="target", required=True,
+                                   help="target epsilon: print sigma")
+    noise_multiplier: float | None = option(
+        None, "--noise-multiplier", "--sigma", type=number, exclusive="target",
+        help="noise multiplier: print epsilon")
+    steps: int = option(1, type=integer, help="number of steps T (default %(default)s)")
+    sampling_probability: float = option(
+        1.0, "--sampling-probability", "-q", type=number,
+        help="Poisson sampling rate q (default 1: full batch)")
+    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
+                             help="privacy accountant (default %(default)s)")
+    num_examples: int | None = option(None, type=integer, metavar="N",
+                                      help="the dataset size N (public): warns when delta >= 1/N")
 
     def __post_init__(self):
         if (self.epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("give exactly one of --epsilon and --noise-multiplier")
+            raise ValueError("give exactly one of `epsilon` and `noise_multiplier`")
         if self.epsilon is not None:
             cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
         else:

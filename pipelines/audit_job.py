@@ -19,6 +19,8 @@ import accounting
 import extract
 from pipelines import config as cfg
 from pipelines import plots, preflight, records, reporting
+from pipelines.options import LOSSES, OPTIMIZERS, integer, number, option
+from pipelines.probe_config import store_option
 from pipelines.progress import RateProgress
 from pipelines.reporting import log
 
@@ -50,20 +52,31 @@ class AuditConfig:
       out, plot: write the results JSON, and a PNG of the score histograms and trade-off curve.
     """
 
-    store: str
-    epsilon: float
-    delta: float = 1e-5
-    optimizer: str = "sgd"
-    steps: int = 1
-    runs: int = 10_000
-    rows: int = 1000
-    loss: str = "softmax"
-    clip_norm: float = 1.0
-    confidence: float = 0.95
-    runs_per_call: int | None = None
-    out: str | None = None
-    plot: str | None = None
-    quiet: bool = False
+    store: str = store_option()
+    epsilon: float = option(type=number, help="the claim audited: the noise is calibrated for "
+                            "it, as `dpprobe probe` does")
+    delta: float = option(1e-5, type=number,
+                          help="delta of the claim and the bounds (default %(default)s)")
+    optimizer: str = option("sgd", choices=OPTIMIZERS, metavar="NAME",
+                            help="%(choices)s: update rule audited (default %(default)s, which "
+                            "releases the noisy gradient itself: the tightest audit)")
+    steps: int = option(1, type=integer, help="full-batch steps T (default %(default)s)")
+    runs: int = option(10_000, type=integer, help="probes trained with the canary, and as many "
+                       "without (default %(default)s)")
+    rows: int = option(1000, type=integer, help="rows of the train split drawn at random to "
+                       "train on (default %(default)s)")
+    loss: str = option("softmax", choices=LOSSES, metavar="LOSS",
+                       help="%(choices)s (default %(default)s)")
+    clip_norm: float = option(1.0, type=number,
+                              help="per-example clip norm C (default %(default)s)")
+    confidence: float = option(0.95, type=number,
+                               help="confidence of every lower bound (default %(default)s)")
+    runs_per_call: int | None = option(
+        None, type=integer, help="runs per compiled call (speed and memory only)")
+    out: str | None = option(None, help="write results JSON here")
+    plot: str | None = option(
+        None, help="write a PNG of the score histograms and trade-off curves here")
+    quiet: bool = option(False, action="store_true", help="print only the report")
 
     def __post_init__(self):
         cfg.freeze(
@@ -89,7 +102,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
       samples, NumPy) are returned only, not written.
     """
     config = cfg.make_config(AuditConfig, config, "store", **options)
-    preflight.check_output_paths(**{"--out": config.out, "--plot": config.plot})
+    preflight.check_output_paths(out=config.out, plot=config.plot)
     start = time.perf_counter()
     quiet = config.quiet
     train_attrs = dict(extract.open_split(config.store, "train").attrs)

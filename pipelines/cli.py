@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pipelines import arguments, model_arguments, records, reporting
+from pipelines import arguments, options, records, reporting
 from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------------------------------------
-# The commands: each runs its job on its config and prints (options: `pipelines.arguments`).
+# The commands: each runs its job on its config and prints (options: the config's fields).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -129,26 +129,20 @@ def _demo(config: DemoConfig, args) -> int:
     return 0
 
 
-def _probe_options(p) -> None:
-    arguments.probe(p)
-    model_arguments.probe_save_model(p)
-
-
-# name: (its options, its config, what runs it)
+# name: (its options besides its config's, its config, what runs it)
 COMMANDS = {
-    "extract": (arguments.extract, ExtractConfig, _extract),
-    "probe": (_probe_options, ProbeConfig, _probe),
-    "tune": (arguments.tune, TuneConfig, _tune),
-    "finetune": (arguments.finetune, FinetuneConfig, _finetune),
-    "account": (arguments.account, AccountConfig, _account),
-    "audit": (arguments.audit, AuditConfig, _audit),
-    "verify": (arguments.verify, VerifyConfig, _verify),
-    "info": (arguments.info, InfoConfig, _info),
-    "demo": (arguments.demo, DemoConfig, _demo),
-    "predict": (model_arguments.predict, PredictConfig, _predict),
-    "export": (model_arguments.export, ExportConfig, _export),
+    "extract": (None, ExtractConfig, _extract),
+    "probe": (None, ProbeConfig, _probe),
+    "tune": (None, TuneConfig, _tune),
+    "finetune": (None, FinetuneConfig, _finetune),
+    "account": (arguments.account_output, AccountConfig, _account),
+    "audit": (None, AuditConfig, _audit),
+    "verify": (None, VerifyConfig, _verify),
+    "info": (arguments.info_output, InfoConfig, _info),
+    "demo": (None, DemoConfig, _demo),
+    "predict": (None, PredictConfig, _predict),
+    "export": (None, ExportConfig, _export),
 }
-TEXTS = arguments.TEXTS | model_arguments.TEXTS
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -163,25 +157,29 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dpprobe {records.VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (add_options, config_class, run) in COMMANDS.items():
+    for name, (add_output_options, config_class, run) in COMMANDS.items():
         # Options not given stay unset, so that the config's defaults apply.
-        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **TEXTS[name])
+        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **arguments.TEXTS[name])
         p.set_defaults(func=run, config_class=config_class, parser=p)
         if only in (None, name):
-            add_options(p)
+            options.add_options(p, config_class)
+            if add_output_options is not None:
+                add_output_options(p)
     return parser
 
 
 def make_config(args: argparse.Namespace):
     """The command's config from its parsed options; a bad value is a usage error that names
-    its option (`argument --delta: must be in (0, 1), got 0`)."""
+    its option (`argument --delta: must be in (0, 1), got 0`), as do the fields quoted in its
+    reason (`options.cli_words`)."""
     fields = {f.name for f in dataclasses.fields(args.config_class)}
     try:
         return args.config_class(**{k: v for k, v in vars(args).items() if k in fields})
     except ConfigError as err:
         flags = [flag for action in args.parser._actions if action.dest == err.field
                  for flag in action.option_strings or [action.dest]]
-        args.parser.error(f"argument {'/'.join(flags) or err.field}: {err.reason}")
+        reason = options.cli_words(err.reason, args.parser)
+        args.parser.error(f"argument {'/'.join(flags) or err.field}: {reason}")
 
 
 def _use_jax_compilation_cache() -> None:
@@ -230,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: a clear one-line error, no traceback (set DPPROBE_DEBUG=1 for one).
         if os.environ.get("DPPROBE_DEBUG"):
             raise
-        print(f"dpprobe {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        message = options.cli_words(_one_line(err), args.parser)  # fields named as options
+        print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -33,7 +33,9 @@ MAX_STEPS = 10_000_000
 
 
 class ConfigError(ValueError):
-    """A bad value of one config field; the CLI names its option (`--delta: must be ...`)."""
+    """A bad value of one config field; the CLI names its option (`--delta: must be ...`).
+    Messages of this package name fields, quoted (`seeds`), never options: the CLI turns each
+    into its option (`pipelines.options.cli_words`)."""
 
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")
@@ -109,7 +111,7 @@ def check_unique(field: str, values: tuple) -> tuple:
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
         raise ConfigError(field, f"{', '.join(_show(v) for v in repeated)} given more than "
-                          "once; give each value once (use --seeds for more runs of one)")
+                          "once; give each value once (use `seeds` for more runs of one)")
     return values
 
 
@@ -118,8 +120,8 @@ def check_groups(groups: int | None, normalization: str) -> None:
     if groups is not None:
         check_int("groups", groups)
         if normalization != "group":
-            raise ValueError(f"--groups {groups} needs --normalize group "
-                             f"(got --normalize {normalization})")
+            raise ValueError(f"`groups={groups}` needs `normalization=group` "
+                             f"(got `normalization={normalization}`)")
 
 
 def check_epsilons(field: str, epsilons: Iterable, *, allow_inf: bool = True) -> tuple:

@@ -23,6 +23,7 @@ import extract
 from pipelines import config as cfg
 from pipelines import plots, preflight, recipe
 from pipelines.extract_job import run_extract
+from pipelines.options import integer, option
 from pipelines.probe_job import run_probe
 from pipelines.reporting import log
 from pipelines.tune_job import run_tune
@@ -56,10 +57,11 @@ class DemoConfig:
     """Where the demo writes, which data (None: fashion-mnist if installed, else digits), how
     many seeds (independent runs) per epsilon, whether to show progress."""
 
-    out_dir: str = "runs/demo"
-    data: str | None = None
-    seeds: int = 1
-    progress: bool = True
+    out_dir: str = option("runs/demo", "--out", help="output directory (default %(default)s)")
+    data: str | None = option(None, choices=DEMO_DATA, help="force a dataset (default: "
+                              "fashion-mnist if installed, else digits)")
+    seeds: int = option(1, type=integer, help="runs per epsilon (default %(default)s)")
+    progress: bool = option(True, "--quiet", action="store_false", help="only the report")
 
     def __post_init__(self):
         if self.data is not None and self.data not in DEMO_DATA:
@@ -90,7 +92,8 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
     files = {"sweep": out / "results.json", "tune": out / "tune.json",
              "model": out / "tuned.safetensors", "plot": out / "tradeoff.png"}
     preflight.check_demo_job(config.out_dir)
-    preflight.check_output_paths(**{f"--out ({name})": path for name, path in files.items()})
+    for path in files.values():
+        preflight.check_output_paths(out_dir=path)
     start = time.perf_counter()
     quiet = not config.progress
     data = config.data or demo_data()

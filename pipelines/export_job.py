@@ -18,6 +18,7 @@ import os
 from pipelines import config as cfg
 from pipelines import preflight
 from pipelines.files import atomic_write_bytes
+from pipelines.options import option
 from pipelines.reporting import log
 
 __all__ = ["FORMATS", "ExportConfig", "run_export"]
@@ -37,11 +38,14 @@ class ExportConfig:
         is not on this machine.
     """
 
-    model: str
-    format: str
-    out: str
-    weights: str | None = None
-    quiet: bool = False
+    model: str = option(help="a dpprobe model file")
+    format: str = option(choices=FORMATS, help="torch: a torch.export program (any model); "
+                         "timm: a fine-tuned timm ViT's state dict; onnx: an ONNX model (any "
+                         "model)")
+    out: str = option(positional=True, metavar="OUT", help="the file to write")
+    weights: str | None = option(
+        None, help="a copy of the backbone's weights file (sha256 checked)")
+    quiet: bool = option(False, action="store_true")
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -59,7 +63,7 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
     if os.path.realpath(config.out) == os.path.realpath(config.model):
         raise ValueError(f"OUT {config.out} is the model file itself; choose another path")
     if config.format == "onnx":
-        preflight.require_module("onnxscript", "--format onnx",
+        preflight.require_module("onnxscript", "`format=onnx`",
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
     model = dpmodel.load_model(config.model)
     model.weights = config.weights

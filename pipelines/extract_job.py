@@ -8,7 +8,8 @@ from typing import Any
 
 import extract
 from pipelines import config as cfg
-from pipelines import preflight
+from pipelines import options, preflight
+from pipelines.options import Choices, integer, option
 from pipelines.reporting import log
 
 __all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
@@ -25,34 +26,65 @@ class ExtractConfig:
     the class count of a source without class names (an npz without `class_names`).
     """
 
-    backbone: str
-    data: str | Any  # a data spec, or a torch Dataset (Python API)
-    out: str
-    split: str | None = None
-    data_dir: str | None = None
-    weights: str | None = None
-    random_init: bool = False
-    seed: int = 0
-    resize: int | None = None
-    crop: int | None = None
-    batch_size: int = 256
-    dtype: str = "float16"
-    device: str | None = None
-    rows_per_chunk: int | None = None
-    overwrite: bool = False
-    progress: bool = True
-    num_workers: int | None = None
-    amp: str | None = "auto"
-    channels_last: bool = False
-    compile: bool = False
-    shard: tuple[int, int] | None = None
-    views: int | None = None
-    augment: tuple[str, ...] = ()
-    augment_seed: int = 0
-    ray: bool = False
-    ray_address: str | None = None
-    ray_shards: int | None = None
-    num_classes: int | None = None
+    backbone: str = option(help="timm model name (e.g. vit_base_patch16_224.augreg_in21k), "
+                           "'scatternet', or 'none' for precomputed embeddings")
+    data: str | Any = option(help="data spec (see below)")  # or a torch Dataset (Python API)
+    out: str = option(help="output Zarr store path")
+    split: str | None = option(
+        None, choices=("train", "test", "all"),
+        help="split to write: for npz/imagefolder the name given to the data (default train); "
+        "for multi-split sources, restrict to one (default all)")
+    data_dir: str | None = option(
+        None, help="directory of Fashion-MNIST's gzipped IDX files "
+        "(default /usr/share/datasets/fashion-mnist)")
+    weights: str | None = option(
+        None, help="local .safetensors/.pth weights file for the timm model (no hub)")
+    random_init: bool = option(False, action="store_true",
+                               help="random weights (seeded by --seed); for tests only")
+    seed: int = option(0, type=integer, help="seed of --random-init (default %(default)s)")
+    resize: int | None = option(
+        None, type=integer, help="resize the short side to R before cropping (Mehta et al.: 384)")
+    crop: int | None = option(None, type=integer,
+                              help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
+                              "position embeddings")
+    batch_size: int = option(256, type=integer,
+                             help="images per forward pass (default %(default)s)")
+    dtype: str = option("float16", choices=Choices("extract.store", "FEATURE_DTYPES"),
+                        help="feature dtype in the store (default %(default)s)")
+    device: str | None = option(None, help="torch device (default: cuda if available)")
+    rows_per_chunk: int | None = option(None, type=integer,
+                                        help="rows per Zarr chunk (default: ~8 MiB chunks)")
+    overwrite: bool = option(False, action="store_true",
+                             help="replace an existing split written by a different job")
+    progress: bool = option(True, "--quiet", action="store_false", help="no progress bar")
+    num_workers: int | None = option(
+        None, "--workers", type=integer, help="DataLoader worker processes (default: none on "
+        "CPU, where the backbone uses every core; up to 8 on GPU)")
+    amp: str | None = option("auto", choices=("auto", "off", "bf16", "fp16"),
+                             help="autocast: auto = bf16 on CUDA, off on CPU (default auto)")
+    channels_last: bool = option(False, action="store_true", help="channels_last memory format")
+    compile: bool = option(False, action="store_true", help="torch.compile the backbone")
+    shard: tuple[int, int] | None = option(
+        None, type=options.shard, metavar="K/N",
+        help="extract only shard K of N (a chunk-aligned slice of rows) into the same store, "
+        "e.g. one process per GPU or a SLURM array task")
+    views: int | None = option(
+        None, type=integer, help="store K augmented views per example, shape (N, K, d), for "
+        "augmentation multiplicity in the probe (train split only)")
+    augment: tuple[str, ...] = option((), type=options.names, help=lambda: (
+        f"augmentations of the views, from {','.join(extract.AUGMENTATIONS)} (De et al.)"))
+    augment_seed: int = option(0, type=integer,
+                               help="seed of the augmentations (default %(default)s)")
+    ray: bool = option(False, action="store_true",
+                       help="run the shards as Ray tasks (one per GPU) on a Ray cluster")
+    ray_address: str | None = option(
+        None, help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
+    ray_shards: int | None = option(
+        None, type=integer, help="number of shards with --ray (default: one per GPU, else per CPU)")
+    num_classes: int | None = option(
+        None, type=integer, metavar="K", help="declare K classes for a source without class "
+        "names (an npz without class_names); labels must lie in [0, K). Never inferred from the "
+        "labels")
 
     def __post_init__(self):
         cfg.freeze(self, augment=tuple(self.augment),
@@ -70,16 +102,16 @@ class ExtractConfig:
             if not (count >= 1 and 0 <= index < count):
                 raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
         if self.views is not None and self.views > 1 and not self.augment:
-            raise ValueError(f"--views {self.views} without --augment would store identical "
-                             "views; add --augment flip,crop")
+            raise ValueError(f"`views={self.views}` without `augment` would store identical "
+                             "views; add `augment=flip,crop`")
         if self.augment and self.views is None:
-            raise ValueError("--augment needs --views K (K augmented views per example)")
+            raise ValueError("`augment` needs `views=K` (K augmented views per example)")
         if self.ray and self.shard is not None:
-            raise ValueError("--ray launches the shards itself; drop --shard")
+            raise ValueError("`ray` launches the shards itself; drop `shard`")
         if (self.ray_shards is not None or self.ray_address) and not self.ray:
-            raise ValueError("--ray-shards/--ray-address need --ray")
+            raise ValueError("`ray_shards`/`ray_address` need `ray=True`")
         if self.weights is not None and self.random_init:
-            raise ValueError("--weights and --random-init exclude each other")
+            raise ValueError("`weights` and `random_init` exclude each other")
 
 
 def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
@@ -94,7 +126,7 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     config = cfg.make_config(ExtractConfig, config, None, **options)
     extract.check_out_path(config.out)
     if config.ray:
-        preflight.require_module("ray", "--ray", "pip install ray==2.60.0")
+        preflight.require_module("ray", "`ray=True`", "pip install ray==2.60.0")
         reports = run_extract_ray(config)
     else:
         reports = _extract_local(config, shard=config.shard)
@@ -112,7 +144,7 @@ def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
                                      precomputed=precomputed, num_classes=config.num_classes)
     else:  # a torch Dataset (Python API)
         if precomputed:
-            raise ValueError("--backbone none reads an npz of features, not a torch Dataset")
+            raise ValueError("`backbone=none` reads an npz of features, not a torch Dataset")
         name = config.split if config.split not in (None, "all") else "train"
         splits = {name: extract.from_torch_dataset(config.data, split=name,
                                                    num_classes=config.num_classes)}

@@ -52,13 +52,13 @@ def load_images(config, *, rgb: bool):
     missing = {"train", "test"} - set(splits)
     if missing:
         raise ValueError(f"{config.data} has no {' or '.join(sorted(missing))} split; give the "
-                         "test split of a one-split source (npz:, imagefolder:) with --test-data")
+                         "test split of a one-split source (npz:, imagefolder:) with `test_data`")
     if splits["train"].class_names != splits["test"].class_names:
         raise ValueError("the train and test data declare different classes")
     for split in splits.values():
         if split.array is None and not (config.resize or config.crop):
             raise ValueError(f"{split.spec or split.dataset} holds image files, each of its own "
-                             "size: give the model's input size with --resize R or --crop S")
+                             "size: give the model's input size with `resize` or `crop`")
     out = [(_as_array(splits[name], config.resize, config.crop, rgb),
             splits[name].labels.astype(np.int32)) for name in ("train", "test")]
     _refuse_null_test_records(splits["test"])

@@ -18,122 +18,17 @@ from pathlib import Path
 import accounting
 from pipelines import config as cfg
 from pipelines import files, model_files, preflight, records, reporting
+from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
 from pipelines.reporting import log
 
 __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
 
-# Trains well on small grayscale images on a CPU (README, "Finetuning"): Tramer & Boneh's CNN.
-DEFAULT_MODEL = "cnn"
 # Inputs of models trained from scratch are scaled to [-1, 1] (public constants).
 _FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
-# Canaries of one audited run (each is an extra training row), and their kinds.
-MAX_CANARIES = 10_000_000
-AUDIT_KINDS = ("gradient", "image")
 # In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
 OPTIONS_FILE = ".dpprobe-finetune-options.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneConfig:
-    """What `run_finetune` does; `dpprobe finetune --help` explains each option.
-
-    Attributes:
-      data: a data spec as for `extract` (fashion-mnist, digits, npz:, imagefolder:, cifar10:).
-      test_data: the test split's spec, for sources of one split (npz:, imagefolder:); the
-        test split is public (the accuracy on it is published).
-      model: "cnn", "wrn16_4" or a timm ViT name (`finetune.models`).
-      weights, random_init: a timm model's local weights file, or random init; the hub
-        otherwise. Models trained from scratch ("cnn", "wrn16_4") take neither.
-      resize, crop: resize each image's short side to `resize`, then center-crop `crop` x
-        `crop` (default: a square of the short side): the model's input; default: the data's
-        own size.
-      epsilon, delta: the run's budget (zero-out neighbours, N public; `accountant`).
-      batch_size: the expected logical batch B (Poisson rate q = B / N).
-      epochs, steps: the length (T = ceil(epochs N / B) unless `steps` is given).
-      learning_rate, optimizer, momentum, schedule, warmup_steps, clip_norm: the DP-SGD recipe.
-        `batch_size`, `epochs`, `learning_rate` and `clip_norm` left None are chosen from
-        public quantities (`pipelines.finetune_recipe`) and recorded with the results.
-      augmult, crop_padding, flip: K views per example (crops of the padded image, flips).
-      ema_decay: EMA of the parameters (0 turns it off).
-      physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
-      seed: drives only the model's initialization (never a mechanism).
-      out: a folder for results.json and model.safetensors (the released model: the EMA
-        parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
-      checkpoint_every: steps between checkpoints (with `out`); a run with the same options
-        and `out` resumes from the latest one.
-      audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
-        `seed`), each in with probability 1/2, and the one-run bounds on epsilon
-        (`finetune.canaries`); 0: off. The epochs count the real records only, so an audited
-        run takes as many steps as the run it audits.
-      audit_kind: "gradient" (white-box gradient canaries, `dp.canaries`: a rigorous lower
-        bound and an estimate of epsilon) or "image" (black-box noise-image canaries, loose).
-    """
-
-    data: str = "fashion-mnist"
-    test_data: str | None = None
-    data_dir: str | None = None
-    model: str = DEFAULT_MODEL
-    weights: str | None = None
-    random_init: bool = False
-    resize: int | None = None
-    crop: int | None = None
-    epsilon: float = 3.0
-    delta: float = 1e-5
-    accountant: str = "pld"
-    # None: chosen from public quantities (`pipelines.finetune_recipe`: Tramer & Boneh's recipe
-    # for their CNN at large N, measured here at 86.4% on Fashion-MNIST at (3, 1e-5), scaled
-    # down for small N); augmentation multiplicity (K = 2, crops and flips) trailed it at equal
-    # steps, so it is off by default.
-    batch_size: int | None = None
-    epochs: float | None = None
-    steps: int | None = None
-    learning_rate: float | None = None
-    optimizer: str = "momentum"
-    momentum: float = 0.9
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    clip_norm: float | None = None
-    augmult: int = 1
-    crop_padding: int = 0
-    flip: bool = False
-    ema_decay: float = 0.999
-    head_bias_init: float = 0.0
-    physical_batch_size: int = 256
-    microbatch_size: int | None = None
-    mixed_precision: bool = False
-    devices: int = 1
-    seed: int = 0
-    out: str | None = None
-    checkpoint_every: int = 50
-    audit_canaries: int = 0
-    audit_kind: str = "gradient"
-    quiet: bool = False
-
-    def __post_init__(self):
-        cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
-                   delta=cfg.check_delta("delta", self.delta))
-        for name in ("learning_rate", "clip_norm", "epochs"):
-            if getattr(self, name) is not None:
-                cfg.freeze(self, **{name: cfg.check_number(name, getattr(self, name), 0)})
-        for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every"):
-            cfg.check_int(name, getattr(self, name))
-        for name in ("batch_size", "steps", "resize", "crop", "microbatch_size"):
-            if getattr(self, name) is not None:
-                cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
-        cfg.check_int("warmup_steps", self.warmup_steps, 0)
-        cfg.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
-        if self.audit_canaries == 1:
-            raise cfg.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
-        if self.audit_kind not in AUDIT_KINDS:
-            raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
-                                  f"{self.audit_kind!r}")
-        cfg.check_int("crop_padding", self.crop_padding, 0)
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
-        if self.weights is not None and self.random_init:
-            raise cfg.ConfigError("weights", "--weights and --random-init exclude each other")
 
 
 def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
@@ -155,7 +50,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             log(f"already complete: {out / 'results.json'}", config.quiet)
             return finished
         for name in ("results.json", model_files.MODEL_FILE):
-            preflight.check_output_paths(**{"--out": out / name})
+            preflight.check_output_paths(out=out / name)
     start = time.perf_counter()
     quiet = config.quiet
 
@@ -327,7 +222,7 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
             sorted(k for k in set(previous) | set(_options(config))
                    if previous.get(k) != _options(config).get(k))) + ")")
         raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
-                         "give a new --out to train another model")
+                         "give a new `out` to train another model")
     return results | {"already_complete": str(results_file)}
 
 
@@ -340,8 +235,8 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
     rngs = nnx.Rngs(config.seed)
     if config.model in finetune.models.MODEL_NAMES:
         if config.weights or config.random_init:
-            raise ValueError(f"--model {config.model} trains from scratch: drop --weights and "
-                             "--random-init")
+            raise ValueError(f"`model={config.model}` trains from scratch: drop `weights` and "
+                             "`random_init`")
         model = finetune.models.create_model(config.model, num_classes, image_size=image_size,
                                              in_channels=channels, rngs=rngs,
                                              head_bias_init=config.head_bias_init)

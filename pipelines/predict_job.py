@@ -20,6 +20,7 @@ import numpy as np
 from pipelines import config as cfg
 from pipelines import predict_inputs, preflight
 from pipelines.files import atomic_writer
+from pipelines.options import integer, option
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
@@ -40,14 +41,19 @@ class PredictConfig:
       data_dir: Fashion-MNIST's folder, as for `extract`.
     """
 
-    model: str
-    data: tuple[str, ...]
-    split: str = "test"
-    out: str | None = None
-    top_k: int = 1
-    weights: str | None = None
-    data_dir: str | None = None
-    quiet: bool = False
+    model: str = option(help="a dpprobe model file")
+    data: tuple[str, ...] = option(
+        nargs="+", metavar="SPEC", help="a feature store, a data spec as for extract (digits, "
+        "fashion-mnist, npz:PATH, imagefolder:PATH, ...), or image files / folders of images")
+    split: str = option("test", help="the split of a store or data spec (default %(default)s)")
+    out: str | None = option(None, help="write the CSV here (default: stdout)")
+    top_k: int = option(1, type=integer, metavar="K", help="also write the K best classes and "
+                        "their probabilities (default %(default)s)")
+    weights: str | None = option(
+        None, help="a copy of the backbone's weights file, where the recorded path is not on "
+        "this machine (its sha256 must match the record)")
+    data_dir: str | None = option(None, help="directory of Fashion-MNIST's gzipped IDX files")
+    quiet: bool = option(False, action="store_true", help="no progress bar")
 
     def __post_init__(self):
         data = (self.data,) if isinstance(self.data, str | os.PathLike) else tuple(self.data)
@@ -68,7 +74,7 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
     if config.out:
-        preflight.check_output_paths(**{"--out": config.out})
+        preflight.check_output_paths(out=config.out)
         _refuse_overwriting(config.out, (config.model, *source.paths))
     top_k = min(config.top_k, len(model.class_names))
     columns = ["id", "prediction", "probability"] + (["label"] if source.has_labels else [])
@@ -154,12 +160,12 @@ def _take(pending: collections.deque, count: int):
 
 
 def _refuse_overwriting(out: str, inputs) -> None:
-    """--out must not be the model or any input (or inside an input folder)."""
+    """`out` must not be the model or any input (or inside an input folder)."""
     target = os.path.realpath(out)
     for path in inputs:
         real = os.path.realpath(path)
         if target == real or target.startswith(real.rstrip(os.sep) + os.sep):
-            raise ValueError(f"--out {out} would overwrite {path}; choose another path")
+            raise ValueError(f"`out` {out} would overwrite {path}; choose another path")
 
 
 def predict_line(result: dict) -> str:

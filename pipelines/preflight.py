@@ -31,7 +31,8 @@ PNG_SOFTWARE = "dpprobe"
 
 
 def require_module(module: str, option: str, install: str) -> None:
-    """Refuse an option whose optional package is missing, with the command that installs it."""
+    """Refuse an option (a quoted field, "`ray=True`") whose optional package is missing, with
+    the command that installs it."""
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -43,11 +44,12 @@ def require_module(module: str, option: str, install: str) -> None:
 def check_output_paths(**paths: str | os.PathLike | None) -> None:
     """Refuse output paths that cannot be written, before the job runs.
 
-    Keyword names are the options (`**{"--out": path, "--csv": csv}`); None is skipped.
+    Keyword names are the config fields (`out=path, csv=csv`), named in the errors; None is
+    skipped.
     """
-    for option, path in paths.items():
+    for name, path in paths.items():
         if path is not None:
-            _check_output_file(option, os.fspath(path))
+            _check_output_file(f"`{name}`", os.fspath(path))
 
 
 def _check_output_file(option: str, path: str) -> None:
@@ -146,8 +148,8 @@ def check_store_splits_agree(store) -> None:
 def check_probe_job(config) -> None:
     """What `run_probe` can check before reading its store (its `ProbeConfig` has checked the
     values): outputs, that the store's splits agree, that the devices are present."""
-    check_output_paths(**{"--out": config.out, "--csv": config.csv, "--plot": config.plot,
-                          "--diagnostics": config.diagnostics})
+    check_output_paths(out=config.out, csv=config.csv, plot=config.plot,
+                       diagnostics=config.diagnostics)
     if config.save_model:
         check_model_folder(config)
     check_store_splits_agree(config.store)
@@ -156,7 +158,7 @@ def check_probe_job(config) -> None:
 
         present = jax.local_device_count()
         if config.devices > present:
-            raise ValueError(f"--devices {config.devices}, but only {present} local device(s) "
+            raise ValueError(f"`devices={config.devices}`, but only {present} local device(s) "
                              "are present (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_"
                              "count=N makes N)")
 
@@ -168,17 +170,17 @@ def check_model_folder(config) -> None:
 
     folder = os.fspath(config.save_model)
     if os.path.lexists(folder) and not os.path.isdir(folder):
-        raise ValueError(f"--save-model {folder} is an existing file; give a folder")
+        raise ValueError(f"`save_model` {folder} is an existing file; give a folder")
     for epsilon in config.epsilons:
         for steps in config.steps or (None,):
             for rate in config.learning_rates or (None,):
                 name = probe_model_name(config, epsilon, steps, rate)
-                check_output_paths(**{"--save-model": os.path.join(folder, name)})
+                check_output_paths(save_model=os.path.join(folder, name))
 
 
 def check_tune_job(config) -> None:
     """What `run_tune` can check before its search: the output paths, the store's splits."""
-    check_output_paths(**{"--out": config.out, "--save-model": config.save_model})
+    check_output_paths(out=config.out, save_model=config.save_model)
     check_store_splits_agree(config.store)
 
 
@@ -186,6 +188,6 @@ def check_demo_job(out_dir) -> None:
     """What `run_demo` can check before its extraction: the output folder."""
     out_dir = os.fspath(out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"--out {out_dir} is an existing file; the demo needs a folder")
-    _check_folder_writable("--out", out_dir)
-    check_output_paths(**{"--out": os.path.join(out_dir, "results.json")})
+        raise ValueError(f"`out_dir` {out_dir} is an existing file; the demo needs a folder")
+    _check_folder_writable("`out_dir`", out_dir)
+    check_output_paths(out_dir=os.path.join(out_dir, "results.json"))

@@ -4,7 +4,6 @@ feature store, trained in one program, evaluated on the test split, recorded wit
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import math
@@ -17,109 +16,15 @@ import accounting
 import extract
 from pipelines import config as cfg
 from pipelines import plots, preflight, recipe, records, reporting
+from pipelines.probe_config import MAX_RUNS, ProbeConfig
 from pipelines.reporting import log
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "ProbeConfig", "run_probe"]
-
-# Runs of one sweep (their weights, optimizer state and gradients live together in memory).
-MAX_RUNS = 100_000
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
                "sampling_probability", "optimizer", "learning_rate", "replicate",
                "test_accuracy", "test_top5_accuracy", "accountant", "neighboring_relation",
                "guarantee")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeConfig:
-    """What `run_probe` does; `dpprobe probe --help` explains each option.
-
-    Full batch by default: T steps of the Gaussian mechanism on the clipped gradient sum. With
-    `sampling_probability` q < 1, masked DP-SGD with Poisson subsampling (Beltran et al.).
-    `math.inf` in `epsilons` trains a non-private reference (no noise, no guarantee).
-
-    Attributes:
-      optimizer, steps, learning_rates, normalization: None (the defaults) chooses them from
-        public quantities (`pipelines.recipe`: the store's backbone, N, epsilon, delta):
-        GroupNorm on ScatterNet features, full-batch momentum, T = 300, lr = r / T per epsilon
-        by the linear scaling rule. A given optimizer other than sgd/momentum takes T = 1 and
-        its default learning rate unless told.
-      stream: stream the train split from disk chunk by chunk (None: when it would take more
-        than a quarter of the machine's memory as float32).
-      devices: shard rows over this many local devices (default 1).
-      groups: groups of `normalization="group"` (None: 1; given, it needs that normalization).
-      out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
-        outputs and public inputs only, see `pipelines.records`).
-      diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
-        sizes, the data fingerprint) to this local file, for debugging; never share it.
-      save_model: a folder for one model file per epsilon (its first seed's run;
-        `pipelines.model_files.probe_models`).
-    """
-
-    store: str
-    epsilons: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
-    delta: float = 1e-5
-    seeds: int = 3
-    optimizer: str | None = None
-    steps: tuple[int, ...] | None = None
-    learning_rates: tuple[float, ...] | None = None
-    loss: str = "softmax"
-    clip_norm: float = 1.0
-    accountant: str = "pld"
-    normalization: str | None = None
-    groups: int | None = None
-    bias_init: float | None = None
-    sampling_probability: float = 1.0
-    physical_batch_size: int = 256
-    stream: bool | None = None
-    devices: int | None = None
-    out: str | None = None
-    csv: str | None = None
-    plot: str | None = None
-    diagnostics: str | None = None
-    save_model: str | None = None
-    quiet: bool = False
-
-    def __post_init__(self):
-        learning_rates = check_learning_rates(self.learning_rates)
-        cfg.freeze(
-            self, store=str(self.store),
-            epsilons=cfg.check_unique("epsilons", cfg.check_epsilons("epsilons", self.epsilons)),
-            delta=cfg.check_delta("delta", self.delta),
-            steps=None if self.steps is None else cfg.check_unique(
-                "steps", cfg.check_ints("steps", self.steps)),
-            learning_rates=learning_rates and cfg.check_unique("learning_rates", learning_rates),
-            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-            sampling_probability=cfg.check_number("sampling_probability",
-                                                  self.sampling_probability, 0, 1),
-        )
-        cfg.check_int("seeds", self.seeds)
-        cfg.check_int("physical_batch_size", self.physical_batch_size)
-        if self.normalization is None and self.groups is not None:
-            cfg.freeze(self, normalization="group")  # --groups alone means group normalization
-        if self.normalization is not None:
-            cfg.check_groups(self.groups, self.normalization)
-        if self.bias_init is not None:
-            cfg.check_number("bias_init", self.bias_init)
-        if self.devices is not None:
-            cfg.check_int("devices", self.devices)
-        runs = (len(self.epsilons) * len(self.steps or [1]) * len(self.learning_rates or [None])
-                * self.seeds)
-        if runs > MAX_RUNS:
-            raise ValueError(f"the sweep has {runs} runs (--epsilons x --steps x --lr x "
-                             f"--seeds); at most {MAX_RUNS} train in one program: use fewer "
-                             "--seeds")
-
-
-def check_learning_rates(values) -> tuple[float, ...] | None:
-    """None (the optimizer's default), or finite learning rates > 0."""
-    if values is None:
-        return None
-    values = tuple(float(v) for v in values)
-    if not values or any(not 0 < v < math.inf for v in values):
-        raise cfg.ConfigError("learning_rates", f"expected finite numbers > 0, got "
-                              f"{','.join(f'{v:g}' for v in values)}")
-    return values
 
 
 def run_probe(config: ProbeConfig | str, /, **options) -> dict:
@@ -146,8 +51,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     if stream and config.sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
     if config.devices and config.devices > 1 and (stream or config.sampling_probability < 1.0):
-        raise ValueError("--devices shards in-memory full-batch training; it does not combine "
-                         "with --stream or -q < 1")
+        raise ValueError("`devices` shards in-memory full-batch training; it does not combine "
+                         "with `stream` or `sampling_probability` < 1")
     test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
     test_in_memory = not stream and not _too_big_for_memory(test_bytes)
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,

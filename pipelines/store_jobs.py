@@ -10,6 +10,7 @@ import sys
 import extract
 from pipelines import config as cfg
 from pipelines import reporting
+from pipelines.options import option
 
 __all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
 
@@ -20,10 +21,14 @@ class VerifyConfig:
     spec and compares it with the recorded one. Without a store, `data` is checked alone
     (`extract.check_data`: the records a publishing job would null, clamp or resize)."""
 
-    store: str | None = None
-    data: str | None = None
-    data_dir: str | None = None
-    progress: bool = True
+    store: str | None = option(None, positional=True, nargs="?",
+                               help="feature store (omit it to check --data alone)")
+    data: str | None = option(
+        None, help="also re-fingerprint this data spec and compare with the recorded one; "
+        "without STORE, list the records a publishing job would train as null records, clamp "
+        "or resize (for the data's owner, not a DP output)")
+    data_dir: str | None = option(None, help="Fashion-MNIST directory for --data")
+    progress: bool = option(True, "--quiet", action="store_false")
 
     def __post_init__(self):
         if self.store is None and self.data is None:
@@ -35,7 +40,7 @@ class VerifyConfig:
 class InfoConfig:
     """The store whose provenance to show."""
 
-    store: str
+    store: str = option(positional=True)
 
 
 def verify(config: VerifyConfig | str | None = None, /,

@@ -68,7 +68,7 @@ def load_public_validation(spec: str, dim: int) -> tuple[np.ndarray, np.ndarray]
     store's feature space: the same backbone and preprocessing) and `labels`."""
     kind, _, path = spec.partition(":")
     if kind != "npz" or not path:
-        raise ValueError(f"--public-validation must be npz:PATH (features, labels), got {spec!r}")
+        raise ValueError(f"`public_validation` must be npz:PATH (features, labels), got {spec!r}")
     try:
         with np.load(path, allow_pickle=False) as data:
             features, labels = np.asarray(data["features"]), np.asarray(data["labels"])

@@ -25,5 +25,5 @@ def test_account_takes_its_config_or_keywords():
     assert by_keywords == by_config
     with pytest.raises(TypeError, match="not both"):
         account(AccountConfig(epsilon=1.0), steps=2)
-    with pytest.raises(ValueError, match="exactly one of --epsilon and --noise-multiplier"):
+    with pytest.raises(ValueError, match="exactly one of `epsilon` and `noise_multiplier`"):
         AccountConfig()

@@ -148,3 +148,49 @@ def test_probe_parses_without_jax_unless_a_probe_choice_is_given():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.split() == ["False", "True"], result.stderr
+
+
+OUTPUT_OPTIONS = {"info": {"json"}, "account": {"json"}}  # how it prints, not what it runs
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_each_option_is_written_once_on_its_config_field(command, capsys):
+    """The parser is generated from the config: its options are exactly the fields that carry
+    one (no option the config lacks, no field the parser forgot), and --help shows each flag."""
+    from pipelines import options
+
+    _, config_class, _ = cli.COMMANDS[command]
+    argv, _ = MINIMAL[command]
+    parser = cli.build_parser(command).parse_args([command, *argv]).parser
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    fields = {f.name for f in options.cli_fields(config_class)}
+    assert dests == fields | OUTPUT_OPTIONS.get(command, set())
+    assert fields <= {f.name for f in dataclasses.fields(config_class)}
+    assert cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    for action in parser._actions:
+        for name in action.option_strings or [action.metavar or action.dest]:
+            assert name in text, f"{command} --help lacks {name}"
+        if action.help and action.dest in fields:
+            assert "%(default)s" not in parser._get_formatter()._expand_help(action)
+
+
+def test_library_errors_name_fields_and_the_cli_names_their_options(capsys):
+    from pipelines import options
+    from pipelines.extract_job import ExtractConfig
+
+    with pytest.raises(ValueError, match=r"^`ray_shards`/`ray_address` need `ray=True`$"):
+        ExtractConfig("none", "npz:x.npz", "x.zarr", ray_shards=2)
+    parser = cli.build_parser("tune").parse_args(["tune", "s.zarr", "--epsilon", "1"]).parser
+    words = {
+        "`groups=4` needs `normalization='group'`": "--groups 4 needs --normalize group",
+        "`eps_standardize` needs `standardize=True`, not `standardize=False`":
+            "--eps-standardize needs --standardize, not --no-standardize",
+        "`save_model` and `quiet=True`; `r_range`": "--save-model and --quiet; --r-min",
+        "`weights` in `dpprobe extract`": "`weights` in `dpprobe extract`",  # not tune's fields
+    }
+    for text, expected in words.items():
+        assert options.cli_words(text, parser) == expected
+    assert cli.main(["extract", "--backbone", "none", "--data", "npz:x.npz", "--out", "x.zarr",
+                     "--ray-shards", "2", "--quiet"]) == 2
+    assert "--ray-shards/--ray-address need --ray" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def test_missing_weights_and_offline_hub_give_clear_errors(tmp_path):
         extract.create_backbone("test_vit", weights=tmp_path / "nope.pth", device="cpu")
     with pytest.raises(ValueError, match="unknown timm model"):
         extract.create_backbone("not_a_model_xyz", random_init=True, device="cpu")
-    with pytest.raises(RuntimeError, match="--weights PATH"):
+    with pytest.raises(RuntimeError, match="`weights=PATH`"):
         extract.create_backbone("test_vit", device="cpu")  # HF_HUB_OFFLINE=1 in tests
 
 

@@ -81,7 +81,7 @@ def test_hf_one_split_named_columns_and_plain_integer_labels(rng, tmp_path):
     with pytest.raises(ValueError, match=r"cannot tell the image column \(columns \['picture', "
                                          r"'thumbnail'\].*name it: \?image=COLUMN"):
         extract.open_source(spec, split="test")
-    with pytest.raises(ValueError, match=r"'y' is not a ClassLabel.*--num-classes K"):
+    with pytest.raises(ValueError, match=r"'y' is not a ClassLabel.*`num_classes=K`"):
         extract.open_source(spec + "?image=picture&label=y", split="test")
     splits = extract.open_source(spec + "?image=picture&label=y", split="test", num_classes=3)
     assert list(splits) == ["test"] and splits["test"].class_names == ["0", "1", "2"]

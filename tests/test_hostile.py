@@ -591,7 +591,7 @@ CASES = [
     Case("tune-validation-fraction", tune("--validation-fraction", "1.5"),
          r"--validation-fraction: must be in \(0, 1\)"),
     Case("tune-r-min-above-r-max", tune("--r-min", "10", "--r-max", "5"),
-         r"--r-min \(10\) must be below --r-max \(5\)"),
+         r"--r-min/--r-max: the low end \(10\) must be below the high end \(5\)"),
     # tune: --groups alone means --normalize group (its normalization defaults to the backbone's)
     Case("tune-groups-not-dividing", tune("--groups", "3"),
          r"groups must divide the feature dim 8, got 3"),

@@ -96,7 +96,7 @@ def test_run_probe_takes_its_config_or_keywords(digits_store):
     (dict(clip_norm=math.inf), "clip_norm: expected a finite number, got inf"),
     (dict(sampling_probability=0), r"sampling_probability: must be in \(0, 1\]"),
     (dict(seeds=0), "seeds: must be >= 1, got 0"),
-    (dict(groups=4, normalization="l2"), "--groups 4 needs --normalize group"),
+    (dict(groups=4, normalization="l2"), "`groups=4` needs `normalization=group`"),
     (dict(learning_rates=[1, 2, 1]), "learning_rates: 1 given more than once"),
     (dict(seeds=10**6, epsilons=[1, 2]), "the sweep has 2000000 runs"),
 ])

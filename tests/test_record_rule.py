@@ -161,7 +161,7 @@ def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     data = _folder(tmp_path, np.random.default_rng(0), None)[:4]
     assert cli.main([*JOB, *data]) == 2
-    assert "--resize R or --crop S" in capsys.readouterr().err
+    assert "give the model's input size with --resize or --crop" in capsys.readouterr().err
 
 
 def test_verify_data_passes_clean_data(tmp_path, monkeypatch, capsys):

@@ -46,7 +46,7 @@ def test_npz_and_imagefolder_sources(tmp_path, rng):
 
     images = rng.integers(0, 256, size=(5, 12, 12, 3), dtype=np.uint8)
     np.savez(tmp_path / "d.npz", images=images, labels=np.array([0, 1, 2, 1, 0]))
-    with pytest.raises(ValueError, match="--num-classes"):  # the class set is declared
+    with pytest.raises(ValueError, match="`num_classes=K`"):  # the class set is declared
         extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test")
     split = extract.open_source(f"npz:{tmp_path / 'd.npz'}", split="test", num_classes=3)["test"]
     assert split.split == "test" and split.num_classes == 3

@@ -96,11 +96,12 @@ def test_tune_config_fills_the_budgets_and_refuses_what_cannot_run():
         0.1, 0.2, 0.1, "train")
     assert TuneConfig("s.zarr", 2.0, selection="holdout").eps_select is None
     assert TuneConfig("s.zarr", 2.0, public_validation="npz:v.npz").selection == "public"
-    with pytest.raises(ValueError, match="does not combine with --selection holdout"):
+    with pytest.raises(ValueError, match="does not combine with `selection=holdout`"):
         TuneConfig("s.zarr", 2.0, selection="holdout", public_validation="npz:v.npz")
-    with pytest.raises(ValueError, match="--eps-select applies to --selection train"):
+    with pytest.raises(ValueError, match="`eps_select` applies to `selection=train`"):
         TuneConfig("s.zarr", 2.0, selection="holdout", eps_select=0.1)
-    with pytest.raises(ValueError, match=r"--r-min \(5\) must be below --r-max \(1\)"):
+    with pytest.raises(ValueError,
+                       match=r"r_range: the low end \(5\) must be below the high end \(1\)"):
         TuneConfig("s.zarr", 2.0, r_range=(5, 1))
     with pytest.raises(ValueError, match="lower them"):
         TuneConfig("s.zarr", 1.0, eps0=0.7, eps1=0.8)
