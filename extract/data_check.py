@@ -78,7 +78,7 @@ def check_data(spec: str, *, data_dir: str | os.PathLike | None = None,
 def _file_defects(split, unreadable: set[int]) -> list[Defect]:
     """Decode every image file: the unreadable ones (null records), and those whose size or
     mode is not the split's most common one (resized or converted by the rule)."""
-    from extract.splits import _first_line
+    from extract.zarr_io import first_line
 
     shapes, defects = {}, []
     for row in range(len(split)):
@@ -88,7 +88,7 @@ def _file_defects(split, unreadable: set[int]) -> list[Defect]:
             shapes[row] = _size_and_mode(split, row)
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
             if not any(d.row == row and d.kind == NULL for d in split.defects):
-                defects.append(Defect(row, NULL, f"not a readable image ({_first_line(err)})"))
+                defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
     if shapes:
         (usual_size, usual_mode), _ = collections.Counter(shapes.values()).most_common(1)[0]
         for row, (size, mode) in shapes.items():

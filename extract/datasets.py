@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from extract.defects import NULL, Defect, pixel_rule
-from extract.splits import ImageSplit, PrecomputedSplit, _check_label_range, _first_line, _sha256
+from extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
+from extract.zarr_io import first_line
 
 __all__ = [
     "FASHION_MNIST_DIR",
@@ -52,7 +53,7 @@ def _read_idx(path: Path, expected_sha256: str | None) -> np.ndarray:
         with gzip.open(path, "rb") as f:
             raw = f.read()
     except (OSError, EOFError) as err:
-        raise ValueError(f"{path} is not a readable gzipped IDX file ({_first_line(err)})") from err
+        raise ValueError(f"{path} is not a readable gzipped IDX file ({first_line(err)})") from err
     if expected_sha256 is not None:
         actual = hashlib.sha256(raw).hexdigest()
         if actual != expected_sha256:
@@ -89,7 +90,7 @@ def read_fashion_mnist(directory: Path) -> dict[str, ImageSplit]:
             split=split,
             labels=labels,
             class_names=FASHION_MNIST_CLASSES,
-            fingerprint=_sha256(images, labels),
+            fingerprint=arrays_sha256(images, labels),
             array=images,
         )
     return splits
@@ -111,7 +112,7 @@ def read_digits() -> dict[str, ImageSplit]:
             split=split,
             labels=labels[idx],
             class_names=[str(c) for c in range(10)],
-            fingerprint=_sha256(images[idx], labels[idx]),
+            fingerprint=arrays_sha256(images[idx], labels[idx]),
             array=images[idx],
         )
         for split, idx in parts.items()
@@ -127,7 +128,7 @@ def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
         data = np.load(path, allow_pickle=False)
     except Exception as err:  # noqa: BLE001 - zip, pickle and format errors alike
         raise ValueError(f"{path} is not a readable .npz file ({type(err).__name__}: "
-                         f"{_first_line(err)})") from err
+                         f"{first_line(err)})") from err
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise ValueError(f"{path} is a single .npy array, not an .npz archive holding "
                          f"{', '.join(keys)} (save it with np.savez)")
@@ -140,7 +141,7 @@ def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
             return {k: data[k] for k in wanted}
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"{path}: an array cannot be read ({type(err).__name__}: "
-                             f"{_first_line(err)})") from err
+                             f"{first_line(err)})") from err
 
 
 def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
@@ -187,13 +188,13 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
     _check_labels(path, labels, len(images), strict=strict)
     class_names = _class_names(path, data, num_classes)
     if strict:
-        _check_label_range(path, labels, class_names)
+        check_label_range(path, labels, class_names)
     return ImageSplit(
         dataset=f"npz:{path.name}",
         split=split,
         labels=labels,
         class_names=class_names,
-        fingerprint=_sha256(images, labels.astype(np.int32)),
+        fingerprint=arrays_sha256(images, labels.astype(np.int32)),
         array=images,
         defects=defects,
     )
@@ -216,14 +217,14 @@ def read_npz_features(path: Path, split: str, num_classes: int | None = None) ->
         raise ValueError(f"{path}: features contain NaN or Inf ({int(bad.sum())} rows, the "
                          f"first is row {int(np.flatnonzero(bad)[0])})")
     class_names = _class_names(path, data, num_classes)
-    _check_label_range(path, labels, class_names)
+    check_label_range(path, labels, class_names)
     return PrecomputedSplit(
         dataset=f"npz:{path.name}",
         split=split,
         features=features,
         labels=labels.astype(np.int32),
         class_names=class_names,
-        fingerprint=_sha256(features, labels.astype(np.int32)),
+        fingerprint=arrays_sha256(features, labels.astype(np.int32)),
     )
 
 
@@ -275,8 +276,8 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
                 image.verify()
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
             if strict:
-                raise ValueError(f"{file} is not a readable image ({_first_line(err)})") from err
-            defects.append(Defect(row, NULL, f"not a readable image ({_first_line(err)})"))
+                raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
+            defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content).digest())
 
@@ -329,7 +330,7 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
                 batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images "
-                                 f"({_first_line(err)})") from err
+                                 f"({first_line(err)})") from err
             if len(batch_labels) != len(images[-1]):
                 raise ValueError(f"{file}: {len(images[-1])} images but "
                                  f"{len(batch_labels)} labels")
@@ -338,13 +339,13 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
         labels = np.asarray(labels, np.int64)
         names_out = class_names or [str(c) for c in range(10 if kind == "cifar10" else 100)]
         if strict:
-            _check_label_range(root / names[0], labels, names_out)
+            check_label_range(root / names[0], labels, names_out)
         splits[split] = ImageSplit(
             dataset=kind,
             split=split,
             labels=labels,
             class_names=names_out,
-            fingerprint=_sha256(array, labels.astype(np.int32)),
+            fingerprint=arrays_sha256(array, labels.astype(np.int32)),
             array=array,
             defects=None if strict else [],
         )
@@ -359,7 +360,7 @@ def _unpickle(file: Path, keys: tuple) -> dict:
             value = pickle.load(f, encoding="bytes")  # noqa: S301
     except Exception as err:  # noqa: BLE001 - unpickling raises anything for a bad file
         raise ValueError(f"{file} is not a readable CIFAR pickle ({type(err).__name__}: "
-                         f"{_first_line(err)})") from err
+                         f"{first_line(err)})") from err
     if not isinstance(value, dict) or any(k not in value for k in keys):
         raise ValueError(f"{file} is not a CIFAR batch (expected a dict with keys {keys})")
     return value

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.splits import ImageSplit, _first_line
+from extract.splits import ImageSplit
+from extract.zarr_io import first_line
 
 __all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
 
@@ -109,7 +110,7 @@ def _load(spec: HfSpec):
             return datasets.load_from_disk(str(path))
         except Exception as err:  # noqa: BLE001 - arrow and format errors alike
             raise ValueError(f"hf:{path} is not a readable save_to_disk folder "
-                             f"({type(err).__name__}: {_first_line(err)})") from err
+                             f"({type(err).__name__}: {first_line(err)})") from err
     if path.exists():
         raise ValueError(f"hf:{path} is not a folder written by save_to_disk (no "
                          "dataset_dict.json or state.json)")
@@ -118,7 +119,7 @@ def _load(spec: HfSpec):
         return datasets.load_dataset(spec.location, split=spec.split)
     except Exception as err:  # noqa: BLE001 - hub, cache and format errors alike
         raise ValueError(f"hf:{spec.location}: no such folder, and not a dataset in the local "
-                         f"Hugging Face cache ({type(err).__name__}: {_first_line(err)})") from err
+                         f"Hugging Face cache ({type(err).__name__}: {first_line(err)})") from err
 
 
 def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,

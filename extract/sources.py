@@ -28,7 +28,7 @@ from extract.datasets import (
     read_npz_images,
 )
 from extract.hf import parse_hf_spec, read_hf
-from extract.splits import ImageSplit, PrecomputedSplit, _sha256
+from extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256
 
 __all__ = [
     "FASHION_MNIST_DIR",
@@ -173,7 +173,7 @@ def from_torch_dataset(
         raise ValueError(f"num_classes={num_classes} disagrees with the {len(classes)} class "
                          "names")
     if fingerprint is None:
-        fingerprint = "labels-only:" + _sha256(
+        fingerprint = "labels-only:" + arrays_sha256(
             np.frombuffer(f"{type(dataset).__qualname__}:{len(dataset)}".encode(), np.uint8),
             labels)
     return ImageSplit(

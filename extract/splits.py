@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from extract.defects import NULL, NULL_LABEL, Defect, label_defects
+from extract.zarr_io import first_line
 
-__all__ = ["ImageSplit", "PrecomputedSplit"]
+__all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range"]
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ class ImageSplit:
             raise ValueError(f"{self.dataset}: {len(self.array)} images but {len(raw)} labels")
         if self.defects is None:
             self.labels = raw.astype(np.int32)
-            _check_label_range(self.dataset, self.labels, self.class_names)
+            check_label_range(self.dataset, self.labels, self.class_names)
             return
         if not self.class_names:
             raise ValueError(f"{self.dataset}: no classes declared")
@@ -89,7 +90,7 @@ class ImageSplit:
                 images.append(self.load(int(i)))
             except (OSError, ValueError, SyntaxError) as err:  # PIL's errors for bad files
                 raise ValueError(f"cannot read image {self.describe(int(i))}: "
-                                 f"{_first_line(err)}") from err
+                                 f"{first_line(err)}") from err
         return images
 
     def provenance(self) -> dict:
@@ -117,7 +118,7 @@ class PrecomputedSplit:
     spec: str = ""
 
     def __post_init__(self):
-        _check_label_range(self.dataset, np.asarray(self.labels), self.class_names)
+        check_label_range(self.dataset, np.asarray(self.labels), self.class_names)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -129,12 +130,7 @@ class PrecomputedSplit:
     provenance = ImageSplit.provenance
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -> None:
+def check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -> None:
     """Labels must lie in the declared class set [0, K)."""
     if not class_names:
         raise ValueError(f"{source}: no classes declared")
@@ -144,7 +140,7 @@ def _check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -
             f"got [{labels.min()}, {labels.max()}]")
 
 
-def _sha256(*arrays: np.ndarray) -> str:
+def arrays_sha256(*arrays: np.ndarray) -> str:
     digest = hashlib.sha256()
     for array in arrays:
         array = np.ascontiguousarray(array)

@@ -88,7 +88,7 @@ def _files_as_array(split, resize: int | None, crop: int | None) -> np.ndarray:
     and cropped; a file that cannot be decoded is a null record (zero pixels, label
     `NULL_LABEL`), as is a record already null (its file is not read)."""
     from extract.defects import NULL, NULL_LABEL, Defect
-    from extract.splits import _first_line
+    from extract.zarr_io import first_line
     from finetune.images import resize_and_crop
 
     side = crop or resize
@@ -100,7 +100,7 @@ def _files_as_array(split, resize: int | None, crop: int | None) -> np.ndarray:
             image = split.load(row)
             out[row] = np.asarray(resize_and_crop(image.convert("RGB"), resize, crop))
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
-            split.defects.append(Defect(row, NULL, f"not a readable image ({_first_line(err)})"))
+            split.defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
             split.null_rows([row])
     return out
 
