@@ -9,7 +9,7 @@ from typing import Any
 import extract
 from pipelines import config as cfg
 from pipelines import options, preflight
-from pipelines.options import Choices, integer, option
+from pipelines.options import Choices, integer, num_classes_option, option
 from pipelines.reporting import log
 
 __all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
@@ -81,10 +81,7 @@ class ExtractConfig:
         None, help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
     ray_shards: int | None = option(
         None, type=integer, help="number of shards with --ray (default: one per GPU, else per CPU)")
-    num_classes: int | None = option(
-        None, type=integer, metavar="K", help="declare K classes for a source without class "
-        "names (an npz without class_names); labels must lie in [0, K). Never inferred from the "
-        "labels")
+    num_classes: int | None = num_classes_option()
 
     def __post_init__(self):
         cfg.freeze(self, augment=tuple(self.augment),

@@ -6,7 +6,7 @@ import dataclasses
 
 import accounting
 from pipelines import config as cfg
-from pipelines.options import OPTIMIZERS, integer, number, option
+from pipelines.options import OPTIMIZERS, integer, num_classes_option, number, option
 
 __all__ = ["AUDIT_KINDS", "DEFAULT_MODEL", "MAX_CANARIES", "FinetuneConfig"]
 
@@ -59,6 +59,7 @@ class FinetuneConfig:
         None, help="the test split's data spec, for sources holding one split (npz:PATH, "
         "imagefolder:PATH); public: its accuracy is published")
     data_dir: str | None = option(None, help="directory of Fashion-MNIST's gzipped IDX files")
+    num_classes: int | None = num_classes_option()
     model: str = option(DEFAULT_MODEL, help="cnn (Tramer & Boneh's CNN), wrn16_4 (WRN-16-4 "
                         "with GroupNorm + weight standardization), or a timm ViT name (vit_*, "
                         "deit_*) (default %(default)s)")
@@ -138,7 +139,7 @@ class FinetuneConfig:
                 cfg.freeze(self, **{name: cfg.check_number(name, getattr(self, name), 0)})
         for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every"):
             cfg.check_int(name, getattr(self, name))
-        for name in ("batch_size", "steps", "resize", "crop", "microbatch_size"):
+        for name in ("batch_size", "steps", "resize", "crop", "microbatch_size", "num_classes"):
             if getattr(self, name) is not None:
                 cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
         cfg.check_int("warmup_steps", self.warmup_steps, 0)

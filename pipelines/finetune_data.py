@@ -42,13 +42,12 @@ def load_images(config, *, rgb: bool):
     """
     import extract
 
+    sources = {"data_dir": config.data_dir, "num_classes": config.num_classes, "strict": False}
     if config.test_data is None:
-        splits = extract.open_source(config.data, data_dir=config.data_dir, strict=False)
+        splits = extract.open_source(config.data, **sources)
     else:
-        splits = (extract.open_source(config.data, split="train", data_dir=config.data_dir,
-                                      strict=False)
-                  | extract.open_source(config.test_data, split="test",
-                                        data_dir=config.data_dir, strict=False))
+        splits = (extract.open_source(config.data, split="train", **sources)
+                  | extract.open_source(config.test_data, split="test", **sources))
     missing = {"train", "test"} - set(splits)
     if missing:
         raise ValueError(f"{config.data} has no {' or '.join(sorted(missing))} split; give the "

@@ -35,6 +35,7 @@ __all__ = [
     "integer",
     "integers",
     "names",
+    "num_classes_option",
     "number",
     "numbers",
     "option",
@@ -89,6 +90,14 @@ def option(default=dataclasses.MISSING, /, *names: str, help=None, flags: tuple[
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def num_classes_option() -> dataclasses.Field:
+    """`--num-classes K`, for every command that reads a data spec whose source may carry no
+    class names (extract, finetune, verify --data)."""
+    return option(None, type=integer, metavar="K", help="declare K classes for a source without "
+                  "class names (an npz without class_names); labels must lie in [0, K). Never "
+                  "inferred from the labels")
+
+
 def cli_fields(config_class) -> list[dataclasses.Field]:
     """The fields of a config that are command-line options, in order."""
     return [f for f in dataclasses.fields(config_class) if _KEY in f.metadata]
@@ -134,24 +143,27 @@ def add_options(parser: argparse.ArgumentParser, config_class) -> None:
 def cli_words(text: str, parser: argparse.ArgumentParser) -> str:
     """`text` with each quoted field of the parser's command as its flag: `weights` ->
     --weights, `crop=300` -> --crop 300, `random_init=True` -> --random-init,
-    `standardize=False` -> --no-standardize. Other quoted names stay as they are."""
-    flags = {}
+    `standardize=False` -> --no-standardize, `r_range` -> --r-min/--r-max. Other quoted
+    names, and a switch's value that its flag does not set (`progress=True`), stay as they
+    are."""
+    flags: dict[str, list] = {}
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
-        if longs and action.dest not in flags:
-            flags[action.dest] = (longs[0], action)
+        if longs:
+            flags.setdefault(action.dest, []).append((longs[0], action))
 
     def replace(match: re.Match) -> str:
         name, value = match.group(1), match.group(2)
         if name not in flags:
             return match.group(0)
-        name_flag, action = flags[name]
+        name_flag, action = flags[name][0]
         if value is None:
-            return name_flag
+            return "/".join(flag for flag, _ in flags[name])
         if isinstance(action, argparse.BooleanOptionalAction):
             return name_flag if value == "True" else "--no-" + name_flag[2:]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            return name_flag  # `random_init=True`, `progress=False`: the flag itself
+            # `random_init=True`, `progress=False`: the flag that sets it
+            return name_flag if value == str(action.const) else match.group(0)
         return f"{name_flag} {value.strip(chr(39))}"  # `normalization='group'`: --normalize group
 
     return re.sub(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`", replace, text)

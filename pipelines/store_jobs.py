@@ -10,7 +10,7 @@ import sys
 import extract
 from pipelines import config as cfg
 from pipelines import reporting
-from pipelines.options import option
+from pipelines.options import num_classes_option, option
 
 __all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
 
@@ -28,12 +28,14 @@ class VerifyConfig:
         "without STORE, list the records a publishing job would train as null records, clamp "
         "or resize (for the data's owner, not a DP output)")
     data_dir: str | None = option(None, help="Fashion-MNIST directory for --data")
+    num_classes: int | None = num_classes_option()
     progress: bool = option(True, "--quiet", action="store_false")
 
     def __post_init__(self):
         if self.store is None and self.data is None:
-            raise cfg.ConfigError("store", "give a STORE to verify, or --data SPEC to check "
-                                  "raw data")
+            raise cfg.ConfigError("store", "give a store to verify, or `data` to check raw data")
+        if self.num_classes is not None:
+            cfg.check_int("num_classes", self.num_classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,8 @@ def verify(config: VerifyConfig | str | None = None, /,
     """
     config = cfg.make_config(VerifyConfig, config, "store", **options)
     if config.store is None:
-        return extract.check_data(config.data, data_dir=config.data_dir)
+        return extract.check_data(config.data, data_dir=config.data_dir,
+                                  num_classes=config.num_classes)
     fingerprints, extra_problems = None, []
     if config.data:
         fingerprints, extra_problems = _source_fingerprints(config)

@@ -186,11 +186,27 @@ def test_library_errors_name_fields_and_the_cli_names_their_options(capsys):
         "`groups=4` needs `normalization='group'`": "--groups 4 needs --normalize group",
         "`eps_standardize` needs `standardize=True`, not `standardize=False`":
             "--eps-standardize needs --standardize, not --no-standardize",
-        "`save_model` and `quiet=True`; `r_range`": "--save-model and --quiet; --r-min",
+        "`save_model` and `quiet=True`; `r_range`": "--save-model and --quiet; --r-min/--r-max",
+        "`quiet=False`": "`quiet=False`",  # not what --quiet sets: the field stays
         "`weights` in `dpprobe extract`": "`weights` in `dpprobe extract`",  # not tune's fields
     }
     for text, expected in words.items():
         assert options.cli_words(text, parser) == expected
+    verify = cli.build_parser("verify").parse_args(["verify", "s.zarr"]).parser
+    assert options.cli_words("`progress=False`; `progress=True`", verify) == (
+        "--quiet; `progress=True`")  # a store_false switch: its flag means False
     assert cli.main(["extract", "--backbone", "none", "--data", "npz:x.npz", "--out", "x.zarr",
                      "--ray-shards", "2", "--quiet"]) == 2
     assert "--ray-shards/--ray-address need --ray" in capsys.readouterr().err
+
+
+def test_verify_data_and_finetune_take_num_classes_for_an_npz_without_class_names(tmp_path,
+                                                                                    capsys):
+    images = np.zeros((6, 8, 8), np.uint8)
+    np.savez(tmp_path / "x.npz", images=images, labels=np.array([0, 1, 2, 0, 1, 5]))
+    assert cli.main(["verify", "--data", f"npz:{tmp_path / 'x.npz'}"]) == 2
+    assert "declare the classes with --num-classes K" in capsys.readouterr().err
+    assert cli.main(["verify", "--data", f"npz:{tmp_path / 'x.npz'}", "--num-classes", "3"]) == 1
+    assert "label 5 outside the declared classes [0, 3)" in capsys.readouterr().out
+    parser = cli.build_parser("finetune").parse_args(["finetune", "--num-classes", "3"])
+    assert cli.make_config(parser).num_classes == 3
