@@ -1,7 +1,7 @@
 """dpprobe's public Python API: `import dpprobe`.
 
-The jobs (as the CLI runs them), the private hyperparameter search, the feature store's
-readers, and released models:
+The jobs (as the CLI runs them), the private hyperparameter search, the data sources and the
+feature store's readers, and released models:
 
     import dpprobe
 
@@ -18,7 +18,14 @@ modules. The jobs, their configs and the report tables are `pipelines`' public n
 
 import pipelines
 from dpmodel import Model, ModelFileError, Privacy, load_model
-from extract import iter_split_chunks, load_split, open_split, store_summary, verify_store
+from extract import (
+    iter_split_chunks,
+    load_split,
+    open_source,
+    open_split,
+    store_summary,
+    verify_store,
+)
 from pipelines import *  # noqa: F403 - the jobs and their configs (`pipelines.__all__`)
 from pipelines.records import VERSION as __version__
 
@@ -30,6 +37,7 @@ __all__ = [
     "iter_split_chunks",
     "load_model",
     "load_split",
+    "open_source",
     "open_split",
     "store_summary",
     "verify_store",

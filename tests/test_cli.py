@@ -210,3 +210,13 @@ def test_verify_data_and_finetune_take_num_classes_for_an_npz_without_class_name
     assert "label 5 outside the declared classes [0, 3)" in capsys.readouterr().out
     parser = cli.build_parser("finetune").parse_args(["finetune", "--num-classes", "3"])
     assert cli.make_config(parser).num_classes == 3
+
+
+def test_import_dpprobe_is_the_public_api_and_stays_light():
+    """`import dpprobe` gives the jobs, the data and store readers and `load_model`, every name
+    of its `__all__` defined, without importing JAX or torch (a fresh process)."""
+    code = ("import sys, dpprobe; missing = [n for n in dpprobe.__all__ if not hasattr(dpprobe, n)]"
+            "; print(missing, sorted({'jax', 'torch'} & set(sys.modules)), all(hasattr(dpprobe, n)"
+            " for n in ('run_probe', 'run_finetune', 'open_source', 'load_split', 'load_model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "[]", "True"], out.stdout + out.stderr
