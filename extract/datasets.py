@@ -9,6 +9,7 @@ the public per-record rule of `extract.defects` applies to it, the same for ever
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -17,9 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.defects import NULL, Defect, pixel_rule
+from extract.defects import (
+    decoding,
+    first_line,
+    open_image,
+    pixel_rule,
+    unreadable,
+)
 from extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
-from extract.zarr_io import first_line
 
 __all__ = [
     "FASHION_MNIST_DIR",
@@ -272,17 +278,18 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
                 raise ValueError(f"cannot read image {file}: {err.strerror}") from err
             content = b""
         try:
-            with Image.open(io.BytesIO(content)) as image:
-                image.verify()
+            with contextlib.nullcontext() if strict else decoding():
+                with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
+                    image.verify()
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
             if strict:
                 raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
-            defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
+            defects.append(unreadable(row, err))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content).digest())
 
     def load(i: int):
-        with Image.open(files[i]) as image:
+        with (Image.open if strict else open_image)(files[i]) as image:
             image.load()
             return image.convert("RGB") if image.mode not in ("L", "RGB") else image.copy()
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from extract.defects import first_line
 from extract.splits import ImageSplit
-from extract.zarr_io import first_line
 
 __all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
 

@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from extract.defects import NULL, NULL_LABEL, Defect, label_defects
-from extract.zarr_io import first_line
+from extract.defects import NULL, NULL_LABEL, Defect, first_line, label_defects
 
 __all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range"]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -62,11 +63,17 @@ def _folder(directory, rng, defect):
                     folder / f"{row:02d}.png")  # 20 x 11
             elif defect == "mode":
                 Image.fromarray(pixels).convert("L").save(folder / f"{row:02d}.png")
+            elif defect in HUGE:  # a small file: 1-bit pixels compress well
+                Image.new("1", HUGE[defect]).save(folder / f"{row:02d}.png", compress_level=1)
             elif defect is None:
                 (folder / f"{row:02d}.png").write_bytes(b"")
     return ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test",
             "--crop", "16"]  # larger than the odd-size image's short side
 
+
+# Images of many pixels in small files: above Pillow's decompression-bomb limit (which warns,
+# quoting the size), and above the public cap only (`defects.MAX_PIXELS`).
+HUGE = {"bomb": (10000, 9000), "cap": (7000, 6000)}
 
 # (writer, defect, strings of the bad record's value or place that must appear nowhere; the
 # first is in what `verify --data` says of it)
@@ -74,9 +81,13 @@ DEFECTS = {
     "label-outside-the-classes": (_npz, "label", ["1234567", "row 7"]),
     "nan-pixel": (_npz, "nan", ["NaN or Inf", "row 7"]),
     "float-pixel-above-1": (_npz, "range", ["1.7", "row 7"]),
-    "corrupt-file": (_folder, "corrupt", ["cannot identify", "31337", "07.png"]),
+    "corrupt-file": (_folder, "corrupt", ["not an image format", "31337", "07.png",
+                                           "cannot identify"]),
     "odd-size": (_folder, "size", ["20x11", "(20, 11)", "07.png"]),
     "odd-mode": (_folder, "mode", ["16x16 L", "07.png"]),
+    "decompression-bomb": (_folder, "bomb", ["90000000", "10000", "07.png"]),
+    "above-the-pixel-cap": (_folder, "cap", ["7000x6000 pixels, more than", "7000x6000",
+                                           "07.png"]),
 }
 
 
@@ -92,9 +103,15 @@ def _run(directory, writer, defect, capsys, monkeypatch):
     monkeypatch.chdir(directory)
     data = writer(directory, np.random.default_rng(0), defect)
     capsys.readouterr()
-    status = cli.main([*JOB, *data])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status = cli.main([*JOB, *data])
     printed = capsys.readouterr()
     assert status == 0, printed.err
+    # Python prints a warning on stderr: none may come from decoding a record.
+    pillow = [str(w.message) for w in caught if "PIL" in w.filename
+              or w.category.__module__.startswith("PIL")]
+    assert not pillow, pillow
     written = {f.relative_to(directory / "run").as_posix(): f
                for f in sorted((directory / "run").rglob("*")) if f.is_file()}
     texts = {name: f.read_text() for name, f in written.items() if f.suffix != ".safetensors"}
@@ -180,3 +197,4 @@ def test_a_bad_record_of_the_public_test_split_is_refused_by_name(tmp_path, monk
              class_names=CLASSES)
     assert cli.main([*JOB, *data]) == 2
     assert "the test split (public)" in capsys.readouterr().err
+
