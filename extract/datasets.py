@@ -19,8 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from extract.defects import (
+    NULL,
+    Defect,
     decoding,
     first_line,
+    integer_pixels,
+    label_values,
     open_image,
     pixel_rule,
     unreadable,
@@ -325,22 +329,32 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
             raise ValueError(f"{root / meta_file}: {names_key!r} is not a list of names") from err
     splits = {}
     for split, names in parts.items():
-        images, labels = [], []
+        images, labels, defects = [], [], []
         for name in names:
             file = root / name
             if not file.exists():
                 raise FileNotFoundError(f"CIFAR batch {file} is missing")
             batch = _unpickle(file, (b"data", label_key))
             try:
-                data = np.asarray(batch[b"data"], np.uint8)
-                images.append(data.reshape(-1, 3, 32, 32))
-                batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
+                if strict:
+                    data = np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32)
+                    batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
+                else:  # the rule: each pixel and label on its own
+                    data, bad = (a.reshape(-1, 3, 32, 32)
+                                 for a in integer_pixels(batch[b"data"]))
+                    batch_labels, found = label_values(batch[label_key])
             except (ValueError, TypeError) as err:
-                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images "
-                                 f"({first_line(err)})") from err
-            if len(batch_labels) != len(images[-1]):
-                raise ValueError(f"{file}: {len(images[-1])} images but "
-                                 f"{len(batch_labels)} labels")
+                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images ("
+                                 f"{first_line(err) if strict else type(err).__name__})") from err
+            if len(batch_labels) != len(data):
+                raise ValueError(f"{file}: {len(data)} images but {len(batch_labels)} labels")
+            if not strict:
+                data, clamped = pixel_rule(data)
+                rows = np.flatnonzero(bad.reshape(len(data), -1).any(axis=1))
+                found += clamped + [Defect(int(r), NULL, "pixels that are not integers")
+                                    for r in rows]
+                defects += [Defect(d.row + len(labels), d.kind, d.detail) for d in found]
+            images.append(data)
             labels.extend(batch_labels.tolist())
         array = np.concatenate(images).transpose(0, 2, 3, 1).copy()
         labels = np.asarray(labels, np.int64)
@@ -354,7 +368,7 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
             class_names=names_out,
             fingerprint=arrays_sha256(array, labels.astype(np.int32)),
             array=array,
-            defects=None if strict else [],
+            defects=None if strict else defects,
         )
     return splits
 

@@ -8,8 +8,9 @@ the dataset:
 
   - a label outside the declared classes, a NaN or Inf pixel, or an image that cannot be read
     makes a null record (label `NULL_LABEL`, zero pixels), which the trainer turns into a zero
-    gradient (`dp.clipping.valid_labels`); so does an image file of more than `MAX_PIXELS`
-    pixels (width x height, read from its header: it is never decoded);
+    gradient (`dp.clipping.valid_labels`); so does a label that is not an integer or is
+    missing, a missing image, and an image file of more than `MAX_PIXELS` pixels (width x
+    height, read from its header: it is never decoded);
   - Pillow's warnings about a record (its size, its EXIF, its palette) are never shown while
     it is decoded (`decoding`): a decompression-bomb warning makes a null record, the others
     are ignored;
@@ -42,7 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding", "first_line",
-           "label_defects", "open_image", "pixel_rule", "unreadable"]
+           "integer_pixels", "label_defects", "label_values", "open_image", "pixel_rule",
+           "unreadable"]
 
 # The label of a null record: outside every class list, as the trainer's canaries use it.
 NULL_LABEL = -1
@@ -154,3 +156,41 @@ def unreadable(row: int, err: BaseException) -> Defect:
     why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
            else first_line(err))
     return Defect(row, NULL, f"not a readable image ({why})")
+
+
+def label_values(values) -> tuple[np.ndarray, list[Defect]]:
+    """Labels as read, element by element: (N,) int64, a value that is not an integer (None, a
+    string, a float, an integer beyond int64) made `NULL_LABEL` with a `NULL` defect quoting it.
+    The range check against the classes is `label_defects`'.
+
+    Args:
+      values: (N,) labels: an array, or a sequence of any values.
+    """
+    if isinstance(values, np.ndarray) and np.issubdtype(values.dtype, np.integer):
+        return values.reshape(-1).astype(np.int64), []
+    if not isinstance(values, np.ndarray):
+        values = list(values)
+    out, found = np.full(len(values), NULL_LABEL, np.int64), []
+    limit = np.iinfo(np.int64).max
+    for row, value in enumerate(values):
+        if (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+                and -limit <= value <= limit):
+            out[row] = value
+        else:
+            found.append(Defect(row, NULL, f"label {value!r:.40} is not an integer"))
+    return out, found
+
+
+def integer_pixels(values) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel values of any Python objects, element by element: (int64 values clipped to
+    [-1, 256], for `pixel_rule` to clamp; a mask of the elements that are not integers, whose
+    records are null records). An integer or float array is returned as it is."""
+    array = values if isinstance(values, np.ndarray) else np.array(values, dtype=object)
+    if array.dtype.kind in "iuf":
+        return array, np.zeros(array.shape, bool)
+    flat = array.reshape(-1)
+    bad = np.array([not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_))
+                    for v in flat], bool)
+    out = np.array([0 if b else min(max(int(v), -1), 256)
+                    for v, b in zip(flat, bad, strict=True)], np.int64)
+    return out.reshape(array.shape), bad.reshape(array.shape)

@@ -172,6 +172,7 @@ def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
         open_source(f"npz:{tmp_path / 't.npz'}")  # extract, the owner's tool: by value
     (split,) = open_source(f"npz:{tmp_path / 't.npz'}", strict=False).values()
     assert split.labels.tolist() == [defects.NULL_LABEL]
+    assert not split.array.any()  # a null record by its label alone: zero pixels too
 
 
 def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
@@ -198,3 +199,32 @@ def test_a_bad_record_of_the_public_test_split_is_refused_by_name(tmp_path, monk
     assert cli.main([*JOB, *data]) == 2
     assert "the test split (public)" in capsys.readouterr().err
 
+
+def _cifar(directory, labels, data):
+    """A fake CIFAR-10 folder: data_batch_1 with `labels` and `data` (a list of rows of 3072
+    pixels), batches 2..5 and test_batch with 2 clean images each."""
+    import pickle
+
+    clean = {b"labels": [0, 1], b"data": np.full((2, 3072), 9, np.uint8)}
+    directory.mkdir()
+    for name in [f"data_batch_{i}" for i in range(2, 6)] + ["test_batch"]:
+        (directory / name).write_bytes(pickle.dumps(clean))
+    (directory / "data_batch_1").write_bytes(pickle.dumps({b"labels": labels, b"data": data}))
+
+
+def test_cifar_one_record_label_or_pixel_is_a_null_record_not_a_refusal(tmp_path):
+    """Each label and pixel on its own: a label that is None, a string, beyond int64 or a float
+    makes a null record (zero pixels), a pixel of 300 is clamped, a pixel None makes a null
+    record; nothing raises; `extract` (strict) still refuses by value."""
+    row = [7] * 3072
+    labels = [0, 1, None, "x", 2**70, 2.5, 12, 3]
+    data = [row, row[:-1] + [300], *[row] * 6, row[:5] + [None] + row[6:]]
+    _cifar(tmp_path / "c", labels + [4], data)
+    split = open_source(f"cifar10:{tmp_path / 'c'}", strict=False)["train"]
+    assert len(split) == 9 + 8
+    assert split.labels[:9].tolist() == [0, 1, -1, -1, -1, -1, -1, 3, -1]
+    assert split.array[1].max() == 255 and split.array[0].max() == 7
+    assert not split.array[[2, 3, 4, 5, 6, 8]].any()  # null records: zero pixels
+    assert sorted({d.row for d in split.defects if d.kind == defects.NULL}) == [2, 3, 4, 5, 6, 8]
+    with pytest.raises((ValueError, TypeError, OverflowError)):
+        open_source(f"cifar10:{tmp_path / 'c'}")
