@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import os
 import urllib.parse
 from pathlib import Path
 
 import numpy as np
 
-from extract.defects import first_line
+from extract.defects import decoding, first_line, label_values, open_image
 from extract.splits import ImageSplit
 
 __all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
@@ -148,22 +149,47 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
     else:
         raise ValueError(f"{where}: column {label_column!r} is not a ClassLabel, so it names no "
                          "classes: declare them with `num_classes=K` (labels in [0, K))")
-    labels = np.asarray(dataset[label_column])
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "
-                         f"{labels.dtype}{labels.shape}")
+    found = None
+    if strict:
+        labels = np.asarray(dataset[label_column])
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "
+                             f"{labels.dtype}{labels.shape}")
+    else:  # the rule: each label on its own (a missing one is a null record)
+        if not (isinstance(feature, datasets.ClassLabel) or str(
+                getattr(feature, "dtype", "")).startswith(("int", "uint"))):
+            raise ValueError(f"{where}: column {label_column!r} must hold integers, it is "
+                             f"declared {feature}")
+        labels, found = label_values(dataset[label_column])
+    image_feature = dataset.features[image_column]
+    raw = (dataset.cast_column(image_column, datasets.Image(decode=False))
+           if isinstance(image_feature, datasets.Image) else dataset)
+
     def load(i: int):
         from PIL import Image
 
-        image = dataset[i][image_column]
+        if strict:
+            image = dataset[i][image_column]
+        else:  # the rule: opened here, under the pixel cap, with Pillow's warnings silenced
+            image = raw[i][image_column]
+            if image is None:
+                raise ValueError("no image")
+            if isinstance(image_feature, datasets.Image):
+                source = image.get("bytes")
+                source = io.BytesIO(source) if source is not None else image.get("path")
+                if not source:
+                    raise ValueError("no image")
+                with decoding():
+                    image = open_image(source)
+                    image.load()
         if not isinstance(image, Image.Image):
             image = Image.fromarray(np.asarray(image, np.uint8))
         return image if image.mode in ("L", "RGB") else image.convert("RGB")
 
     return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
                       labels=labels, class_names=class_names,
-                      fingerprint=_fingerprint(dataset, image_column, labels), load=load,
-                      defects=None if strict else [])
+                      fingerprint=_fingerprint(raw, image_column, labels, strict), load=load,
+                      defects=found)
 
 
 def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
@@ -174,8 +200,10 @@ def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
     return candidates[0]
 
 
-def _fingerprint(dataset, image_column: str, labels: np.ndarray) -> str:
-    """sha256 of every image's encoded bytes (or file) and of the labels."""
+def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = True) -> str:
+    """sha256 of every image's encoded bytes (or file) and of the labels. Not `strict` (the
+    fingerprint of a publishing job's data, never published): a missing or unreadable image
+    counts as no bytes."""
     import datasets
 
     digest = hashlib.sha256()
@@ -183,9 +211,15 @@ def _fingerprint(dataset, image_column: str, labels: np.ndarray) -> str:
         raw = dataset.cast_column(image_column, datasets.Image(decode=False))
         for batch in raw.iter(batch_size=1024):
             for item in batch[image_column]:
+                if item is None and not strict:
+                    continue
                 content = item.get("bytes")
                 if content is None and item.get("path"):
-                    content = Path(item["path"]).read_bytes()
+                    try:
+                        content = Path(item["path"]).read_bytes()
+                    except OSError:
+                        if strict:
+                            raise
                 digest.update(content or b"")
     else:
         for batch in dataset.with_format("numpy").iter(batch_size=1024):
