@@ -340,8 +340,8 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
                     data = np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32)
                     batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
                 else:  # the rule: each pixel and label on its own
-                    data, bad = (a.reshape(-1, 3, 32, 32)
-                                 for a in integer_pixels(batch[b"data"]))
+                    data, bad_rows = integer_pixels(batch[b"data"], (3, 32, 32))
+                    data, clamped = pixel_rule(data)
                     batch_labels, found = label_values(batch[label_key])
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images ("
@@ -349,10 +349,8 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
             if len(batch_labels) != len(data):
                 raise ValueError(f"{file}: {len(data)} images but {len(batch_labels)} labels")
             if not strict:
-                data, clamped = pixel_rule(data)
-                rows = np.flatnonzero(bad.reshape(len(data), -1).any(axis=1))
                 found += clamped + [Defect(int(r), NULL, "pixels that are not integers")
-                                    for r in rows]
+                                    for r in bad_rows]
                 defects += [Defect(d.row + len(labels), d.kind, d.detail) for d in found]
             images.append(data)
             labels.extend(batch_labels.tolist())

@@ -177,20 +177,24 @@ def label_values(values) -> tuple[np.ndarray, list[Defect]]:
                 and -limit <= value <= limit):
             out[row] = value
         else:
-            found.append(Defect(row, NULL, f"label {value!r:.40} is not an integer"))
+            found.append(Defect(row, NULL, f"label {value!r:.40} is not an int64 integer"))
     return out, found
 
 
-def integer_pixels(values) -> tuple[np.ndarray, np.ndarray]:
-    """Pixel values of any Python objects, element by element: (int64 values clipped to
-    [-1, 256], for `pixel_rule` to clamp; a mask of the elements that are not integers, whose
-    records are null records). An integer or float array is returned as it is."""
-    array = values if isinstance(values, np.ndarray) else np.array(values, dtype=object)
-    if array.dtype.kind in "iuf":
-        return array, np.zeros(array.shape, bool)
+def integer_pixels(values, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Records of pixels, as (N, *shape): an array as it is (`pixel_rule` clamps it, or refuses
+    its dtype); Python objects element by element, as int64 clipped to [-1, 256] for
+    `pixel_rule` to clamp, a record holding a value that is not an integer being null.
+
+    Returns:
+      (the pixels, the rows holding a value that is not an integer: null records).
+    """
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        return values.reshape((-1, *shape)), np.zeros(0, np.int64)
+    array = np.array(values, dtype=object).reshape((-1, *shape))
     flat = array.reshape(-1)
     bad = np.array([not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_))
                     for v in flat], bool)
     out = np.array([0 if b else min(max(int(v), -1), 256)
                     for v, b in zip(flat, bad, strict=True)], np.int64)
-    return out.reshape(array.shape), bad.reshape(array.shape)
+    return out.reshape(array.shape), np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))
