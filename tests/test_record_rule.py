@@ -16,6 +16,7 @@ from PIL import Image
 from dpmodel import read_model_file
 from extract import defects, open_source
 from pipelines import cli
+from pipelines.finetune_data import DATA_RULE
 from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED
 from tests.test_privacy import _differing_leaves
 
@@ -173,6 +174,7 @@ def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
     (split,) = open_source(f"npz:{tmp_path / 't.npz'}", strict=False).values()
     assert split.labels.tolist() == [defects.NULL_LABEL]
     assert not split.array.any()  # a null record by its label alone: zero pixels too
+    assert f"over {defects.MAX_PIXELS // 10**6}M pixels" in DATA_RULE  # the job's line says so
 
 
 def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
