@@ -172,3 +172,8 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     np.testing.assert_array_equal(labels[keep], train[1][keep])
     with pytest.raises((ValueError, AttributeError, FileNotFoundError)):
         extract.open_source(f"hf:{tmp_path / 'ds'}")
+    from extract.data_check import check_data
+
+    (_, found), _ = check_data(config.data).splits.values()
+    assert [defect.row for _, defect in found] == [3, 5, 8]  # for the owner, with why
+    assert "label None" in found[0][1].detail

@@ -230,3 +230,16 @@ def test_cifar_one_record_label_or_pixel_is_a_null_record_not_a_refusal(tmp_path
     assert sorted({d.row for d in split.defects if d.kind == defects.NULL}) == [2, 3, 4, 5, 6, 8]
     with pytest.raises((ValueError, TypeError, OverflowError)):
         open_source(f"cifar10:{tmp_path / 'c'}")
+
+
+def test_decoding_silences_pillow_and_makes_a_bomb_an_error():
+    """`defects.decoding`: a warning while a record is decoded (EXIF, palette) is never shown;
+    Pillow's decompression-bomb warning is raised, so the record becomes a null record."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with defects.decoding():
+            warnings.warn("Corrupt EXIF data of record 7", UserWarning, stacklevel=1)
+        with pytest.raises(Image.DecompressionBombWarning), defects.decoding():
+            warnings.warn("Image size (90000000 pixels)", Image.DecompressionBombWarning,
+                          stacklevel=1)
+    assert not caught
