@@ -12,6 +12,7 @@ or none. A label column of plain integers needs the class count declared (`num_c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -21,7 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.defects import decoding, first_line, label_values, open_image
+from extract.defects import (
+    NULL,
+    decoding,
+    first_line,
+    label_values,
+    open_image,
+    pixel_rule,
+)
 from extract.splits import ImageSplit
 
 __all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
@@ -182,8 +190,13 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
                 with decoding():
                     image = open_image(source)
                     image.load()
-        if not isinstance(image, Image.Image):
+        if not isinstance(image, Image.Image) and strict:
             image = Image.fromarray(np.asarray(image, np.uint8))
+        elif not isinstance(image, Image.Image):  # the pixel rule, on this record alone
+            pixels, found = pixel_rule(np.asarray(image)[None])
+            if any(defect.kind == NULL for defect in found):
+                raise ValueError(found[0].detail)
+            image = Image.fromarray(pixels[0])
         return image if image.mode in ("L", "RGB") else image.convert("RGB")
 
     return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
@@ -222,7 +235,12 @@ def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = 
                             raise
                 digest.update(content or b"")
     else:
-        for batch in dataset.with_format("numpy").iter(batch_size=1024):
-            digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+        for batch in dataset.with_format("numpy" if strict else None).iter(batch_size=1024):
+            if strict:
+                digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+                continue
+            for item in batch[image_column]:  # each on its own: None or ragged is no bytes
+                with contextlib.suppress(Exception):
+                    digest.update(np.asarray(item).tobytes())
     digest.update(np.ascontiguousarray(labels.astype(np.int64)).tobytes())
     return digest.hexdigest()

@@ -177,3 +177,25 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     (_, found), _ = check_data(config.data).splits.values()
     assert [defect.row for _, defect in found] == [3, 5, 8]  # for the owner, with why
     assert "label None" in found[0][1].detail
+
+
+def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
+    """An image column of nested integer lists (no datasets.Image): a None or ragged image is a
+    null record, a pixel of 300 is clamped; nothing raises."""
+    import types
+
+    import extract.hf
+    from pipelines.finetune_data import load_images
+
+    rows = [{"image": np.full((16, 16), 5).tolist(), "label": i % 3} for i in range(10)]
+    rows[2]["image"], rows[4]["image"], rows[6]["image"] = None, [[300] * 16] * 16, [[1, 2], [3]]
+    features = datasets.Features({"image": datasets.Sequence(datasets.Sequence(
+        datasets.Value("int64"))), "label": datasets.ClassLabel(names=CLASSES)})
+    both = datasets.DatasetDict(train=datasets.Dataset.from_list(rows, features=features),
+                                test=datasets.Dataset.from_list(rows[7:], features=features))
+    monkeypatch.setattr(extract.hf, "_load", lambda spec: both)
+    config = types.SimpleNamespace(data="hf:x?image=image", test_data=None, data_dir=None,
+                                   resize=8, crop=None)
+    (images, labels), _, _ = load_images(config, rgb=False)
+    assert labels.tolist() == [0, 1, -1, 0, 1, 2, -1, 1, 2, 0]
+    assert images[[0, 2, 4, 6]].max(axis=(1, 2, 3)).tolist() == [5, 0, 255, 0]
