@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import os
 
-from extract.defects import NULL, RESIZED, Defect
+from extract.defects import NULL, RESIZED, Defect, decoding, open_image, unreadable
 
 __all__ = ["HEADER", "DataReport", "check_data"]
 
@@ -75,20 +75,18 @@ def check_data(spec: str, *, data_dir: str | os.PathLike | None = None,
     return DataReport(spec, found)
 
 
-def _file_defects(split, unreadable: set[int]) -> list[Defect]:
+def _file_defects(split, null: set[int]) -> list[Defect]:
     """Decode every image file: the unreadable ones (null records), and those whose size or
     mode is not the split's most common one (resized or converted by the rule)."""
-    from extract.zarr_io import first_line
-
     shapes, defects = {}, []
     for row in range(len(split)):
-        if row in unreadable:
+        if row in null:
             continue
         try:
-            shapes[row] = _size_and_mode(split, row)
+            with decoding():
+                shapes[row] = _size_and_mode(split, row)
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
-            if not any(d.row == row and d.kind == NULL for d in split.defects):
-                defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
+            defects.append(unreadable(row, err))
     if shapes:
         (usual_size, usual_mode), _ = collections.Counter(shapes.values()).most_common(1)[0]
         for row, (size, mode) in shapes.items():
@@ -105,8 +103,6 @@ def _size_and_mode(split, row: int) -> tuple[tuple[int, int], str]:
     if split.files is None:
         image = split.load(row)
         return image.size, image.mode
-    from PIL import Image
-
-    with Image.open(split.files[row]) as image:
+    with open_image(split.files[row]) as image:
         image.load()
         return image.size, image.mode

@@ -9,6 +9,7 @@ the public per-record rule of `extract.defects` applies to it, the same for ever
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -17,9 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.defects import NULL, Defect, pixel_rule
+from extract.defects import (
+    NULL,
+    Defect,
+    decoding,
+    first_line,
+    integer_pixels,
+    label_values,
+    open_image,
+    pixel_rule,
+    unreadable,
+)
 from extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
-from extract.zarr_io import first_line
 
 __all__ = [
     "FASHION_MNIST_DIR",
@@ -272,17 +282,18 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
                 raise ValueError(f"cannot read image {file}: {err.strerror}") from err
             content = b""
         try:
-            with Image.open(io.BytesIO(content)) as image:
-                image.verify()
+            with contextlib.nullcontext() if strict else decoding():
+                with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
+                    image.verify()
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
             if strict:
                 raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
-            defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
+            defects.append(unreadable(row, err))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content).digest())
 
     def load(i: int):
-        with Image.open(files[i]) as image:
+        with (Image.open if strict else open_image)(files[i]) as image:
             image.load()
             return image.convert("RGB") if image.mode not in ("L", "RGB") else image.copy()
 
@@ -318,22 +329,30 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
             raise ValueError(f"{root / meta_file}: {names_key!r} is not a list of names") from err
     splits = {}
     for split, names in parts.items():
-        images, labels = [], []
+        images, labels, defects = [], [], []
         for name in names:
             file = root / name
             if not file.exists():
                 raise FileNotFoundError(f"CIFAR batch {file} is missing")
             batch = _unpickle(file, (b"data", label_key))
             try:
-                data = np.asarray(batch[b"data"], np.uint8)
-                images.append(data.reshape(-1, 3, 32, 32))
-                batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
+                if strict:
+                    data = np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32)
+                    batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
+                else:  # the rule: each pixel and label on its own
+                    data, bad_rows = integer_pixels(batch[b"data"], (3, 32, 32))
+                    data, clamped = pixel_rule(data)
+                    batch_labels, found = label_values(batch[label_key])
             except (ValueError, TypeError) as err:
-                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images "
-                                 f"({first_line(err)})") from err
-            if len(batch_labels) != len(images[-1]):
-                raise ValueError(f"{file}: {len(images[-1])} images but "
-                                 f"{len(batch_labels)} labels")
+                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images ("
+                                 f"{first_line(err) if strict else type(err).__name__})") from err
+            if len(batch_labels) != len(data):
+                raise ValueError(f"{file}: {len(data)} images but {len(batch_labels)} labels")
+            if not strict:
+                found += clamped + [Defect(int(r), NULL, "pixels that are not integers")
+                                    for r in bad_rows]
+                defects += [Defect(d.row + len(labels), d.kind, d.detail) for d in found]
+            images.append(data)
             labels.extend(batch_labels.tolist())
         array = np.concatenate(images).transpose(0, 2, 3, 1).copy()
         labels = np.asarray(labels, np.int64)
@@ -347,7 +366,7 @@ def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, Image
             class_names=names_out,
             fingerprint=arrays_sha256(array, labels.astype(np.int32)),
             array=array,
-            defects=None if strict else [],
+            defects=None if strict else defects,
         )
     return splits
 

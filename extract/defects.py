@@ -8,7 +8,12 @@ the dataset:
 
   - a label outside the declared classes, a NaN or Inf pixel, or an image that cannot be read
     makes a null record (label `NULL_LABEL`, zero pixels), which the trainer turns into a zero
-    gradient (`dp.clipping.valid_labels`);
+    gradient (`dp.clipping.valid_labels`); so does a label that is not an integer or is
+    missing, a missing image, and an image file of more than `MAX_PIXELS` pixels (width x
+    height, read from its header: it is never decoded);
+  - Pillow's warnings about a record (its size, its EXIF, its palette) are never shown while
+    it is decoded (`decoding`): a decompression-bomb warning makes a null record, the others
+    are ignored;
   - float pixels are clamped to [0, 1], integer pixels to [0, 255];
   - images of other sizes or modes are brought to the model's input by the public resize,
     crop and channel rule (`finetune.images`).
@@ -30,17 +35,30 @@ Formal guarantee:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["NULL", "NULL_LABEL", "Defect", "label_defects", "pixel_rule"]
+__all__ = ["MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding", "first_line",
+           "integer_pixels", "label_defects", "label_values", "open_image", "pixel_rule",
+           "unreadable"]
 
 # The label of a null record: outside every class list, as the trainer's canaries use it.
 NULL_LABEL = -1
 # Defect kinds: what the rule did to the record.
 NULL, CLAMPED, RESIZED = "null record", "clamped", "resized"
+# The most pixels (width x height) a publishing job decodes in one image file: a larger one is
+# a null record, told from its header alone (public; below Pillow's own bomb limit).
+MAX_PIXELS = 40_000_000
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,3 +120,81 @@ def pixel_rule(images: np.ndarray) -> tuple[np.ndarray, list[Defect]]:
                       low, high)
     out = np.round(clamped.astype(np.float64) * scale).astype(np.uint8)
     return out, sorted(defects, key=lambda d: d.row)
+
+
+@contextlib.contextmanager
+def decoding():
+    """Around every Pillow open, verify or decode of a record on a publishing job's path:
+    Pillow's `DecompressionBombWarning` is raised as an error (the record becomes a null
+    record) and every other warning is ignored, so that nothing on stderr quotes a record."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
+
+
+def open_image(source):
+    """`PIL.Image.open(source)` (a path or a binary file), refused (ValueError) when its header
+    says more than `MAX_PIXELS` pixels, before anything is decoded. Use it within `decoding`."""
+    from PIL import Image
+
+    image = Image.open(source)
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        image.close()
+        raise ValueError(f"{width}x{height} pixels, more than the {MAX_PIXELS} a publishing "
+                         "job decodes")
+    return image
+
+
+def unreadable(row: int, err: BaseException) -> Defect:
+    """The null record of an image that cannot be read, and why (for the owner)."""
+    from PIL import UnidentifiedImageError
+
+    why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
+           else first_line(err))
+    return Defect(row, NULL, f"not a readable image ({why})")
+
+
+def label_values(values) -> tuple[np.ndarray, list[Defect]]:
+    """Labels as read, element by element: (N,) int64, a value that is not an integer (None, a
+    string, a float, an integer beyond int64) made `NULL_LABEL` with a `NULL` defect quoting it.
+    The range check against the classes is `label_defects`'.
+
+    Args:
+      values: (N,) labels: an array, or a sequence of any values.
+    """
+    if isinstance(values, np.ndarray) and np.issubdtype(values.dtype, np.integer):
+        return values.reshape(-1).astype(np.int64), []
+    if not isinstance(values, np.ndarray):
+        values = list(values)
+    out, found = np.full(len(values), NULL_LABEL, np.int64), []
+    limit = np.iinfo(np.int64).max
+    for row, value in enumerate(values):
+        if (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+                and -limit <= value <= limit):
+            out[row] = value
+        else:
+            found.append(Defect(row, NULL, f"label {value!r:.40} is not an int64 integer"))
+    return out, found
+
+
+def integer_pixels(values, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Records of pixels, as (N, *shape): an array as it is (`pixel_rule` clamps it, or refuses
+    its dtype); Python objects element by element, as int64 clipped to [-1, 256] for
+    `pixel_rule` to clamp, a record holding a value that is not an integer being null.
+
+    Returns:
+      (the pixels, the rows holding a value that is not an integer: null records).
+    """
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        return values.reshape((-1, *shape)), np.zeros(0, np.int64)
+    array = np.array(values, dtype=object).reshape((-1, *shape))
+    flat = array.reshape(-1)
+    bad = np.array([not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_))
+                    for v in flat], bool)
+    out = np.array([0 if b else min(max(int(v), -1), 256)
+                    for v, b in zip(flat, bad, strict=True)], np.int64)
+    return out.reshape(array.shape), np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))

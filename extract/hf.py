@@ -12,16 +12,25 @@ or none. A label column of plain integers needs the class count declared (`num_c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import os
 import urllib.parse
 from pathlib import Path
 
 import numpy as np
 
+from extract.defects import (
+    NULL,
+    decoding,
+    first_line,
+    label_values,
+    open_image,
+    pixel_rule,
+)
 from extract.splits import ImageSplit
-from extract.zarr_io import first_line
 
 __all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
 
@@ -148,22 +157,52 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
     else:
         raise ValueError(f"{where}: column {label_column!r} is not a ClassLabel, so it names no "
                          "classes: declare them with `num_classes=K` (labels in [0, K))")
-    labels = np.asarray(dataset[label_column])
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "
-                         f"{labels.dtype}{labels.shape}")
+    found = None
+    if strict:
+        labels = np.asarray(dataset[label_column])
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "
+                             f"{labels.dtype}{labels.shape}")
+    else:  # the rule: each label on its own (a missing one is a null record)
+        if not (isinstance(feature, datasets.ClassLabel) or str(
+                getattr(feature, "dtype", "")).startswith(("int", "uint"))):
+            raise ValueError(f"{where}: column {label_column!r} must hold integers, it is "
+                             f"declared {feature}")
+        labels, found = label_values(dataset[label_column])
+    image_feature = dataset.features[image_column]
+    raw = (dataset.cast_column(image_column, datasets.Image(decode=False))
+           if isinstance(image_feature, datasets.Image) else dataset)
+
     def load(i: int):
         from PIL import Image
 
-        image = dataset[i][image_column]
-        if not isinstance(image, Image.Image):
+        if strict:
+            image = dataset[i][image_column]
+        else:  # the rule: opened here, under the pixel cap, with Pillow's warnings silenced
+            image = raw[i][image_column]
+            if image is None:
+                raise ValueError("no image")
+            if isinstance(image_feature, datasets.Image):
+                source = image.get("bytes")
+                source = io.BytesIO(source) if source is not None else image.get("path")
+                if not source:
+                    raise ValueError("no image")
+                with decoding():
+                    image = open_image(source)
+                    image.load()
+        if not isinstance(image, Image.Image) and strict:
             image = Image.fromarray(np.asarray(image, np.uint8))
+        elif not isinstance(image, Image.Image):  # the pixel rule, on this record alone
+            pixels, found = pixel_rule(np.asarray(image)[None])
+            if any(defect.kind == NULL for defect in found):
+                raise ValueError(found[0].detail)
+            image = Image.fromarray(pixels[0])
         return image if image.mode in ("L", "RGB") else image.convert("RGB")
 
     return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
                       labels=labels, class_names=class_names,
-                      fingerprint=_fingerprint(dataset, image_column, labels), load=load,
-                      defects=None if strict else [])
+                      fingerprint=_fingerprint(raw, image_column, labels, strict), load=load,
+                      defects=found)
 
 
 def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
@@ -174,8 +213,10 @@ def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
     return candidates[0]
 
 
-def _fingerprint(dataset, image_column: str, labels: np.ndarray) -> str:
-    """sha256 of every image's encoded bytes (or file) and of the labels."""
+def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = True) -> str:
+    """sha256 of every image's encoded bytes (or file) and of the labels. Not `strict` (the
+    fingerprint of a publishing job's data, never published): a missing or unreadable image
+    counts as no bytes."""
     import datasets
 
     digest = hashlib.sha256()
@@ -183,12 +224,23 @@ def _fingerprint(dataset, image_column: str, labels: np.ndarray) -> str:
         raw = dataset.cast_column(image_column, datasets.Image(decode=False))
         for batch in raw.iter(batch_size=1024):
             for item in batch[image_column]:
+                if item is None and not strict:
+                    continue
                 content = item.get("bytes")
                 if content is None and item.get("path"):
-                    content = Path(item["path"]).read_bytes()
+                    try:
+                        content = Path(item["path"]).read_bytes()
+                    except OSError:
+                        if strict:
+                            raise
                 digest.update(content or b"")
     else:
-        for batch in dataset.with_format("numpy").iter(batch_size=1024):
-            digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+        for batch in dataset.with_format("numpy" if strict else None).iter(batch_size=1024):
+            if strict:
+                digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+                continue
+            for item in batch[image_column]:  # each on its own: None or ragged is no bytes
+                with contextlib.suppress(Exception):
+                    digest.update(np.asarray(item).tobytes())
     digest.update(np.ascontiguousarray(labels.astype(np.int64)).tobytes())
     return digest.hexdigest()

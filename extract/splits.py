@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from extract.defects import NULL, NULL_LABEL, Defect, label_defects
-from extract.zarr_io import first_line
+from extract.defects import NULL, NULL_LABEL, Defect, first_line, label_defects
 
 __all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range"]
 
@@ -54,8 +53,11 @@ class ImageSplit:
             return
         if not self.class_names:
             raise ValueError(f"{self.dataset}: no classes declared")
-        # The rule, before the cast to int32 (which could wrap a huge label into the classes).
-        self.defects = sorted(self.defects + label_defects(raw, self.class_names),
+        # The rule, before the cast to int32 (which could wrap a huge label into the classes);
+        # a row the reader already made null keeps its own reason.
+        known = {d.row for d in self.defects if d.kind == NULL}
+        self.defects = sorted(self.defects + [d for d in label_defects(raw, self.class_names)
+                                              if d.row not in known],
                               key=lambda defect: defect.row)
         self.labels = np.where((raw >= 0) & (raw < len(self.class_names)), raw,
                                NULL_LABEL).astype(np.int32)
@@ -63,8 +65,13 @@ class ImageSplit:
 
     def null_rows(self, rows: Sequence[int]) -> None:
         """Make `rows` null records (label `NULL_LABEL`): the publishing rule's outcome for a
-        record it cannot train on (their defects say why, for the owner)."""
-        self.labels[np.asarray(rows, dtype=np.int64)] = NULL_LABEL
+        record it cannot train on (their defects say why, for the owner), with zero pixels."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self.labels[rows] = NULL_LABEL
+        if self.array is not None and rows.size:
+            if not self.array.flags.writeable:
+                self.array = self.array.copy()
+            self.array[rows] = 0
 
     def describe(self, i: int) -> str:
         """Where example i comes from (its file, or its row)."""

@@ -13,6 +13,8 @@ import json
 import os
 from typing import TYPE_CHECKING, TypeAlias
 
+from extract.defects import first_line
+
 if TYPE_CHECKING:
     import zarr
 
@@ -82,12 +84,6 @@ def read_json(path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def open_root(store: StorePath, mode: str) -> zarr.Group:

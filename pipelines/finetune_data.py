@@ -17,10 +17,11 @@ import numpy as np
 __all__ = ["DATA_RULE", "load_images"]
 
 # The one line the job prints about its data, the same whatever the data holds.
-DATA_RULE = ("data: a record with a label outside the class list, a NaN/Inf pixel or an "
-             "unreadable image trains as a null record, pixels are clamped to their range, "
-             "images are resized and converted to the model's input (`dpprobe verify --data "
-             "SPEC` lists such records, for the data's owner)")
+DATA_RULE = ("data: a record with a missing label or one outside the class list, a NaN/Inf "
+             "pixel, or a missing, unreadable or too large image (over 40M pixels) trains as a "
+             "null record, pixels are clamped to their range, images are resized and "
+             "converted to the model's input (`dpprobe verify --data SPEC` lists such records, "
+             "for the data's owner)")
 
 
 def load_images(config, *, rgb: bool):
@@ -86,8 +87,7 @@ def _files_as_array(split, resize: int | None, crop: int | None) -> np.ndarray:
     """Image files as uint8 (N, S, S, 3), S = `crop` or `resize`: each read as RGB, resized
     and cropped; a file that cannot be decoded is a null record (zero pixels, label
     `NULL_LABEL`), as is a record already null (its file is not read)."""
-    from extract.defects import NULL, NULL_LABEL, Defect
-    from extract.zarr_io import first_line
+    from extract.defects import NULL_LABEL, decoding, unreadable
     from finetune.images import resize_and_crop
 
     side = crop or resize
@@ -96,10 +96,11 @@ def _files_as_array(split, resize: int | None, crop: int | None) -> np.ndarray:
         if split.labels[row] == NULL_LABEL:
             continue
         try:
-            image = split.load(row)
-            out[row] = np.asarray(resize_and_crop(image.convert("RGB"), resize, crop))
+            with decoding():
+                image = split.load(row)
+                out[row] = np.asarray(resize_and_crop(image.convert("RGB"), resize, crop))
         except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
-            split.defects.append(Defect(row, NULL, f"not a readable image ({first_line(err)})"))
+            split.defects.append(unreadable(row, err))
             split.null_rows([row])
     return out
 

@@ -139,3 +139,63 @@ def test_python_extract_api_takes_a_torch_dataset(rng, tmp_path):
     a, b = (extract.load_split(str(tmp_path / s), "train") for s in ("t.zarr", "n.zarr"))
     np.testing.assert_array_equal(a[0], b[0])
     assert a[2]["class_names"] == CLASSES
+
+
+def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_path,
+                                                                        monkeypatch):
+    """The publishing rule (`extract.defects`) for hf: a None label, a None image and an image
+    whose file is missing each make one null record (label -1, zero pixels); N never changes.
+    `extract` (strict) still refuses."""
+    import types
+
+    import extract.hf
+    from extract.defects import NULL_LABEL
+    from pipelines.finetune_data import load_images
+
+    train, test = _images(rng, 12), _images(rng, 6)
+    ds = _dataset(*train)
+    rows = ds.to_list()
+    ds = datasets.Dataset.from_list(
+        [row | {"label": None} if i == 3 else row | {"image": None} if i == 5
+         else row | {"image": {"path": str(tmp_path / "gone.png"), "bytes": None}} if i == 8
+         else row for i, row in enumerate(rows)], features=ds.features)
+    both = datasets.DatasetDict(train=ds, test=_dataset(*test))
+    # save_to_disk embeds image files, so a missing one is read from memory (as from a cache).
+    monkeypatch.setattr(extract.hf, "_load", lambda spec: both)
+    config = types.SimpleNamespace(data=f"hf:{tmp_path / 'ds'}", test_data=None, data_dir=None,
+                                   resize=8, crop=None)
+    (images, labels), (test_images, _), names = load_images(config, rgb=False)
+    assert names == CLASSES and len(labels) == 12 and len(test_images) == 6
+    assert [i for i in range(12) if labels[i] == NULL_LABEL] == [3, 5, 8]
+    assert not images[[3, 5, 8]].any() and images[0].any()
+    keep = [i for i in range(12) if i not in (3, 5, 8)]
+    np.testing.assert_array_equal(labels[keep], train[1][keep])
+    with pytest.raises((ValueError, AttributeError, FileNotFoundError)):
+        extract.open_source(f"hf:{tmp_path / 'ds'}")
+    from extract.data_check import check_data
+
+    (_, found), _ = check_data(config.data).splits.values()
+    assert [defect.row for _, defect in found] == [3, 5, 8]  # for the owner, with why
+    assert "label None" in found[0][1].detail
+
+
+def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
+    """An image column of nested integer lists (no datasets.Image): a None or ragged image is a
+    null record, a pixel of 300 is clamped; nothing raises."""
+    import types
+
+    import extract.hf
+    from pipelines.finetune_data import load_images
+
+    rows = [{"image": np.full((16, 16), 5).tolist(), "label": i % 3} for i in range(10)]
+    rows[2]["image"], rows[4]["image"], rows[6]["image"] = None, [[300] * 16] * 16, [[1, 2], [3]]
+    features = datasets.Features({"image": datasets.Sequence(datasets.Sequence(
+        datasets.Value("int64"))), "label": datasets.ClassLabel(names=CLASSES)})
+    both = datasets.DatasetDict(train=datasets.Dataset.from_list(rows, features=features),
+                                test=datasets.Dataset.from_list(rows[7:], features=features))
+    monkeypatch.setattr(extract.hf, "_load", lambda spec: both)
+    config = types.SimpleNamespace(data="hf:x?image=image", test_data=None, data_dir=None,
+                                   resize=8, crop=None)
+    (images, labels), _, _ = load_images(config, rgb=False)
+    assert labels.tolist() == [0, 1, -1, 0, 1, 2, -1, 1, 2, 0]
+    assert images[[0, 2, 4, 6]].max(axis=(1, 2, 3)).tolist() == [5, 0, 255, 0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from PIL import Image
 from dpmodel import read_model_file
 from extract import defects, open_source
 from pipelines import cli
+from pipelines.finetune_data import DATA_RULE
 from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED
 from tests.test_privacy import _differing_leaves
 
@@ -62,11 +64,17 @@ def _folder(directory, rng, defect):
                     folder / f"{row:02d}.png")  # 20 x 11
             elif defect == "mode":
                 Image.fromarray(pixels).convert("L").save(folder / f"{row:02d}.png")
+            elif defect in HUGE:  # a small file: 1-bit pixels compress well
+                Image.new("1", HUGE[defect]).save(folder / f"{row:02d}.png", compress_level=1)
             elif defect is None:
                 (folder / f"{row:02d}.png").write_bytes(b"")
     return ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test",
             "--crop", "16"]  # larger than the odd-size image's short side
 
+
+# Images of many pixels in small files: above Pillow's decompression-bomb limit (which warns,
+# quoting the size), and above the public cap only (`defects.MAX_PIXELS`).
+HUGE = {"bomb": (10000, 9000), "cap": (7000, 6000)}
 
 # (writer, defect, strings of the bad record's value or place that must appear nowhere; the
 # first is in what `verify --data` says of it)
@@ -74,9 +82,13 @@ DEFECTS = {
     "label-outside-the-classes": (_npz, "label", ["1234567", "row 7"]),
     "nan-pixel": (_npz, "nan", ["NaN or Inf", "row 7"]),
     "float-pixel-above-1": (_npz, "range", ["1.7", "row 7"]),
-    "corrupt-file": (_folder, "corrupt", ["cannot identify", "31337", "07.png"]),
+    "corrupt-file": (_folder, "corrupt", ["not an image format", "31337", "07.png",
+                                           "cannot identify"]),
     "odd-size": (_folder, "size", ["20x11", "(20, 11)", "07.png"]),
     "odd-mode": (_folder, "mode", ["16x16 L", "07.png"]),
+    "decompression-bomb": (_folder, "bomb", ["90000000", "10000", "07.png"]),
+    "above-the-pixel-cap": (_folder, "cap", ["7000x6000 pixels, more than", "7000x6000",
+                                           "07.png"]),
 }
 
 
@@ -92,9 +104,15 @@ def _run(directory, writer, defect, capsys, monkeypatch):
     monkeypatch.chdir(directory)
     data = writer(directory, np.random.default_rng(0), defect)
     capsys.readouterr()
-    status = cli.main([*JOB, *data])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status = cli.main([*JOB, *data])
     printed = capsys.readouterr()
     assert status == 0, printed.err
+    # Python prints a warning on stderr: none may come from decoding a record.
+    pillow = [str(w.message) for w in caught if "PIL" in w.filename
+              or w.category.__module__.startswith("PIL")]
+    assert not pillow, pillow
     written = {f.relative_to(directory / "run").as_posix(): f
                for f in sorted((directory / "run").rglob("*")) if f.is_file()}
     texts = {name: f.read_text() for name, f in written.items() if f.suffix != ".safetensors"}
@@ -155,6 +173,8 @@ def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
         open_source(f"npz:{tmp_path / 't.npz'}")  # extract, the owner's tool: by value
     (split,) = open_source(f"npz:{tmp_path / 't.npz'}", strict=False).values()
     assert split.labels.tolist() == [defects.NULL_LABEL]
+    assert not split.array.any()  # a null record by its label alone: zero pixels too
+    assert f"over {defects.MAX_PIXELS // 10**6}M pixels" in DATA_RULE  # the job's line says so
 
 
 def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
@@ -180,3 +200,46 @@ def test_a_bad_record_of_the_public_test_split_is_refused_by_name(tmp_path, monk
              class_names=CLASSES)
     assert cli.main([*JOB, *data]) == 2
     assert "the test split (public)" in capsys.readouterr().err
+
+
+def _cifar(directory, labels, data):
+    """A fake CIFAR-10 folder: data_batch_1 with `labels` and `data` (a list of rows of 3072
+    pixels), batches 2..5 and test_batch with 2 clean images each."""
+    import pickle
+
+    clean = {b"labels": [0, 1], b"data": np.full((2, 3072), 9, np.uint8)}
+    directory.mkdir()
+    for name in [f"data_batch_{i}" for i in range(2, 6)] + ["test_batch"]:
+        (directory / name).write_bytes(pickle.dumps(clean))
+    (directory / "data_batch_1").write_bytes(pickle.dumps({b"labels": labels, b"data": data}))
+
+
+def test_cifar_one_record_label_or_pixel_is_a_null_record_not_a_refusal(tmp_path):
+    """Each label and pixel on its own: a label that is None, a string, beyond int64 or a float
+    makes a null record (zero pixels), a pixel of 300 is clamped, a pixel None makes a null
+    record; nothing raises; `extract` (strict) still refuses by value."""
+    row = [7] * 3072
+    labels = [0, 1, None, "x", 2**70, 2.5, 12, 3]
+    data = [row, row[:-1] + [300], *[row] * 6, row[:5] + [None] + row[6:]]
+    _cifar(tmp_path / "c", labels + [4], data)
+    split = open_source(f"cifar10:{tmp_path / 'c'}", strict=False)["train"]
+    assert len(split) == 9 + 8
+    assert split.labels[:9].tolist() == [0, 1, -1, -1, -1, -1, -1, 3, -1]
+    assert split.array[1].max() == 255 and split.array[0].max() == 7
+    assert not split.array[[2, 3, 4, 5, 6, 8]].any()  # null records: zero pixels
+    assert sorted({d.row for d in split.defects if d.kind == defects.NULL}) == [2, 3, 4, 5, 6, 8]
+    with pytest.raises((ValueError, TypeError, OverflowError)):
+        open_source(f"cifar10:{tmp_path / 'c'}")
+
+
+def test_decoding_silences_pillow_and_makes_a_bomb_an_error():
+    """`defects.decoding`: a warning while a record is decoded (EXIF, palette) is never shown;
+    Pillow's decompression-bomb warning is raised, so the record becomes a null record."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with defects.decoding():
+            warnings.warn("Corrupt EXIF data of record 7", UserWarning, stacklevel=1)
+        with pytest.raises(Image.DecompressionBombWarning), defects.decoding():
+            warnings.warn("Image size (90000000 pixels)", Image.DecompressionBombWarning,
+                          stacklevel=1)
+    assert not caught
