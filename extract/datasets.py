@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from extract import defects as defects_module
 from extract.defects import (
     NULL,
     Defect,
@@ -276,21 +277,28 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
     digest, defects = hashlib.sha256(), None if strict else []
     for row, (file, label) in enumerate(zip(files, labels, strict=True)):
         try:
+            if not strict and file.stat().st_size > defects_module.MAX_FILE_BYTES:
+                raise ValueError(f"more than {defects_module.MAX_FILE_BYTES} bytes, the most a "
+                                 "publishing job reads")  # not read: a null record
             content = file.read_bytes()
         except OSError as err:
             if strict:
                 raise ValueError(f"cannot read image {file}: {err.strerror}") from err
             content = b""
-        try:
-            with contextlib.nullcontext() if strict else decoding():
-                with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
-                    image.verify()
-        except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
-            if strict:
-                raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
+        except ValueError as err:
             defects.append(unreadable(row, err))
+            content = None
+        if content is not None:
+            try:
+                with contextlib.nullcontext() if strict else decoding():
+                    with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
+                        image.verify()
+            except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
+                if strict:
+                    raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
+                defects.append(unreadable(row, err))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
-        digest.update(hashlib.sha256(content).digest())
+        digest.update(hashlib.sha256(content or b"").digest())
 
     def load(i: int):
         with (Image.open if strict else open_image)(files[i]) as image:

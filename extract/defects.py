@@ -42,9 +42,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding", "first_line",
-           "integer_pixels", "label_defects", "label_values", "open_image", "pixel_rule",
-           "unreadable"]
+__all__ = ["MAX_FILE_BYTES", "MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding",
+           "first_line", "integer_pixels", "label_defects", "label_values", "open_image",
+           "pixel_rule", "unreadable"]
 
 # The label of a null record: outside every class list, as the trainer's canaries use it.
 NULL_LABEL = -1
@@ -53,6 +53,9 @@ NULL, CLAMPED, RESIZED = "null record", "clamped", "resized"
 # The most pixels (width x height) a publishing job decodes in one image file: a larger one is
 # a null record, told from its header alone (public; below Pillow's own bomb limit).
 MAX_PIXELS = 40_000_000
+# The largest image file a publishing job reads (bytes): a larger one is a null record, told
+# from its size alone, so that no file's size decides the job's memory or time.
+MAX_FILE_BYTES = 256 * 2**20
 
 
 def first_line(err: BaseException) -> str:

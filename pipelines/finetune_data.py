@@ -18,10 +18,10 @@ __all__ = ["DATA_RULE", "load_images"]
 
 # The one line the job prints about its data, the same whatever the data holds.
 DATA_RULE = ("data: a record with a missing label or one outside the class list, a NaN/Inf "
-             "pixel, or a missing, unreadable or too large image (over 40M pixels) trains as a "
-             "null record, pixels are clamped to their range, images are resized and "
-             "converted to the model's input (`dpprobe verify --data SPEC` lists such records, "
-             "for the data's owner)")
+             "pixel, or a missing, unreadable or too large image (over 40M pixels or 256 MiB) "
+             "trains as a null record, pixels are clamped to their range, images are resized "
+             "and converted to the model's input (`dpprobe verify --data SPEC` lists such "
+             "records, for the data's owner)")
 
 
 def load_images(config, *, rgb: bool):

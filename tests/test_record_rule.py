@@ -64,6 +64,10 @@ def _folder(directory, rng, defect):
                     folder / f"{row:02d}.png")  # 20 x 11
             elif defect == "mode":
                 Image.fromarray(pixels).convert("L").save(folder / f"{row:02d}.png")
+            elif defect == "bytes":  # a valid image in a file over the (test's) byte cap
+                Image.fromarray(pixels).save(folder / f"{row:02d}.png")
+                with open(folder / f"{row:02d}.png", "ab") as f:
+                    f.write(bytes(4 * BYTE_CAP))
             elif defect in HUGE:  # a small file: 1-bit pixels compress well
                 Image.new("1", HUGE[defect]).save(folder / f"{row:02d}.png", compress_level=1)
             elif defect is None:
@@ -71,6 +75,9 @@ def _folder(directory, rng, defect):
     return ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test",
             "--crop", "16"]  # larger than the odd-size image's short side
 
+
+# `defects.MAX_FILE_BYTES` in the "too-many-bytes" case (the real cap is 256 MiB).
+BYTE_CAP = 10_000
 
 # Images of many pixels in small files: above Pillow's decompression-bomb limit (which warns,
 # quoting the size), and above the public cap only (`defects.MAX_PIXELS`).
@@ -89,6 +96,7 @@ DEFECTS = {
     "decompression-bomb": (_folder, "bomb", ["90000000", "10000", "07.png"]),
     "above-the-pixel-cap": (_folder, "cap", ["7000x6000 pixels, more than", "7000x6000",
                                            "07.png"]),
+    "too-many-bytes": (_folder, "bytes", [f"more than {BYTE_CAP} bytes", "07.png"]),
 }
 
 
@@ -124,6 +132,8 @@ def _run(directory, writer, defect, capsys, monkeypatch):
 def test_one_defective_record_never_decides_the_finetune_run(case, tmp_path, capsys,
                                                              monkeypatch):
     writer, defect, secrets = DEFECTS[case]
+    if defect == "bytes":
+        monkeypatch.setattr(defects, "MAX_FILE_BYTES", BYTE_CAP)
     runs = [_run(tmp_path / name, writer, kind, capsys, monkeypatch)
             for name, kind in (("D", defect), ("D_nulled", None))]
     (out, err, texts, model), (out_n, err_n, texts_n, model_n) = runs
@@ -149,6 +159,8 @@ def test_one_defective_record_never_decides_the_finetune_run(case, tmp_path, cap
 def test_verify_data_lists_the_record_with_its_value_for_the_owner(case, tmp_path, capsys,
                                                                    monkeypatch):
     writer, defect, secrets = DEFECTS[case]
+    if defect == "bytes":
+        monkeypatch.setattr(defects, "MAX_FILE_BYTES", BYTE_CAP)
     monkeypatch.chdir(tmp_path)
     spec = writer(tmp_path, np.random.default_rng(0), defect)[1]
     capsys.readouterr()
@@ -174,7 +186,8 @@ def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
     (split,) = open_source(f"npz:{tmp_path / 't.npz'}", strict=False).values()
     assert split.labels.tolist() == [defects.NULL_LABEL]
     assert not split.array.any()  # a null record by its label alone: zero pixels too
-    assert f"over {defects.MAX_PIXELS // 10**6}M pixels" in DATA_RULE  # the job's line says so
+    assert (f"over {defects.MAX_PIXELS // 10**6}M pixels or {defects.MAX_FILE_BYTES // 2**20} MiB"
+            in DATA_RULE)  # the job's line says so
 
 
 def test_image_files_need_a_public_input_size(tmp_path, monkeypatch, capsys):
