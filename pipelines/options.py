@@ -181,12 +181,7 @@ def number(text: str) -> float:
 
 def numbers(text: str) -> list[float]:
     """Comma-separated numbers; inf is one, nan is not."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    values = _comma_separated(text, float, "number")
     if any(v != v for v in values):
         raise argparse.ArgumentTypeError(f"nan is not a value, got {text!r}")
     return values
@@ -200,13 +195,17 @@ def integer(text: str) -> int:
 
 
 def integers(text: str) -> list[int]:
+    return _comma_separated(text, int, "integer")
+
+
+def _comma_separated(text: str, convert: Callable, what: str) -> list:
+    """`convert` of each comma-separated value of `text`: at least one."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [convert(v) for v in text.split(",") if v.strip()]
     except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from err
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got {text!r}") from err
     if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected at least one {what}, got {text!r}")
     return values
 
 
