@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import extract
-from pipelines import cli, run_extract
+from pipelines import FinetuneConfig, cli, run_extract
 
 datasets = pytest.importorskip("datasets")
 
@@ -146,8 +146,6 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     """The publishing rule (`extract.defects`) for hf: a None label, a None image and an image
     whose file is missing each make one null record (label -1, zero pixels); N never changes.
     `extract` (strict) still refuses."""
-    import types
-
     import extract.hf
     from extract.defects import NULL_LABEL
     from pipelines.finetune_data import load_images
@@ -162,8 +160,7 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     both = datasets.DatasetDict(train=ds, test=_dataset(*test))
     # save_to_disk embeds image files, so a missing one is read from memory (as from a cache).
     monkeypatch.setattr(extract.hf, "_load", lambda spec: both)
-    config = types.SimpleNamespace(data=f"hf:{tmp_path / 'ds'}", test_data=None, data_dir=None,
-                                   resize=8, crop=None)
+    config = FinetuneConfig(data=f"hf:{tmp_path / 'ds'}", resize=8)
     (images, labels), (test_images, _), names = load_images(config, rgb=False)
     assert names == CLASSES and len(labels) == 12 and len(test_images) == 6
     assert [i for i in range(12) if labels[i] == NULL_LABEL] == [3, 5, 8]
@@ -182,8 +179,6 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
 def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
     """An image column of nested integer lists (no datasets.Image): a None or ragged image is a
     null record, a pixel of 300 is clamped; nothing raises."""
-    import types
-
     import extract.hf
     from pipelines.finetune_data import load_images
 
@@ -194,8 +189,7 @@ def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
     both = datasets.DatasetDict(train=datasets.Dataset.from_list(rows, features=features),
                                 test=datasets.Dataset.from_list(rows[7:], features=features))
     monkeypatch.setattr(extract.hf, "_load", lambda spec: both)
-    config = types.SimpleNamespace(data="hf:x?image=image", test_data=None, data_dir=None,
-                                   resize=8, crop=None)
+    config = FinetuneConfig(data="hf:x?image=image", resize=8)
     (images, labels), _, _ = load_images(config, rgb=False)
     assert labels.tolist() == [0, 1, -1, 0, 1, 2, -1, 1, 2, 0]
     assert images[[0, 2, 4, 6]].max(axis=(1, 2, 3)).tolist() == [5, 0, 255, 0]
