@@ -17,8 +17,7 @@ from dpmodel import read_model_file
 from extract import defects, open_source
 from pipelines import cli
 from pipelines.finetune_data import DATA_RULE
-from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED
-from tests.test_privacy import _differing_leaves
+from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])
 BAD_ROW = 7  # the defective record (its file: b/07.*)
@@ -128,12 +127,18 @@ def _run(directory, writer, defect, capsys, monkeypatch):
     return printed.out, printed.err, texts, model
 
 
-@pytest.mark.parametrize("case", list(DEFECTS))
-def test_one_defective_record_never_decides_the_finetune_run(case, tmp_path, capsys,
-                                                             monkeypatch):
-    writer, defect, secrets = DEFECTS[case]
+@pytest.fixture(params=list(DEFECTS))
+def defect_case(request, monkeypatch):
+    """(writer, defect, secrets) of one `DEFECTS` case; the "bytes" case under `BYTE_CAP`."""
+    writer, defect, secrets = DEFECTS[request.param]
     if defect == "bytes":
         monkeypatch.setattr(defects, "MAX_FILE_BYTES", BYTE_CAP)
+    return writer, defect, secrets
+
+
+def test_one_defective_record_never_decides_the_finetune_run(defect_case, tmp_path, capsys,
+                                                             monkeypatch):
+    writer, defect, secrets = defect_case
     runs = [_run(tmp_path / name, writer, kind, capsys, monkeypatch)
             for name, kind in (("D", defect), ("D_nulled", None))]
     (out, err, texts, model), (out_n, err_n, texts_n, model_n) = runs
@@ -142,25 +147,20 @@ def test_one_defective_record_never_decides_the_finetune_run(case, tmp_path, cap
     assert "dpprobe verify --data" in err  # the one fixed line, the same whatever the data
     assert texts.keys() == texts_n.keys()
     results, results_n = (json.loads(t["results.json"]) for t in (texts, texts_n))
-    leaked = [p for p in _differing_leaves(results, results_n)
-              if not any(re.fullmatch(a, p) for a in ALLOWED)]
+    leaked = non_dp_leaves(results, results_n, ALLOWED)
     assert not leaked, f"results.json: non-DP leaves differ: {leaked}"
     for name in set(texts) - {"results.json"}:
         assert texts[name] == texts_n[name], name
-    leaked = [p for p in _differing_leaves(model, model_n)
-              if not any(re.fullmatch(a, p) for a in MODEL_ALLOWED)]
+    leaked = non_dp_leaves(model, model_n, MODEL_ALLOWED)
     assert not leaked, f"model file: non-DP leaves differ: {leaked}"
     everything = out + err + json.dumps(texts) + json.dumps(model)
     for secret in secrets:
         assert secret not in everything, f"{secret!r} published"
 
 
-@pytest.mark.parametrize("case", list(DEFECTS))
-def test_verify_data_lists_the_record_with_its_value_for_the_owner(case, tmp_path, capsys,
-                                                                   monkeypatch):
-    writer, defect, secrets = DEFECTS[case]
-    if defect == "bytes":
-        monkeypatch.setattr(defects, "MAX_FILE_BYTES", BYTE_CAP)
+def test_verify_data_lists_the_record_with_its_value_for_the_owner(defect_case, tmp_path,
+                                                                   capsys, monkeypatch):
+    writer, defect, secrets = defect_case
     monkeypatch.chdir(tmp_path)
     spec = writer(tmp_path, np.random.default_rng(0), defect)[1]
     capsys.readouterr()
