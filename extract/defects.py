@@ -9,8 +9,9 @@ the dataset:
   - a label outside the declared classes, a NaN or Inf pixel, or an image that cannot be read
     makes a null record (label `NULL_LABEL`, zero pixels), which the trainer turns into a zero
     gradient (`dp.clipping.valid_labels`); so does a label that is not an integer or is
-    missing, a missing image, and an image file of more than `MAX_PIXELS` pixels (width x
-    height, read from its header: it is never decoded);
+    missing, a missing image, an image file of more than `MAX_PIXELS` pixels (width x
+    height, read from its header: it is never decoded) and one of more than
+    `MAX_FILE_BYTES` bytes (told from its size: it is never read);
   - Pillow's warnings about a record (its size, its EXIF, its palette) are never shown while
     it is decoded (`decoding`): a decompression-bomb warning makes a null record, the others
     are ignored;
