@@ -3,7 +3,7 @@ line naming the culprit, or a correct result (a publishing job nulls a bad recor
 per-record rule, `extract.defects`, and completes); never a traceback or a hang; the user's
 files byte-identical afterwards; nothing half-written that blocks the obvious retry.
 
-The world: an image folder of PNGs (`imgs/train`, `imgs/test`), grayscale image arrays
+The world: an image folder of PNGs (`imgs/train`, `imgs/test`), RGB image arrays
 `train.npz` / `test.npz`, a Hugging Face folder `hf` (when `datasets` is installed). Runs are
 tiny (the CNN at 16 px, 2 steps). The full disk, SIGKILL and concurrent cases run the CLI in
 processes of their own.
@@ -12,74 +12,33 @@ processes of their own.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
-import re
 import shutil
-import struct
-import subprocess
-import sys
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from pipelines import cli
+from tests.hostile_helpers import (
+    bad_images,
+    child,
+    finish,
+    kept_or_new,
+    odd_images,
+    one_line,
+)
 from tests.test_hostile import _png, assert_one_line_error, snapshot, write
 
 CLASSES = ["ant", "bee", "cat"]
-REPO = Path(__file__).resolve().parents[1]
 FT = ["finetune", "--model", "cnn", "--batch-size", "16", "--steps", "2",
       "--physical-batch-size", "16", "--epsilon", "3", "--quiet"]
 NPZ = ["--data", "npz:train.npz", "--test-data", "npz:test.npz"]
 FOLDER = ["--data", "imagefolder:imgs/train", "--test-data", "imagefolder:imgs/test", "--crop",
           "16"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Hostile images
-
-
-def png_bomb(width: int, height: int) -> bytes:
-    """A valid PNG header claiming width x height pixels, and almost no data."""
-    def chunk(kind, data):
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0,
-                                                            0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def odd_images(rng) -> dict[str, bytes]:
-    """Images of every mode and size a folder may hold, each readable."""
-    rgb = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
-    return {
-        "rgba.png": encoded(Image.fromarray(rng.integers(0, 256, (16, 16, 4), np.uint8), "RGBA")),
-        "palette.png": encoded(Image.fromarray(rgb).convert("P")),
-        "sixteen_bit.png": encoded(Image.fromarray(rng.integers(0, 65535, (16, 16), np.uint16))),
-        "cmyk.jpg": encoded(Image.fromarray(rgb).convert("CMYK"), "JPEG"),
-        "gray.png": encoded(Image.fromarray(rgb[..., 0])),
-        "wide.png": encoded(Image.fromarray(rng.integers(0, 256, (23, 40, 3), np.uint8))),
-    }
-
-
-def bad_images(good: bytes) -> dict[str, bytes]:
-    """Images no reader can decode: corrupt, truncated, decompression bombs (Pillow's error at
-    4e8 pixels, its warning at 1e8)."""
-    return {"corrupt.png": os.urandom(200), "truncated.png": good[:-60],
-            "bomb.png": png_bomb(20000, 20000), "bomb_warning.png": png_bomb(10000, 10000)}
 
 
 def add_to_folder(world: Path, images: dict[str, bytes], split="train") -> None:
@@ -255,14 +214,6 @@ class _Expect:
     code: int = 2
 
 
-def kept_or_new(before: dict, after: dict, out: str) -> None:
-    """Every file of the user's unchanged; whatever is new lies in the job's `out`."""
-    changed = [k for k in before if after.get(k) != before[k]]
-    assert not changed, changed
-    assert all(k.startswith(out) for k in set(after) - set(before)), sorted(set(after) - set(
-        before))
-
-
 def test_a_second_run_is_refused_while_one_holds_the_out_folder(world, capsys):
     """The lock on --out is taken before the data is read: a run that holds it (here the test
     itself, as another process would) makes the next one refuse at once, naming it."""
@@ -289,58 +240,6 @@ def test_a_refused_run_leaves_no_out_folder(world, capsys):
 
 # ----------------------------------------------------------------------------------------------
 # In processes of their own: a full disk, SIGKILL and a resume, two runs at once
-
-
-# The CLI with fixed test keys and sampler (the product draws both from OS entropy), killing
-# itself (SIGKILL) after the update of step DPPROBE_TEST_KILL_AT, before it is checkpointed.
-CHILD = """
-import os, signal, sys
-import jax, numpy as np
-import finetune, finetune.checkpoint
-train = finetune.train_finetune
-def fixed(*args, **kwargs):
-    kwargs["keys"] = jax.random.split(jax.random.key(7), 2)
-    kwargs["rng"] = np.random.default_rng(7)
-    return train(*args, **kwargs)
-finetune.train_finetune = fixed
-kill_at = int(os.environ.get("DPPROBE_TEST_KILL_AT", "0"))
-save = finetune.checkpoint.Checkpointer.save
-def save_or_die(self, state, *args, **kwargs):
-    if state.step == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return save(self, state, *args, **kwargs)
-finetune.checkpoint.Checkpointer.save = save_or_die
-from pipelines import cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
-def child(argv, cwd, *, file_size: int | None = None, kill_at: int = 0, timeout=240):
-    """Run the CLI (CHILD) in a process; `file_size` caps every file it writes (`ulimit -f`,
-    SIGXFSZ ignored so that a write fails with EFBIG instead of killing it)."""
-    import resource
-    import signal
-
-    def limit():
-        if file_size is not None:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-
-    env = os.environ | {"PYTHONPATH": str(REPO), "DPPROBE_TEST_KILL_AT": str(kill_at)}
-    return subprocess.Popen([sys.executable, "-c", CHILD, *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=limit)
-
-
-def finish(process, timeout=240) -> tuple[int, str]:
-    _, err = process.communicate(timeout=timeout)
-    return process.returncode, err
-
-
-def one_line(err: str, match: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
-    assert re.search(match, lines[0]), lines[0]
 
 
 def test_a_full_disk_is_one_line_and_the_retry_completes(world):
@@ -378,11 +277,11 @@ def test_sigkill_mid_finetune_then_the_rerun_equals_an_uninterrupted_run(world, 
     import finetune
 
     argv = [*FT, *NPZ, "--steps", "12", "--checkpoint-every", "3"]
-    code, err = finish(child([*argv, "--out", "run"], world, kill_at=7))
+    code, err = finish(child([*argv, "--out", "run"], world, test_keys=True, kill_at=7))
     assert code == -9, err[-3000:]
     assert not (world / "run/results.json").exists()
     assert sorted(p.name for p in (world / "run/checkpoint").iterdir()) == ["3", "6"]
-    code, err = finish(child([*argv, "--out", "run"], world))
+    code, err = finish(child([*argv, "--out", "run"], world, test_keys=True))
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert not (world / "run/checkpoint").exists()
     train = finetune.train_finetune  # the uninterrupted run, in this process (as CHILD does)
