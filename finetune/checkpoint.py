@@ -72,11 +72,12 @@ class Checkpointer:
                     force=True)
                 self._manager.wait_until_finished()
         except (OSError, ValueError) as err:  # orbax's own for a full disk (os_error_code=27)
-            code = re.search(r"os_error_code='?(\d+)", str(err))
-            code = int(code.group(1)) if code else getattr(err, "errno", None) or errno.EIO
-            raise OSError(code, f"cannot write the checkpoint of step {state.step} "
-                          f"({os.strerror(code)}); the last complete one is kept, and the same "
-                          "command resumes from it", str(self.directory)) from err
+            found = re.search(r"os_error_code='?(\d+)", str(err))
+            code = int(found.group(1)) if found else getattr(err, "errno", None)
+            why = os.strerror(code) if code else (str(err).strip().splitlines() or ["?"])[0]
+            raise OSError(code or errno.EIO, f"cannot write the checkpoint of step {state.step} "
+                          f"({why[:300]}); the last complete one is kept, and the same command "
+                          "resumes from it", str(self.directory)) from err
         return True
 
     def _reserve(self, nbytes: int) -> None:
@@ -88,6 +89,8 @@ class Checkpointer:
         try:
             os.posix_fallocate(fd, 0, nbytes + 2**20)
         except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                return  # a filesystem that cannot reserve space: orbax's write tells
             raise OSError(err.errno, f"no room for a checkpoint of {nbytes + 2**20} bytes "
                           f"({err.strerror}); free space, or give another `out`",
                           str(self.directory)) from err
