@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 from pipelines import arguments, options, records, reporting
 from pipelines.account_job import AccountConfig, account
@@ -191,6 +192,10 @@ def _use_jax_compilation_cache() -> None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(base, "dpprobe", "jax"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    # A cache entry that cannot be written (a full disk), or one cut short by it, only costs a
+    # compile: not a warning beside the job's own one-line error, nor on the retry's stderr.
+    warnings.filterwarnings("ignore", message="Error (writing|reading) persistent compilation "
+                            "cache entry")
 
 
 def _quiet_closed_stdout() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import accounting
 from pipelines import config as cfg
-from pipelines import files, model_files, preflight, records, reporting
+from pipelines import files, model_files, preflight, records, reporting, run_folder
 from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
@@ -40,17 +40,41 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
     trained model, its test accuracy) and public inputs.
     """
-    import finetune
-
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
-    out = Path(config.out) if config.out else None
-    if out is not None:
+    if not config.out:
+        return _train(config, None)
+    out = Path(config.out)
+    run_folder.check_outside_inputs(out, _input_paths(config))
+    run_folder.check_checkpoint_folder(out / "checkpoint")
+    for name in ("results.json", model_files.MODEL_FILE):
+        preflight.check_output_paths(out=out / name)
+    with run_folder.hold(out, "finetune"):  # one run at a time
         finished = _finished_run(out, config)
         if finished is not None:
+            # A run killed after its results and before removing its checkpoint: remove it.
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
             log(f"already complete: {out / 'results.json'}", config.quiet)
             return finished
-        for name in ("results.json", model_files.MODEL_FILE):
-            preflight.check_output_paths(out=out / name)
+        return _train(config, out)
+
+
+def _input_paths(config: FinetuneConfig) -> list[str]:
+    """The local files and folders the job reads (its output must not be, nor lie in, one)."""
+    import extract
+
+    paths = [config.data_dir, config.weights]
+    for spec in (config.data, config.test_data):
+        try:
+            paths.append(extract.parse_data_spec(spec)[1] if spec else None)
+        except ValueError:
+            pass  # refused by the reader, in its own words
+    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
+
+
+def _train(config: FinetuneConfig, out: Path | None) -> dict:
+    """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
+    import finetune
+
     start = time.perf_counter()
     quiet = config.quiet
 
@@ -186,9 +210,10 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
             timm_architecture=model_info.get("architecture"))
         results["model_file"] = str(out / model_files.MODEL_FILE)
-        reporting.write_json(out / "results.json", results)
+        # The options before the results: a run killed between the two reruns, not refused.
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
+        reporting.write_json(out / "results.json", results)
         checkpointer.close()
         shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
     return results
