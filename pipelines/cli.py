@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pipelines import arguments, options, records, reporting
+from pipelines import arguments, options, processes, records, reporting
 from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
@@ -74,6 +74,8 @@ def _info(config: InfoConfig, args) -> int:
 
 def _probe(config: ProbeConfig, args) -> int:
     results = run_probe(config)
+    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
+        return 0
     print(reporting.probe_table(results))
     if config.out and not config.quiet:
         print(f"wrote {config.out} ({results['wall_seconds']:.2f} s)", file=sys.stderr)
@@ -87,6 +89,8 @@ def _tune(config: TuneConfig, args) -> int:
 
 def _finetune(config: FinetuneConfig, args) -> int:
     results = run_finetune(config)
+    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
+        return 0
     if results.get("already_complete"):
         print(f"already complete: {results['already_complete']}")
     print(reporting.finetune_line(results))
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DPPROBE_DEBUG"):
             raise
         message = options.cli_words(_one_line(err), args.parser)  # fields named as options
+        if processes.active():  # one line naming the process, and leave now (the others
+            processes.fail(*processes.describe_failure(err, message), args.command)  # go too)
         print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
         return 2
 

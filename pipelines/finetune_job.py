@@ -17,7 +17,7 @@ from pathlib import Path
 
 import accounting
 from pipelines import config as cfg
-from pipelines import files, model_files, preflight, records, reporting
+from pipelines import files, model_files, preflight, processes, records, reporting
 from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
@@ -43,9 +43,15 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     import finetune
 
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    multi, config = processes.active(), processes.writer_config(config, ("out",))
+    if multi and config.audit_canaries:
+        raise ValueError("`audit_canaries` needs a one-process job")
     out = Path(config.out) if config.out else None
     if out is not None:
         finished = _finished_run(out, config)
+        if finished is not None and multi:  # the others would train on without it
+            raise ValueError(f"{out} holds a finished run; give a new `out`")
         if finished is not None:
             log(f"already complete: {out / 'results.json'}", config.quiet)
             return finished
@@ -60,6 +66,12 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     train, test, class_names = load_images(config, rgb=model_is_timm)
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
+    rows = None
+    if multi:  # each process keeps its own rows (every process reads the spec)
+        from dp.distributed import process_rows
+
+        first, stop = process_rows(num_real)
+        train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
 
@@ -100,7 +112,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
-    if out is not None:
+    if out is not None and not multi:  # a multi-process run does not checkpoint
         checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
                                              config=_options(config))
         if checkpointer.latest_step() is not None:
@@ -127,7 +139,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
                                  checkpointer=checkpointer, progress=progress)
     else:
         trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
-                                          checkpointer=checkpointer, progress=progress)
+                                          checkpointer=checkpointer, progress=progress,
+                                          rows=rows)
 
     # Evaluate on the (public) test split.
     accuracy = finetune.evaluate_model(trained.model, *test, spec)
@@ -189,8 +202,9 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         reporting.write_json(out / "results.json", results)
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
-        checkpointer.close()
-        shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
+        if checkpointer is not None:
+            checkpointer.close()
+            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
     return results
 
 

@@ -1,0 +1,216 @@
+"""A probe or finetune job run as several processes (one per host): `--coordinator HOST:PORT
+--num-processes N --process-id I`, its start (`jax.distributed.initialize`, CPU collectives over
+Gloo), the rows each process reads, who writes the outputs, and how a job whose process died
+ends.
+
+Decisions:
+  * Process i reads only its rows (`dp.distributed.process_rows`: contiguous, sizes within one
+    row of each other); the probe pads them with null rows to the same count on every process.
+  * Only process 0 writes outputs (results, CSV, plot, models, diagnostics) and prints the
+    table; the others write nothing, so outputs never race. Every process holds the same
+    model (the same sums, the same noise keys from process 0), so nothing is lost.
+  * A process that stops ends the job: a collective with it fails at once ("connection reset"),
+    and a process outside a collective learns it from the coordinator within `process_timeout`
+    seconds (the heartbeat timeout). Either way each process prints one line naming itself and
+    exits with status 1, never hangs, and skips JAX's shutdown barrier (which would wait for the
+    dead process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+
+from pipelines import config as cfg
+from pipelines.options import integer, option
+
+__all__ = ["EXIT_LOST", "ProcessConfig", "coordinator_option", "describe_failure", "fail",
+           "is_writer", "num_processes_option", "process_id_option", "process_timeout_option",
+           "start", "writer_config"]
+
+# Exit status of a process whose job lost another process (a bad input is 2).
+EXIT_LOST = 1
+
+_lock = threading.Lock()
+_started: dict = {}
+_command: dict = {}
+
+
+def coordinator_option():
+    return option(None, metavar="HOST:PORT", help="run as one of --num-processes processes "
+                  "(one per host; jax.distributed): the address of process 0, which serves "
+                  "the job's coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's "
+                  "and Kubernetes' auto-detection when --num-processes is given)")
+
+
+def num_processes_option():
+    return option(None, type=integer, metavar="N", help="processes of a multi-process job; "
+                  "each reads its own slice of the rows, only process 0 writes outputs")
+
+
+def process_id_option():
+    return option(None, type=integer, metavar="I", help="this process's index in [0, N) "
+                  "(default: from Slurm's or Kubernetes' environment)")
+
+
+def process_timeout_option():
+    return option(60, type=integer, metavar="SECONDS", help="multi-process: how long a process "
+                  "waits for the others to start, and after how many seconds without a "
+                  "heartbeat a process counts as dead and the job ends (default %(default)s)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+    """The process layout of a job (the fields its config shares with this one)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    process_timeout: int = 60
+
+    @classmethod
+    def of(cls, config) -> ProcessConfig:
+        return cls(config.coordinator, config.num_processes, config.process_id,
+                   config.process_timeout)
+
+    def __post_init__(self):
+        check(self)
+
+    @property
+    def multi(self) -> bool:
+        return self.coordinator is not None or (self.num_processes or 1) > 1
+
+
+def check(config) -> None:
+    """The checks of a config's process fields (in its `__post_init__`)."""
+    if config.num_processes is not None:
+        cfg.check_int("num_processes", config.num_processes)
+    if config.process_id is not None:
+        cfg.check_int("process_id", config.process_id, 0)
+        if config.num_processes is not None and config.process_id >= config.num_processes:
+            raise cfg.ConfigError("process_id", f"must be < `num_processes` "
+                                  f"({config.num_processes}), got {config.process_id}")
+    cfg.check_int("process_timeout", config.process_timeout)
+    coordinator = config.coordinator
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise cfg.ConfigError("coordinator", f"expected HOST:PORT, got {coordinator!r}")
+
+
+def start(config) -> None:
+    """Join the job's processes when `config` asks for several (`coordinator` or
+    `num_processes` > 1): `jax.distributed.initialize` with CPU collectives over Gloo, before
+    JAX starts a backend. A job that is already started with the same layout is left as is."""
+    layout = ProcessConfig.of(config)
+    if not layout.multi:
+        return
+    import jax
+
+    with _lock:
+        if _started:
+            if _started["layout"] != layout:
+                raise ValueError(f"this process already runs as {_started['layout']}")
+            return
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _started["layout"] = layout
+        _with_heartbeat_callback(lambda: jax.distributed.initialize(
+            coordinator_address=layout.coordinator, num_processes=layout.num_processes,
+            process_id=layout.process_id, initialization_timeout=layout.process_timeout,
+            heartbeat_timeout_seconds=layout.process_timeout))
+        _started["count"] = jax.process_count()
+        _started["name"] = f"process {jax.process_index()} of {jax.process_count()}"
+
+
+def _with_heartbeat_callback(initialize) -> None:
+    """`initialize()`, with the distributed client's error callback ours (`fail`, one line)
+    instead of JAX's default (abort with a page of C++ log)."""
+    from jax._src import distributed
+
+    make_client = distributed._jax.get_distributed_runtime_client
+
+    def client(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", _lost_contact)
+        return make_client(*args, **kwargs)
+
+    distributed._jax.get_distributed_runtime_client = client
+    try:
+        initialize()
+    except Exception as err:  # the others did not come within the timeout, the port is taken
+        _started.clear()
+        raise RuntimeError(f"could not join the job's processes at {config_address()}: "
+                           f"{_first_line(err)}") from err
+    finally:
+        distributed._jax.get_distributed_runtime_client = make_client
+
+
+def config_address() -> str:
+    layout = _started.get("layout")
+    return layout.coordinator if layout and layout.coordinator else "the coordinator"
+
+
+def _lost_contact(status=None) -> None:
+    fail(f"lost contact with the job ({_first_line(status)}): another process stopped or the "
+         f"coordinator at {config_address()} is gone")
+
+
+def _first_line(err) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def active() -> bool:
+    """Whether this process is one of several of a started job."""
+    return bool(_started.get("name"))
+
+
+def count() -> int:
+    """The processes of this job (1 unless started as several)."""
+    return _started["count"] if active() else 1
+
+
+def is_writer() -> bool:
+    """Whether this process writes the job's outputs: process 0 of a multi-process job."""
+    if not active():
+        return True
+    import jax
+
+    return jax.process_index() == 0
+
+
+def writer_config(config, fields: tuple[str, ...]):
+    """`config` on process 0; on the others, with the output `fields` unset and quiet."""
+    if is_writer():
+        return config
+    return dataclasses.replace(config, **dict.fromkeys(fields), quiet=True)
+
+
+def describe_failure(err: BaseException, message: str) -> tuple[str, int]:
+    """(the line, the exit status) of a multi-process job's error `err` (`message`: its line):
+    a failed collective means that another process stopped (status `EXIT_LOST`); any other
+    error is this process's own (status 2, as for one process)."""
+    if any(word in message for word in ("Gloo", "gloo", "Connection reset", "Connection closed",
+                                        "heartbeat")):
+        return f"another process of the job stopped ({message})", EXIT_LOST
+    return message, 2
+
+
+def fail(message: str, code: int = EXIT_LOST, command: str | None = None) -> None:
+    """Print `dpprobe COMMAND: error: process i of N: message` once and leave now: JAX's exit
+    handler would wait at the shutdown barrier for a process that is gone."""
+    with _lock:
+        name = _started.get("name", "process ?")
+        command = command or _command.get("name") or ""
+        try:
+            sys.stdout.flush()
+            print(f"dpprobe{' ' + command if command else ''}: error: {name}: {message}",
+                  file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+
+
+def name_command(command: str) -> None:
+    """The command named in `fail`'s line (the CLI's)."""
+    _command["name"] = command
