@@ -18,10 +18,14 @@ Decisions:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
+import subprocess
 import sys
 import threading
+import time
 
 from pipelines import config as cfg
 from pipelines.options import integer, option
@@ -36,6 +40,8 @@ EXIT_LOST = 1
 _lock = threading.Lock()
 _started: dict = {}
 _command: dict = {}
+_stop = threading.Event()  # set when this process leaves: the watchdog stops
+_ALIVE = "dpprobe/alive/"  # the watchdog's keys in the coordinator's key-value store
 
 
 def coordinator_option():
@@ -103,11 +109,13 @@ def check(config) -> None:
 def start(config) -> None:
     """Join the job's processes when `config` asks for several (`coordinator` or
     `num_processes` > 1): `jax.distributed.initialize` with CPU collectives over Gloo, before
-    JAX starts a backend. A job that is already started with the same layout is left as is."""
+    JAX starts a backend, then the watchdog (`_watch`). A job that is already started with the
+    same layout is left as is."""
     layout = ProcessConfig.of(config)
     if not layout.multi:
         return
     import jax
+    from jax._src import distributed
 
     with _lock:
         if _started:
@@ -116,44 +124,93 @@ def start(config) -> None:
             return
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _started["layout"] = layout
-        _with_heartbeat_callback(lambda: jax.distributed.initialize(
-            coordinator_address=layout.coordinator, num_processes=layout.num_processes,
-            process_id=layout.process_id, initialization_timeout=layout.process_timeout,
-            heartbeat_timeout_seconds=layout.process_timeout))
+        timeout = layout.process_timeout
+        heartbeat = 3 * timeout + 10  # JAX's own check (an abort, a page of C++ log) after ours
+        try:
+            with _service_outside(layout, heartbeat):
+                jax.distributed.initialize(
+                    coordinator_address=layout.coordinator, num_processes=layout.num_processes,
+                    process_id=layout.process_id, initialization_timeout=timeout,
+                    heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=timeout)
+        except Exception as err:  # the others did not come within the timeout, a bad address
+            _started.clear()
+            raise RuntimeError(f"could not join the job's processes at {config_address()} "
+                               f"within {timeout} s: {_first_line(err)}") from err
         _started["count"] = jax.process_count()
         _started["name"] = f"process {jax.process_index()} of {jax.process_count()}"
+        watchdog = threading.Thread(target=_watch, name="dpprobe-watchdog", daemon=True, args=(
+            distributed.global_state.client, jax.process_index(), jax.process_count(), timeout))
+        watchdog.start()
+        atexit.register(_stop.set)  # before JAX's shutdown barrier (atexit runs last first)
 
 
-def _with_heartbeat_callback(initialize) -> None:
-    """`initialize()`, with the distributed client's error callback ours (`fail`, one line)
-    instead of JAX's default (abort with a page of C++ log)."""
+@contextlib.contextmanager
+def _service_outside(layout: ProcessConfig, heartbeat: int):
+    """On process 0 (given `coordinator`, `num_processes` and `process_id`): run the job's
+    coordination service in its own process (`pipelines.coordinator`), which outlives this
+    one, and have `jax.distributed.initialize` start none here. Elsewhere: nothing."""
+    if layout.process_id != 0 or layout.coordinator is None or layout.num_processes is None:
+        yield
+        return
     from jax._src import distributed
 
-    make_client = distributed._jax.get_distributed_runtime_client
-
-    def client(*args, **kwargs):
-        kwargs.setdefault("missed_heartbeat_callback", _lost_contact)
-        return make_client(*args, **kwargs)
-
-    distributed._jax.get_distributed_runtime_client = client
+    port = layout.coordinator.rsplit(":", 1)[1]
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")
+    helper = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "coordinator.py"), bind,
+         str(layout.num_processes), str(heartbeat), str(layout.process_timeout),
+         str(layout.process_timeout + 5)],  # a script: it imports jaxlib only
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    if helper.stdout.readline().strip() != b"ready":
+        helper.wait()
+        raise RuntimeError(f"the coordination service could not start on {bind} (exit status "
+                           f"{helper.returncode}; is the port taken?)")
+    make_service = distributed._jax.get_distributed_runtime_service
+    distributed._jax.get_distributed_runtime_service = lambda *args, **kwargs: _NoService()
     try:
-        initialize()
-    except Exception as err:  # the others did not come within the timeout, the port is taken
-        _started.clear()
-        raise RuntimeError(f"could not join the job's processes at {config_address()}: "
-                           f"{_first_line(err)}") from err
+        yield
     finally:
-        distributed._jax.get_distributed_runtime_client = make_client
+        distributed._jax.get_distributed_runtime_service = make_service
+
+
+class _NoService:
+    """What JAX holds as process 0's service when it runs in `pipelines.coordinator`."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _watch(client, index: int, count: int, timeout: float) -> None:
+    """Every second, count up this process's key in the coordinator's key-value store and read
+    the others': a process whose count stays put for `timeout` seconds, or a coordinator that
+    does not answer, ends this process (`fail`). A collective with a dead process fails at once
+    by itself; this catches a process that is computing, reading or writing meanwhile."""
+    last: dict[str, tuple[str | None, float]] = {}
+    beat = 0
+    while not _stop.is_set():
+        beat += 1
+        try:
+            client.key_value_set(f"{_ALIVE}{index}", str(beat), allow_overwrite=True)
+            values = dict(client.key_value_dir_get(_ALIVE))
+        except Exception as err:  # noqa: BLE001 - any failure to reach the coordinator
+            if _stop.is_set():
+                return
+            fail(f"lost contact with the coordinator at {config_address()} "
+                 f"({_first_line(err)}): process 0 stopped or cannot be reached")
+        now = time.monotonic()
+        for other in range(count):
+            key = f"{_ALIVE}{other}"
+            value = values.get(key)
+            if key not in last or last[key][0] != value:
+                last[key] = (value, now)
+            elif now - last[key][1] > timeout and not _stop.is_set():
+                fail(f"process {other} has not answered for {timeout} s: it stopped or hangs")
+        _stop.wait(1.0)
 
 
 def config_address() -> str:
     layout = _started.get("layout")
     return layout.coordinator if layout and layout.coordinator else "the coordinator"
-
-
-def _lost_contact(status=None) -> None:
-    fail(f"lost contact with the job ({_first_line(status)}): another process stopped or the "
-         f"coordinator at {config_address()} is gone")
 
 
 def _first_line(err) -> str:
