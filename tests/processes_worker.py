@@ -2,7 +2,9 @@
 on loopback, trains the probe (in memory and streamed) and a finetune step on its own rows with
 the tests' keys, and saves what it trained to OUT/process{i}.npz.
 
-    python -m tests.processes_worker HOST:PORT N I OUT
+    python -m tests.processes_worker HOST:PORT N I OUT [--idle]
+
+With --idle it does one collective, then sleeps (the watchdog's test).
 
 The data, keys and plans are the ones `reference()` trains in one process, so that the test can
 compare the two.
@@ -11,6 +13,7 @@ compare the two.
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
@@ -106,14 +109,22 @@ def train_all(rows: tuple[int, int] | None, mesh=None, sigma: float = SIGMA) -> 
             "finetune": flat(tuned.model)}
 
 
-def main(coordinator: str, count: int, index: int, out: str) -> None:
+def main(coordinator: str, count: int, index: int, out: str, idle: bool = False) -> None:
     from types import SimpleNamespace
 
     from pipelines import processes
 
     processes.start(SimpleNamespace(coordinator=coordinator, num_processes=count,
-                                    process_id=index, process_timeout=30))
+                                    process_id=index, process_timeout=5 if idle else 30))
     import jax
+
+    if idle:  # one collective, then no other: only the watchdog can see a process stop
+        from dp.distributed import sum_over_processes
+
+        assert int(sum_over_processes(1)) == count
+        print("ready", flush=True)
+        time.sleep(120)
+        return
 
     import dp
     import probe
@@ -128,4 +139,4 @@ def main(coordinator: str, count: int, index: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], "--idle" in sys.argv)

@@ -77,6 +77,7 @@ def references():
     return {count: worker.train_all(None, sigma=count * worker.SIGMA) for count in (1, 2, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [2, 3])
 def test_processes_train_the_one_process_model_once(count, tmp_path, references):
     address = f"127.0.0.1:{free_port()}"
@@ -128,6 +129,7 @@ def probe_command(store: str, address: str, count: int, i: int, *options: str) -
             "--seeds", "1", *options]
 
 
+@pytest.mark.slow
 def test_cli_processes_write_once(tmp_path):
     """`dpprobe probe --coordinator --num-processes --process-id`, streamed: process 0 prints
     the table and writes the results and the model; the others write and print nothing."""
@@ -145,6 +147,7 @@ def test_cli_processes_write_once(tmp_path):
     assert "epsilon" not in text(tmp_path / "logs" / "out1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_the_job_with_one_line(victim, tmp_path):
     """SIGKILL one process mid-training (the coordinator, process 0, or another): every other
@@ -176,3 +179,30 @@ def test_a_killed_process_ends_the_job_with_one_line(victim, tmp_path):
     assert lines[-1].startswith(f"dpprobe probe: error: process {1 - victim} of 2: "), lines[-3:]
     assert "another process" in lines[-1] or "lost contact" in lines[-1], lines[-1]
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_process_outside_collectives_learns_of_a_killed_coordinator(tmp_path):
+    """Process 1 sleeps outside any collective when process 0 (which started the coordination
+    service) is killed: its watchdog ends it within the timeout (5 s), with one line."""
+    address = f"127.0.0.1:{free_port()}"
+    logs = tmp_path / "logs"
+    procs = start([[sys.executable, "-m", "tests.processes_worker", address, "2", str(i),
+                    str(tmp_path), "--idle"] for i in range(2)], logs)
+    try:
+        deadline = time.monotonic() + 180
+        while not all("ready" in text(logs / f"out{i}") for i in range(2)):
+            assert all(p.poll() is None for p in procs), [text(logs / f"err{i}")[-2000:]
+                                                          for i in range(2)]
+            assert time.monotonic() < deadline, "the processes did not start"
+            time.sleep(0.2)
+        procs[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[1].wait(timeout=40)
+        elapsed = time.monotonic() - killed
+    finally:
+        kill_all(procs)
+    lines = [line for line in text(logs / "err1").splitlines() if line.strip()]
+    assert code == 1 and elapsed < 5 + 10, (code, elapsed)
+    assert lines[-1] == ("dpprobe: error: process 1 of 2: process 0 has not answered for 5 s: "
+                         "it stopped or hangs"), lines[-3:]
