@@ -46,6 +46,9 @@ class FinetuneConfig:
         parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
+      coordinator, num_processes, process_id, process_timeout: run as one of several
+        processes (`pipelines.processes`: each trains on its own rows, process 0 writes; no
+        checkpoints, no audit).
       audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
         `seed`), each in with probability 1/2, and the one-run bounds on epsilon
         (`finetune.canaries`); 0: off. The epochs count the real records only, so an audited

@@ -77,6 +77,8 @@ class ProbeConfig:
         sizes, the data fingerprint) to this local file, for debugging; never share it.
       save_model: a folder for one model file per epsilon (its first seed's run;
         `pipelines.model_files.probe_models`).
+      coordinator, num_processes, process_id, process_timeout: run as one of several
+        processes (`pipelines.processes`: each reads its own rows, process 0 writes).
     """
 
     store: str = store_option()

@@ -1,19 +1,23 @@
 """A probe or finetune job run as several processes (one per host): `--coordinator HOST:PORT
 --num-processes N --process-id I`, its start (`jax.distributed.initialize`, CPU collectives over
-Gloo), the rows each process reads, who writes the outputs, and how a job whose process died
-ends.
+Gloo), who writes the outputs, and how a job whose process died ends.
 
 Decisions:
-  * Process i reads only its rows (`dp.distributed.process_rows`: contiguous, sizes within one
-    row of each other); the probe pads them with null rows to the same count on every process.
+  * Process i holds only its rows (`dp.distributed.process_rows`: contiguous, sizes within one
+    row of each other); the in-memory probe pads them with null rows to the same count on every
+    process. Every process adds the same noise, once, to the sum over processes.
   * Only process 0 writes outputs (results, CSV, plot, models, diagnostics) and prints the
-    table; the others write nothing, so outputs never race. Every process holds the same
-    model (the same sums, the same noise keys from process 0), so nothing is lost.
-  * A process that stops ends the job: a collective with it fails at once ("connection reset"),
-    and a process outside a collective learns it from the coordinator within `process_timeout`
-    seconds (the heartbeat timeout). Either way each process prints one line naming itself and
-    exits with status 1, never hangs, and skips JAX's shutdown barrier (which would wait for the
-    dead process).
+    table; the others write and print nothing (`writer_config`), so outputs never race. Every
+    process holds the same model (the same sums, the same noise keys from process 0).
+  * A process that stops ends the job, never a hang: a collective with it fails at once
+    ("connection reset"), and a watchdog thread in every process (`_watch`: heartbeats in the
+    coordinator's key-value store) ends a process whose peer has not answered for
+    `process_timeout` seconds while it computes, reads or writes outside a collective. Either
+    way each process prints one line naming itself (`fail`) and exits with status `EXIT_LOST`,
+    skipping JAX's shutdown barrier (which would wait for the dead process). The coordination
+    service runs in a process of its own (`pipelines/coordinator.py`), so that process 0's
+    death does not take it down with it: JAX would then abort every other process with a page
+    of C++ log before any line of ours.
 """
 
 from __future__ import annotations
