@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, --version, or a one-line usage error (status 2)
         return stop.code if isinstance(stop.code, int) else 2
+    processes.name_command(args.command)  # named in a multi-process job's failure line
     try:
         config = make_config(args)
         code = args.func(config, args)

@@ -70,6 +70,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     if multi:  # each process keeps its own rows (every process reads the spec)
         from dp.distributed import process_rows
 
+        processes.check_rows(num_real)
         first, stop = process_rows(num_real)
         train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)

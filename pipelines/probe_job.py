@@ -54,6 +54,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
     if stream and config.sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    processes.check_rows(num_examples)
     if processes.active() and (config.sampling_probability < 1.0 or (config.devices or 1) > 1):
         raise ValueError("a multi-process probe trains full batch on every device of every "
                          "process: drop `sampling_probability` and `devices`")

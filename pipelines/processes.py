@@ -34,9 +34,10 @@ import time
 from pipelines import config as cfg
 from pipelines.options import integer, option
 
-__all__ = ["EXIT_LOST", "ProcessConfig", "coordinator_option", "describe_failure", "fail",
-           "is_writer", "num_processes_option", "process_id_option", "process_timeout_option",
-           "start", "writer_config"]
+__all__ = ["EXIT_LOST", "ProcessConfig", "active", "check", "check_rows", "coordinator_option",
+           "count", "describe_failure", "fail", "is_writer", "name_command",
+           "num_processes_option", "process_id_option", "process_timeout_option", "start",
+           "writer_config"]
 
 # Exit status of a process whose job lost another process (a bad input is 2).
 EXIT_LOST = 1
@@ -230,6 +231,12 @@ def active() -> bool:
 def count() -> int:
     """The processes of this job (1 unless started as several)."""
     return _started["count"] if active() else 1
+
+
+def check_rows(num_examples: int) -> None:
+    """Every process of the job must hold at least one row (N and the count are public)."""
+    if num_examples < count():
+        raise ValueError(f"{num_examples} rows cannot be split over {count()} processes")
 
 
 def is_writer() -> bool:

@@ -103,6 +103,64 @@ def test_processes_train_the_one_process_model_once(count, tmp_path, references)
         assert np.abs(per_process - once).max() > 1000 * ATOL, key
 
 
+def test_process_rows_split_every_row_once():
+    from dp.distributed import process_rows
+
+    for total, count in ((101, 2), (101, 3), (5, 4), (0, 2)):
+        bounds = [process_rows(total, i, count) for i in range(count)]
+        assert [b for _, b in bounds[:-1]] == [a for a, _ in bounds[1:]]
+        assert bounds[0][0] == 0 and bounds[-1][1] == total
+        sizes = [b - a for a, b in bounds]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_local_batches_keep_exactly_the_sampled_rows_of_the_slice():
+    """Re-packing a step's physical batches for rows [40, 70): every sampled row of the slice
+    once, nothing else, at least one batch; on the whole range, the batches unchanged."""
+    import dp
+    from dp.distributed import local_batches
+
+    step = next(dp.poisson_batches(100, [0.5], [1], 8, np.random.default_rng(1)))
+    index, mask = step.index[:, 0], step.mask[:, 0]
+    sampled = index[mask > 0]
+    own = local_batches(index, mask, 40, 70, 8)
+    rows = np.concatenate([i[m > 0] for i, m in own])
+    np.testing.assert_array_equal(rows, sampled[(sampled >= 40) & (sampled < 70)])
+    assert all(len(i) == 8 and ((i >= 40) & (i < 70)).all() for i, _ in own)
+    whole = local_batches(index, mask, 0, 100, 8)
+    np.testing.assert_array_equal(np.stack([i for i, _ in whole]), index)
+    np.testing.assert_array_equal(np.stack([m for _, m in whole]), mask)
+    (empty,) = local_batches(index, mask, 100, 100, 8)
+    assert empty[1].sum() == 0
+
+
+def test_a_row_range_of_a_store_reads_those_rows(tmp_path):
+    import extract
+
+    store = tiny_store(tmp_path / "s.zarr")
+    features, labels, _ = extract.load_split(store, "train")
+    for first, stop in ((0, 600), (10, 200), (64, 128), (599, 600), (300, 300)):
+        chunks = list(extract.iter_split_chunks(store, "train", row_range=(first, stop)))
+        got = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros((0, 5))
+        np.testing.assert_array_equal(got, features[first:stop])
+        if chunks:
+            np.testing.assert_array_equal(np.concatenate([c[1] for c in chunks]),
+                                          labels[first:stop])
+
+
+@pytest.mark.parametrize("options, flag", [
+    (["--coordinator", "nohost"], "--coordinator"),
+    (["--num-processes", "2", "--process-id", "2"], "--process-id"),
+    (["--num-processes", "0"], "--num-processes"),
+    (["--process-timeout", "0"], "--process-timeout")])
+def test_bad_process_options_are_usage_errors(options, flag, capsys):
+    from pipelines import cli
+
+    assert cli.main(["probe", "STORE", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dpprobe probe: error: argument {flag}") and err.count("\n") == 1
+
+
 def tiny_store(path: Path, rows: int = 600) -> str:
     import extract
 
