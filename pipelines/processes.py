@@ -45,7 +45,8 @@ EXIT_LOST = 1
 _lock = threading.Lock()
 _started: dict = {}
 _command: dict = {}
-_stop = threading.Event()  # set when this process leaves: the watchdog stops
+_exiting = threading.Event()  # set when this process starts leaving (JAX's shutdown barrier)
+_stop = threading.Event()  # set when it has passed the barrier: the watchdog stops
 _ALIVE = "dpprobe/alive/"  # the watchdog's keys in the coordinator's key-value store
 
 
@@ -131,12 +132,14 @@ def start(config) -> None:
         _started["layout"] = layout
         timeout = layout.process_timeout
         heartbeat = 3 * timeout + 10  # JAX's own check (an abort, a page of C++ log) after ours
+        shutdown = max(300, heartbeat)  # at exit, the others wait this long for process 0
         try:
-            with _service_outside(layout, heartbeat):
+            with _service_outside(layout, heartbeat, shutdown):
                 jax.distributed.initialize(
                     coordinator_address=layout.coordinator, num_processes=layout.num_processes,
                     process_id=layout.process_id, initialization_timeout=timeout,
-                    heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=timeout)
+                    heartbeat_timeout_seconds=heartbeat,
+                    shutdown_timeout_seconds=shutdown)
         except Exception as err:  # the others did not come within the timeout, a bad address
             _started.clear()
             raise RuntimeError(f"could not join the job's processes at {config_address()} "
@@ -146,11 +149,21 @@ def start(config) -> None:
         watchdog = threading.Thread(target=_watch, name="dpprobe-watchdog", daemon=True, args=(
             distributed.global_state.client, jax.process_index(), jax.process_count(), timeout))
         watchdog.start()
-        atexit.register(_stop.set)  # before JAX's shutdown barrier (atexit runs last first)
+        atexit.register(_leave)  # before JAX's own exit handler (atexit runs last first)
+
+
+def _leave() -> None:
+    """At exit: JAX's shutdown barrier (every process waits for the others to finish, process
+    0 writing the outputs), watched by the watchdog, which stops once it is passed."""
+    import jax
+
+    _exiting.set()
+    jax.distributed.shutdown()
+    _stop.set()
 
 
 @contextlib.contextmanager
-def _service_outside(layout: ProcessConfig, heartbeat: int):
+def _service_outside(layout: ProcessConfig, heartbeat: int, shutdown: int):
     """On process 0 (given `coordinator`, `num_processes` and `process_id`): run the job's
     coordination service in its own process (`pipelines.coordinator`), which outlives this
     one, and have `jax.distributed.initialize` start none here. Elsewhere: nothing."""
@@ -163,7 +176,7 @@ def _service_outside(layout: ProcessConfig, heartbeat: int):
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")
     helper = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "coordinator.py"), bind,
-         str(layout.num_processes), str(heartbeat), str(layout.process_timeout),
+         str(layout.num_processes), str(heartbeat), str(shutdown),
          str(layout.process_timeout + 5)],  # a script: it imports jaxlib only
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     if helper.stdout.readline().strip() != b"ready":
@@ -198,7 +211,7 @@ def _watch(client, index: int, count: int, timeout: float) -> None:
             client.key_value_set(f"{_ALIVE}{index}", str(beat), allow_overwrite=True)
             values = dict(client.key_value_dir_get(_ALIVE))
         except Exception as err:  # noqa: BLE001 - any failure to reach the coordinator
-            if _stop.is_set():
+            if _exiting.is_set():  # the job may have ended: the barrier says if it did not
                 return
             fail(f"lost contact with the coordinator at {config_address()} "
                  f"({_first_line(err)}): process 0 stopped or cannot be reached")

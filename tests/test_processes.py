@@ -194,6 +194,7 @@ def test_cli_processes_write_once(tmp_path):
     store = tiny_store(tmp_path / "s.zarr")
     address = f"127.0.0.1:{free_port()}"
     procs = start([probe_command(store, address, 2, i, "--stream", "--steps", "3", "--quiet",
+                                 "--process-timeout", "10",
                                  "--out", str(tmp_path / f"r{i}.json"),
                                  "--save-model", str(tmp_path / f"m{i}"))
                    for i in range(2)], tmp_path / "logs")
