@@ -8,6 +8,7 @@ the noise added once per process). Through the CLI, only process 0 writes output
 process killed mid-run makes the others exit within a bound with one line naming them.
 """
 
+import json
 import os
 import signal
 import socket
@@ -188,12 +189,14 @@ def probe_command(store: str, address: str, count: int, i: int, *options: str) -
 
 
 @pytest.mark.slow
-def test_cli_processes_write_once(tmp_path):
-    """`dpprobe probe --coordinator --num-processes --process-id`, streamed: process 0 prints
-    the table and writes the results and the model; the others write and print nothing."""
-    store = tiny_store(tmp_path / "s.zarr")
+@pytest.mark.parametrize("mode", ["--stream", "--in-memory"])
+def test_cli_processes_write_once(mode, tmp_path):
+    """`dpprobe probe --coordinator --num-processes --process-id` (601 rows: 300 and 301 per
+    process): process 0 prints the table and writes the results and the model; the others
+    write and print nothing."""
+    store = tiny_store(tmp_path / "s.zarr", rows=601)
     address = f"127.0.0.1:{free_port()}"
-    procs = start([probe_command(store, address, 2, i, "--stream", "--steps", "3", "--quiet",
+    procs = start([probe_command(store, address, 2, i, mode, "--steps", "3", "--quiet",
                                  "--process-timeout", "10",
                                  "--out", str(tmp_path / f"r{i}.json"),
                                  "--save-model", str(tmp_path / f"m{i}"))
@@ -204,6 +207,8 @@ def test_cli_processes_write_once(tmp_path):
     assert not (tmp_path / "r1.json").exists() and not (tmp_path / "m1").exists()
     assert "epsilon" in text(tmp_path / "logs" / "out0")
     assert "epsilon" not in text(tmp_path / "logs" / "out1")
+    driver = json.loads((tmp_path / "r0.json").read_text())["probe"]["driver"]
+    assert driver.endswith("rows split over 2 processes"), driver
 
 
 @pytest.mark.slow
