@@ -87,7 +87,7 @@ def train_all(rows: tuple[int, int] | None, mesh=None, sigma: float = SIGMA) -> 
     keys = test_keys(len(runs), 1)
     x, y = features[start:stop], labels[start:stop]
     if mesh is not None:  # the same number of rows on every process: null rows (label -1)
-        pad = -(-N // (mesh.devices.size)) - len(y)
+        pad = -(-N // mesh.devices.size) - len(y)  # one device per process here
         x = np.concatenate([x, np.zeros((pad, DIM), np.float32)])
         y = np.concatenate([y, np.full(pad, -1, np.int32)])
     memory = probe.train_probe(x, y, runs, keys, spec, num_examples=N,
