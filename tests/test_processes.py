@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,15 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The processes of these tests share one persistent compilation cache (a fresh folder): the
-# programs a process runs on its own rows (streamed chunks, finetune batches, the update) are
-# the same for 2 and 3 processes, so later jobs skip most compiling (15 s -> 4 s CPU each).
-CACHE = tempfile.mkdtemp(prefix="dpprobe-processes-cache-")
-
-
 def environment() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", DPPROBE_JAX_CACHE="0",
+               JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     return env
 
