@@ -5,6 +5,8 @@
   * `dp.sampling`: Poisson batch selection (jax_privacy) and the one pad-and-mask helper;
   * `dp.clipping`: the clipper interface (params, batch, C, mask) -> (clipped sum, norms), null
     records, and the general per-example clipper (`jax_privacy.clipped_grad`);
+  * `dp.bookkeeping`: book-keeping clipping of whole NNX networks (ghost norms, Bu et al.
+    2023): one forward and one backward pass, layer rules in `dp.taps`;
   * `dp.norms`: per-example gradient norms of a dense layer from its inputs and output
     gradients (the ghost norm), bounded under float32 rounding; the linear probe's closed
     form is its one-layer case;
@@ -25,6 +27,7 @@ from dp.auditing import (
     one_run_epsilon_bound,
     tradeoff_curve,
 )
+from dp.bookkeeping import bookkeeping_clipper
 from dp.clipping import (
     NULL_LABEL,
     ClippedSum,
@@ -55,6 +58,7 @@ __all__ = [
     "PoissonStep",
     "add_noise",
     "audit_bounds",
+    "bookkeeping_clipper",
     "choose_thresholds",
     "dense_grad_norms",
     "gaussian_noise",

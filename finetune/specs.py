@@ -91,6 +91,9 @@ class FinetuneSpec:
         return optax.join_schedules([warmup, after], [self.warmup_steps])
 
 
+CLIPPERS = ("bookkeeping", "per_example")
+
+
 @dataclasses.dataclass(frozen=True)
 class FinetuneFlags:
     """Speed and memory knobs. None of them changes epsilon: every example's whole gradient is
@@ -100,19 +103,27 @@ class FinetuneFlags:
       physical_batch_size: examples per compiled call (a logical batch is cut into such
         physical batches, the last one padded and masked).
       microbatch_size: `jax_privacy.clipped_grad`'s microbatches inside a physical batch
-        (less memory, more sequential work); None: the whole physical batch at once.
+        (less memory, more sequential work); None: the whole physical batch at once. Used by
+        the "per_example" clipper only.
       mixed_precision: forward and backward in bfloat16; the per-example gradients are cast
         to float32 before clipping, and clipping and noise are float32.
       devices: data parallel over this many local devices (the physical batch is split
         between them; it must divide `physical_batch_size`).
+      clipping: "bookkeeping" (`dp.bookkeeping_clipper`: one forward and one backward pass,
+        no per-example kernel gradients; the default) or "per_example" (`dp.per_example_clipper`,
+        `jax_privacy.clipped_grad`'s vmapped per-example gradients). Both bound each
+        example's contribution by C; they agree to float rounding.
     """
 
     physical_batch_size: int = 64
     microbatch_size: int | None = None
     mixed_precision: bool = False
     devices: int = 1
+    clipping: str = "bookkeeping"
 
     def __post_init__(self):
+        if self.clipping not in CLIPPERS:
+            raise ValueError(f"clipping must be one of {CLIPPERS}, got {self.clipping!r}")
         if self.physical_batch_size < 1:
             raise ValueError(f"physical_batch_size must be >= 1, got {self.physical_batch_size}")
         if self.devices < 1 or self.physical_batch_size % self.devices:

@@ -7,9 +7,10 @@ Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
      physical batches of p rows, the last one padded and masked (Beltran et al. 2024,
      https://arxiv.org/abs/2406.17298, Alg. A1): one compiled program for every batch size;
   2. per example: K views (`finetune.augment`), the loss averaged over them, and its gradient
-     (De et al. 2022, https://arxiv.org/abs/2204.13650, eq. 4) clipped to C as a whole
-     (`dp.per_example_clipper`, on `jax_privacy.clipped_grad`), summed over the physical
-     batches of the step;
+     (De et al. 2022, https://arxiv.org/abs/2204.13650, eq. 4) clipped to C as a whole, by
+     book-keeping (`dp.bookkeeping_clipper`: one forward and one backward pass of the batch,
+     Bu et al. 2023) or by per-example gradients (`dp.per_example_clipper`, on
+     `jax_privacy.clipped_grad`), summed over the physical batches of the step;
   3. noise: N(0, (sigma C)^2 I) added once to the step's sum, divided by the expected batch
      size q N, then the optimizer with its learning-rate schedule (`dp.private_optimizer`:
      an optax chain; the optimizer is post-processing);
@@ -41,6 +42,7 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
+from dp.bookkeeping import bookkeeping_clipper
 from dp.canaries import GradientCanaries, canary_tap
 from dp.clipping import NULL_LABEL, per_example_clipper, valid_labels, zero_nonfinite_rows
 from dp.distributed import local_batches, shared_generator, sum_over_processes
@@ -104,6 +106,30 @@ def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, a
     return loss
 
 
+def _bookkeeping_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | None):
+    """`_example_loss_fn` for `dp.bookkeeping_clipper`: one example without a batch axis,
+    given the (tapped) model and the canary block as `extra`."""
+
+    def loss(model, block, image, label, row):
+        views = model_inputs(views_of(image, jax.random.fold_in(aug_key, row), views=spec.augmult,
+                                      padding=spec.crop_padding, flip=spec.flip), spec)
+        logits = model(views.astype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype))
+        value = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), jnp.broadcast_to(label, logits.shape[:1])).mean()
+        if canaries is None:
+            return value
+        num_real, norm = canaries
+        canary = row - num_real
+        return jnp.where(canary >= 0, norm * block[jnp.clip(canary, 0, block.shape[0] - 1)],
+                         value)
+
+    return loss
+
+
+def _notice(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
 def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
                 spec: FinetuneSpec, flags: FinetuneFlags,
@@ -121,6 +147,12 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
     if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
+    if flags.clipping == "bookkeeping":
+        clipper = bookkeeping_clipper(
+            _bookkeeping_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
+            dtype=jnp.bfloat16 if flags.mixed_precision else None)
+        return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip,
+                       mask * valid).grads
     clipper = per_example_clipper(
         _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
         microbatch_size=flags.microbatch_size)

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import dp
 import probe
@@ -64,3 +65,41 @@ class TestPerExampleClipper(ClipperContract):
         x = jnp.asarray(features, jnp.float32)
         batch = (x if x.ndim == 3 else x[:, None, :], jnp.asarray(labels))
         return params, batch, jnp.float32(clip_norm)
+
+
+class _ProbeModule(nnx.Module):
+    """The probe as an NNX model: one dense layer on each view."""
+
+    def __init__(self, dim: int):
+        self.linear = nnx.Linear(dim, NUM_CLASSES, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+class TestBookkeepingClipper(ClipperContract):
+    """`dp.bookkeeping_clipper` on the probe as an NNX model (views as tokens of one example),
+    through an adapter from the contract's {"w", "b"} parameters to the model's state."""
+
+    def clipper(self):
+        spec = self.spec
+
+        def loss(model, extra, x, y):
+            logits = model(x)
+            return probe.example_losses(logits, jax.nn.one_hot(y, NUM_CLASSES)[None],
+                                        spec.loss).mean()
+
+        def clip(params, batch, clip_norm, mask):
+            graphdef, state = nnx.split(_ProbeModule(params["w"].shape[0]))
+            state["linear"]["kernel"].set_value(params["w"])
+            state["linear"]["bias"].set_value(params["b"])
+            result = dp.bookkeeping_clipper(loss, graphdef, nnx.State({}))(
+                state, batch, clip_norm, mask)
+            grads = result.grads["linear"]
+            return dp.ClippedSum({"w": grads["kernel"][...], "b": grads["bias"][...]},
+                                 result.norms)
+
+        return clip
+
+    def inputs(self, features, labels, clip_norm):
+        return TestPerExampleClipper.inputs(self, features, labels, clip_norm)

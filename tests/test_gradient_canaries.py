@@ -58,8 +58,10 @@ def _audited(plan, claim=None):
 
 
 def test_the_tap_records_each_steps_clipped_canaries_exactly():
-    """Without noise, step t's projection of canary j is exactly 1 (C) when it is in and
-    sampled, else 0; the model never sees the block (its gradient is norm e_j, clipped to C)."""
+    """Without noise, step t's projection of canary j is 1 (C) when it is in and sampled, else
+    exactly 0; the model never sees the block (its gradient is norm e_j, clipped to C). The
+    book-keeping clipper clips to an upper bound of the float32 norm (`dp.bookkeeping`), so 1
+    holds to a relative 5e-6."""
     images, labels = _data()
     canaries = GradientCanaries.draw(40, np.random.default_rng(3))
     plan = accounting.DpPlan(0.0, 5, 0.5, 0.25)
@@ -78,7 +80,9 @@ def test_the_tap_records_each_steps_clipped_canaries_exactly():
         chosen = np.zeros(40, bool)
         chosen[rows[rows >= REAL] - REAL] = True
         sampled.append(chosen & canaries.included)
-    np.testing.assert_array_equal(result.canary_projections, np.array(sampled, np.float32))
+    expected = np.array(sampled, np.float32)
+    np.testing.assert_allclose(result.canary_projections, expected, rtol=5e-6, atol=0)
+    assert (result.canary_projections[expected == 0] == 0).all()
 
 
 def test_bound_and_estimate_on_the_exact_mechanism():
@@ -132,10 +136,10 @@ def test_halved_noise_is_refuted(monkeypatch):
 @pytest.mark.usefixtures("recompiled")
 def test_unclipped_canaries_are_refuted(monkeypatch):
     """A clipper that clips real rows but lets canary rows through unclipped."""
-    original = finetune_train.per_example_clipper
+    original = finetune_train.bookkeeping_clipper
 
-    def broken(loss, microbatch_size=None):
-        clipper = original(loss, microbatch_size=microbatch_size)
+    def broken(*args, **kwargs):
+        clipper = original(*args, **kwargs)
 
         def clip(params, batch, clip_norm, mask):
             canary = (batch[2] >= REAL).astype(mask.dtype)
@@ -145,7 +149,7 @@ def test_unclipped_canaries_are_refuted(monkeypatch):
 
         return clip
 
-    monkeypatch.setattr(finetune_train, "per_example_clipper", broken)
+    monkeypatch.setattr(finetune_train, "bookkeeping_clipper", broken)
     audit = _audited(_plan(2.0))[1]
     assert audit.refuted and audit.fitted["signal"] > 100, audit
 

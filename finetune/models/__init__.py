@@ -11,6 +11,7 @@ are well defined), keeps all weights as `nnx.Param`, and has a zero-initialized 
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
 
+from finetune.models import taps as _taps  # noqa: F401 - registers the book-keeping rules
 from finetune.models.cnn import CifarCNN, TemperedCNN
 from finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
 from finetune.models.factory import MODEL_NAMES, create_model

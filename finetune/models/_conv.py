@@ -19,7 +19,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "conv2d"]
+__all__ = ["Conv", "conv2d", "im2col"]
+
+
+def im2col(x: jax.Array, size: int, stride: int, padding: int) -> jax.Array:
+    """The patches of NHWC `x` under a `size` x `size` kernel: (N, OH, OW, size * size * C),
+    features ordered (kh, kw, c_in) as an HWIO kernel flattens."""
+    _, h, w, _ = x.shape
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    oh = (h + 2 * padding - size) // stride + 1
+    ow = (w + 2 * padding - size) // stride + 1
+    cols = [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
+            for i in range(size) for j in range(size)]
+    return jnp.concatenate(cols, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))  # one dispatch when called eagerly
@@ -29,15 +41,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Ar
     Output side (side + 2 padding - k) // stride + 1, as `lax.conv_general_dilated` (and
     torch's Conv2d) with symmetric padding.
     """
-    kh, kw, _, cout = kernel.shape
-    _, h, w, _ = x.shape
-    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    oh = (h + 2 * padding - kh) // stride + 1
-    ow = (w + 2 * padding - kw) // stride + 1
-    cols = [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
-            for i in range(kh) for j in range(kw)]
-    patches = jnp.concatenate(cols, axis=-1)  # features ordered (kh, kw, c_in), as HWIO
-    return jnp.einsum("nhwk,ko->nhwo", patches, kernel.reshape(-1, cout))
+    patches = im2col(x, kernel.shape[0], stride, padding)
+    return jnp.einsum("nhwk,ko->nhwo", patches, kernel.reshape(-1, kernel.shape[-1]))
 
 
 class Conv(nnx.Module):

@@ -1,0 +1,289 @@
+"""Book-keeping clipping: the clipped sum of per-example gradients of a whole Flax NNX network
+from one forward and one backward pass, without per-example gradients of its kernels.
+
+Bu et al. 2023, "Differentially Private Optimization on Large Model at Small Cost"
+(https://arxiv.org/abs/2210.00038), on the ghost norm (Goodfellow 2015; Li et al. 2021,
+https://arxiv.org/abs/2110.05679). For a layer y_t = a_t W over the tokens t of one example
+(its K augmented views are more tokens of the same example; a convolution's tokens are its
+im2col patches), the example's kernel gradient is g = A^T B with B = dloss/dy, so
+
+  * its squared norm is sum_{t,s} (a_t . a_s)(b_t . b_s) (ghost: never forms g, costs T^2 (d+p))
+    or |A^T B|^2 (instantiated: costs T d p), chosen per layer by cost (ghost when 2 T^2 < p d);
+  * the clipped sum over examples is sum_i c_i A_i^T B_i: one einsum per layer (ghost) or the
+    c-weighted sum of the instantiated g_i.
+
+One pass: the model runs under `jax.vmap` over examples with every tapped layer's output
+perturbed by zero (`dp.taps`) and every other trained parameter offset by a per-example zero;
+`jax.grad` of the summed loss with respect to the perturbations and the offsets gives each
+layer's B and each example's gradient of the small parameters (biases, norm scales and offsets,
+class token, position embedding, gains of layers without a rule) in the same backward pass,
+which never computes a kernel gradient. A parameter no rule covers is thus still exact, only
+instantiated (`notices` says which are large). Written here because no JAX library has it.
+
+Rounding. Each example's factor is c = min(1, C / U) with U an upper bound of the norm of what
+the example adds to the computed float32 sum (Higham's bound for sums and dot products of m
+float32 terms, gamma_m = m 2^-24 / (1 - m 2^-24), doubled for safety):
+  * instantiated parts: the computed g itself is what is summed (times c), so U needs only the
+    norm's rounding: sqrt(S' (1 + gamma)) with S' the computed sum of squares, scaled by the
+    example's largest entry so that no square flushes to zero or overflows;
+  * ghost parts: the computed Gram form S' of the exact |A^T B|^2 is within gamma_G tau^2 of it
+    (tau = sum_t |a_t| |b_t|, the triangle bound), and the einsum that forms sum_i c_i A_i^T B_i
+    adds to example i's term an error of norm <= gamma_T c tau; so U adds both.
+A non-finite norm (NaN/Inf anywhere in the example's A, B or gradients) gives factor 0, and a
+masked example factor 0; its A, B and gradients are replaced by zeros before any sum.
+
+Formal guarantee:
+  For any inputs, each example with mask 1 adds to the returned float32 sum a vector of L2 norm
+  at most C (1 + 4 2^-24) (the last product c g rounds each entry by one unit), and each example
+  with mask 0 or a non-finite gradient adds exactly zero, whatever the other examples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dp.clipping import ClippedSum, Clipper
+from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
+
+__all__ = ["bookkeeping_clipper", "layer_plan"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_U = 2.0**-24
+
+
+def _gamma(m: int) -> float:
+    """Higham's gamma_m = m u / (1 - m u) for float32 (u = 2^-24): the relative error bound of
+    a sum or dot product of m terms in any order."""
+    return (m * _U) / (1.0 - m * _U)
+
+
+_BLOCK = 16
+
+
+def _blocked_sum(x: jax.Array) -> tuple[jax.Array, int]:
+    """Row sums of x (n, m) by levels of at most 16 terms, and the number of terms k of their
+    rounding bound: |computed - exact| <= gamma_k sum |x|, with k = the levels' sizes summed
+    (about 16 log16(m), not m as for a sum in unknown order)."""
+    terms = 0
+    while x.shape[1] > 1:
+        width = min(_BLOCK, x.shape[1])
+        pad = -x.shape[1] % width
+        x = jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], -1, width).sum(axis=2)
+        terms += width
+    return x[:, 0], terms
+
+
+def _leaf_path(key_path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+                 for k in key_path if not (hasattr(k, "name") and k.name == "value"))
+
+
+_SMALL = 2**22
+
+
+def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
+    """"ghost" when the Gram form is cheaper than forming the gradient (2 T^2 < p d, Bu et al.
+    2023, Sec. 3.2) and the batch's gradients of the layer would take more than 2^22 floats;
+    else "instantiate" (cheap then, and its rounding bound is tighter)."""
+    if 2 * tokens * tokens < in_dim * out_dim and examples * in_dim * out_dim > _SMALL:
+        return "ghost"
+    return "instantiate"
+
+
+def _unit_scale(x: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x / 2^e per example, where peak = m 2^e (m in [0.5, 1)): entries in [-1, 1], exactly
+    (powers of two, applied in two halves: a reciprocal of a peak above ~1e38 is subnormal
+    and XLA flushes it to zero). Returns (scaled x, e)."""
+    _, exponent = jnp.frexp(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    half = exponent // 2
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    x = x * jnp.exp2(-half.astype(x.dtype)).reshape(shape)
+    return x * jnp.exp2(-(exponent - half).astype(x.dtype)).reshape(shape), exponent
+
+
+def _unscale(value: jax.Array, exponent: jax.Array, peak: jax.Array) -> jax.Array:
+    """value 2^e (in two halves, so only a true overflow gives inf); NaN/inf where the peak
+    was not finite."""
+    half = exponent // 2
+    value = value * jnp.exp2(half.astype(value.dtype)) * jnp.exp2(
+        (exponent - half).astype(value.dtype))
+    return jnp.where(jnp.isfinite(peak), value, peak)
+
+
+def _scaled_norm(g: jax.Array) -> jax.Array:
+    """Upper bound of each example's L2 norm of g (n, ...), safe from underflow and overflow:
+    scaled by the example's largest entry, squares summed by `_blocked_sum`; the scaling, the
+    squares and the sum round within gamma_(terms + 4) relative, the square root by u."""
+    flat = g.reshape(g.shape[0], -1)
+    peak = jnp.max(jnp.abs(flat), axis=1)
+    scaled, exponent = _unit_scale(flat, peak)
+    sq, terms = _blocked_sum(jnp.square(scaled))
+    return _unscale(jnp.sqrt(sq * (1.0 + _gamma(terms + 4))) * (1.0 + _gamma(2)), exponent,
+                    peak)
+
+
+def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Upper bound of |A_i^T B_i| plus the einsum's rounding of c A_i^T B_i (module docstring),
+    from a (n, T, d) and b (n, T, p), without forming A_i^T B_i."""
+    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
+    a_peak = jnp.max(jnp.abs(a), axis=(1, 2))
+    b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
+    a_s, a_exp = _unit_scale(a, a_peak)
+    b_s, b_exp = _unit_scale(b, b_peak)
+    a_gram = jnp.einsum("ntd,nsd->nts", a_s, a_s, precision=_HIGHEST)
+    b_gram = jnp.einsum("ntp,nsp->nts", b_s, b_s, precision=_HIGHEST)
+    sq, sq_terms = _blocked_sum((a_gram * b_gram).reshape(a.shape[0], -1))
+    tau, tau_terms = _blocked_sum(jnp.sqrt(jnp.diagonal(a_gram, axis1=1, axis2=2))
+                                  * jnp.sqrt(jnp.diagonal(b_gram, axis1=1, axis2=2)))
+    # Each Gram entry is within gamma_d (gamma_p) of |a_t| |a_s| (|b_t| |b_s|) of its exact
+    # value, products round by u, the blocked sum adds gamma_(sq_terms) of the sum of
+    # |terms| <= tau^2; tau itself is computed low by at most gamma_(d + p + tau_terms + 4).
+    tau = tau * (1.0 + _gamma(d + p + tau_terms + 4))
+    slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
+    bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2) * (1.0 + _gamma(2)))
+    return _unscale(_unscale(bound + _gamma(tokens + 8) * tau, a_exp, a_peak), b_exp, b_peak)
+
+
+def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
+                        notices: Callable[[str], None] | None = None,
+                        dtype: Any = None, ghost: bool | None = None) -> Clipper:
+    """The book-keeping clipper of an NNX model (module docstring).
+
+    Args:
+      loss: `loss(model, extra, *example)`, one example's scalar loss (no batch axis), given
+        the merged model and the non-model parameters `extra` (None if there are none).
+      graphdef, rest: the model's graph and its non-trained state (`nnx.split`).
+      notices: called once per compile with a line naming trained parameters larger than
+        65,536 entries that no rule covers (their per-example gradients are instantiated).
+      dtype: the forward's parameter dtype (bfloat16 for mixed precision); None keeps them.
+        A, B and every gradient are cast to float32 before norms and sums.
+      ghost: None chooses ghost norm or instantiation per layer by cost (`layer_plan`); True
+        uses the ghost norm wherever a rule allows it, False never (tests and benchmarks).
+
+    Returns:
+      A `dp.Clipper` whose `params` is the trained `nnx.State` or (that state, extra).
+    """
+
+    def clip(params, batch: tuple, clip_norm, mask) -> ClippedSum:
+        state, extra = params if isinstance(params, tuple) else (params, None)
+        trained = {_leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+        probe = nnx.merge(graphdef, state, rest)
+        names = tappable_layers(probe, trained)
+        modules = {tuple(path): m for path, m in nnx.iter_modules(probe)}
+        covered = {(*path, p) for path in names for p in rule_for(modules[path]).params}
+
+        def offsets_of(tree, keep_prefix=()):
+            return jax.tree_util.tree_map_with_path(
+                lambda kp, v: None if (*keep_prefix, *_leaf_path(kp)) in covered
+                else jnp.zeros((mask.shape[0], *v.shape), jnp.float32), tree)
+
+        def one(offsets, perturbations, example):
+            st_off, ex_off = offsets
+            st = jax.tree.map(lambda v, o: v if o is None else v + o.astype(v.dtype), state,
+                              st_off, is_leaf=lambda x: x is None)
+            if dtype is not None:
+                st = jax.tree.map(lambda v: v.astype(dtype), st)
+            ex = None if extra is None else jax.tree.map(lambda v, o: v + o, extra, ex_off)
+            model = tap_model(nnx.merge(graphdef, st, rest), names)
+            with Taps(names, perturbations) as taps:
+                value = loss(model, ex, *example)
+            return value, (taps.inputs, taps.output_shapes)
+
+        first = jax.tree.map(lambda b: b[0], batch)
+        _, (_, shapes) = jax.eval_shape(lambda: one((jax.tree.map(
+            lambda _: None, state), None if extra is None else jax.tree.map(
+                jnp.zeros_like, extra)), None, first))
+        _notify_uncovered(notices, state, covered)
+        st_off = offsets_of(state)
+        ex_off = None if extra is None else jax.tree.map(
+            lambda v: jnp.zeros((mask.shape[0], *v.shape), jnp.float32), extra)
+        perturb = {k: jnp.zeros((mask.shape[0], *s.shape), s.dtype) for k, s in shapes.items()}
+
+        def total(offsets, perturbations):
+            values, (inputs, _) = jax.vmap(one)(offsets, perturbations, batch)
+            return jnp.sum(values), inputs
+
+        (off_grads, outs), inputs = jax.grad(total, argnums=(0, 1), has_aux=True)(
+            (st_off, ex_off), perturb)
+        return _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm,
+                             mask, ghost)
+
+    return clip
+
+
+def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm, mask,
+                  ghost):
+    """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B."""
+    n = mask.shape[0]
+    parts, norms = {}, []  # parts: tap name -> ("ghost", a, b) or ("inst", {param: g})
+    for path, name in names.items():
+        module = modules[path]
+        rule = rule_for(module)
+        a, b = promote_float32(inputs[name], outs[name])
+        a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
+        plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
+            "ghost" if ghost else "instantiate")
+        if rule.grads is None and plan == "ghost":
+            parts[name] = ("ghost", a, b)
+            norms.append(_ghost_norm(a, b))
+            continue
+        g = jnp.einsum("ntd,ntp->ndp", a, b, precision=_HIGHEST)
+        if rule.grads is None:
+            grads = {rule.params[0]: g.reshape(n, *getattr(module, rule.params[0]).shape)}
+        else:
+            grads = jax.vmap(lambda gi, m=module, r=rule: r.grads(m, gi))(g)
+        parts[name] = ("inst", grads)
+        norms += [_scaled_norm(v) for v in grads.values()]
+    small = [g for g in jax.tree.leaves(off_grads) if g is not None]
+    norms += [_scaled_norm(g) for g in small]
+    stacked = jnp.stack(norms, axis=1)
+    peak = jnp.max(stacked, axis=1)
+    scaled, exponent = _unit_scale(stacked, peak)
+    total = _unscale(jnp.sqrt(jnp.sum(jnp.square(scaled), axis=1)
+                              * (1.0 + _gamma(len(norms) + 8))) * (1.0 + _gamma(2)),
+                     exponent, peak)
+    factor = jnp.minimum(1.0, clip_norm / total)
+    factor = jnp.where(jnp.isfinite(total) & (mask > 0), factor, 0.0)
+    keep = factor > 0
+
+    def weighted(g):
+        g = jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0)
+        return jnp.einsum("n...,n->...", g, factor, precision=_HIGHEST)
+
+    sums = {}
+    for path, name in names.items():
+        kind, *data = parts[name]
+        if kind == "ghost":
+            a, b = data
+            a = jnp.where(keep[:, None, None], a, 0.0)
+            b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
+            g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST)
+            param = rule_for(modules[path]).params[0]
+            sums[(*path, param)] = g.reshape(getattr(modules[path], param).shape)
+        else:
+            for param, g in data[0].items():
+                sums[(*path, param)] = weighted(g)
+    st_off, ex_off = off_grads
+    grads = jax.tree_util.tree_map_with_path(
+        lambda kp, v, o: sums[_leaf_path(kp)] if o is None else weighted(o).astype(v.dtype),
+        state, st_off, is_leaf=lambda x: x is None)
+    if extra is not None:
+        grads = (grads, jax.tree.map(weighted, ex_off))
+    return ClippedSum(grads, total)
+
+
+def _notify_uncovered(notices, state, covered) -> None:
+    if notices is None:
+        return
+    big = [".".join(map(str, _leaf_path(kp))) for kp, v in
+           jax.tree_util.tree_flatten_with_path(state)[0]
+           if _leaf_path(kp) not in covered and math.prod(v.shape) > 65536]
+    if big:
+        notices("book-keeping clipping has no rule for " + ", ".join(big)
+                + ": their per-example gradients are formed (exact, slower)")

@@ -1,0 +1,136 @@
+"""Taps on a Flax NNX model's layers: each tapped layer records its input A and adds a zero
+perturbation to its output, whose gradient is B = dloss/dy (book-keeping clipping,
+`dp.bookkeeping`).
+
+A **rule** says, for one layer class, how its kernel's gradient follows from A and B: the layer
+computes y = A W (A: its input as token rows, (T, d); W: its kernel as a (d, p) matrix), so one
+example's kernel gradient is A^T B, and `grads` maps that (d, p) matrix to the gradients of the
+parameters the rule covers (the kernel reshaped; for a weight-standardized kernel, the chain rule
+through the standardization, which gives its gain's gradient too). The layer's own forward runs
+unchanged: the tap wraps it (y + 0), so a tapped model computes exactly what the model computes.
+Parameters no rule covers (biases, norm scales and offsets, class tokens, position embeddings)
+get their per-example gradients from per-example offsets instead (`dp.bookkeeping`).
+
+Flax NNX has no method interception (Linen's `intercept_methods`), so `tap_model` switches the
+class of each known layer of a freshly merged model (a copy made inside the traced function; the
+caller's model is never touched) to a subclass whose `__call__` calls the original and then the
+active `Taps`. Hand-written because no JAX library taps NNX layers (jax-privacy 2.0 vmaps).
+Rules for `nnx.Linear` live here; `finetune.models` registers its convolutions and patch embed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["Rule", "Taps", "register_rule", "rule_for", "tap_model"]
+
+
+class Rule(NamedTuple):
+    """How a layer class's kernel gradient follows from its input and output gradient.
+
+    inputs(module, x) -> A, (..., d): the rows that multiply the kernel (x itself for a dense
+      layer; im2col patches for a convolution); leading axes are flattened into tokens.
+    params: the names of the parameters the rule covers (the first is the kernel).
+    grads(module, g) -> {name: gradient}: one example's gradients from g = A^T B, (d, p).
+      None: the kernel's gradient is g reshaped to the kernel (a plain matmul layer), which
+      also lets the clipper use ghost norms (it never forms g).
+    """
+
+    inputs: Callable[[Any, jax.Array], jax.Array]
+    params: tuple[str, ...] = ("kernel",)
+    grads: Callable[[Any, jax.Array], dict[str, jax.Array]] | None = None
+
+
+_RULES: dict[type, Rule] = {}
+_TAPPED: dict[type, type] = {}
+_ACTIVE: list[Taps] = []
+
+
+def register_rule(cls: type, rule: Rule) -> None:
+    """Declare how to tap layers of class `cls` (exactly this class, not its subclasses: a
+    subclass may compute something else)."""
+    _RULES[cls] = rule
+
+
+def rule_for(module: Any) -> Rule | None:
+    """The rule of `module`'s class, or None."""
+    cls = type(module)
+    return _RULES.get(cls.__dict__.get("_dp_base", cls))
+
+
+register_rule(nnx.Linear, Rule(inputs=lambda m, x: x))
+
+
+class Taps:
+    """The state of one traced forward pass: which layers are tapped (module path -> name),
+    their perturbations (None while discovering shapes), and what they recorded."""
+
+    def __init__(self, names: dict[tuple, str], perturbations: dict[str, jax.Array] | None):
+        self.names = names
+        self.perturbations = perturbations
+        self.inputs: dict[str, jax.Array] = {}
+        self.output_shapes: dict[str, jax.ShapeDtypeStruct] = {}
+
+    def __enter__(self) -> Taps:
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.pop()
+
+    def record(self, name: str, module: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        """Record the layer's input rows; return y plus its (zero) perturbation."""
+        rows = rule_for(module).inputs(module, x)
+        self.inputs[name] = rows.reshape(-1, rows.shape[-1])
+        if self.perturbations is None:
+            self.output_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
+            return y
+        return y + self.perturbations[name].astype(y.dtype)
+
+
+def _tapped_call(self, x, *args, **kwargs):
+    y = super(type(self), self).__call__(x, *args, **kwargs)
+    taps = _ACTIVE[-1] if _ACTIVE else None
+    name = self.__dict__.get("_dp_tap")
+    if taps is None or name is None:
+        return y
+    return taps.record(name, self, x, y)
+
+
+def _tapped_class(cls: type) -> type:
+    if cls not in _TAPPED:
+        _TAPPED[cls] = type(f"Tapped{cls.__name__}", (cls,),
+                            {"__call__": _tapped_call, "_dp_base": cls})
+    return _TAPPED[cls]
+
+
+def tap_model(model: nnx.Module, names: dict[tuple, str]) -> nnx.Module:
+    """Switch each layer of `model` whose path is in `names` to its tapped class (in place:
+    call it on a model merged inside the traced function, never on the caller's)."""
+    for path, module in nnx.iter_modules(model):
+        name = names.get(tuple(path))
+        if name is not None:
+            object.__setattr__(module, "__class__", _tapped_class(type(module)))
+            object.__setattr__(module, "_dp_tap", name)
+    return model
+
+
+def tappable_layers(model: nnx.Module, trained: set[tuple]) -> dict[tuple, str]:
+    """Module path -> tap name for every layer with a rule one of whose parameters is in
+    `trained` (flat parameter paths)."""
+    names = {}
+    for path, module in nnx.iter_modules(model):
+        rule = rule_for(module)
+        if rule is not None and any((*path, p) in trained for p in rule.params):
+            names[tuple(path)] = "/".join(str(p) for p in path)
+    return names
+
+
+def promote_float32(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Arrays in at least float32 (A and B of a bfloat16 forward, for norms and sums)."""
+    return tuple(a.astype(jnp.promote_types(a.dtype, jnp.float32)) for a in arrays)

@@ -1,0 +1,46 @@
+"""Book-keeping rules (`dp.taps`) for this package's layers: the im2col convolution, the
+weight-standardized convolution and the ViT's patch embed.
+
+Each layer computes y = A W with A its im2col patches (or the image's non-overlapping patches)
+and W its kernel flattened to (d, p), so one example's kernel gradient is A^T B. For a
+weight-standardized convolution W = standardize(kernel, gain) (`finetune.models.wrn`), a fixed
+function of the parameters, so the gradients of the kernel and the gain are the chain rule
+through it (`jax.vjp`, one example at a time): that layer's gradient is formed per example
+(fan-in x filters, small for convolutions) rather than by ghost norm.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dp.taps import Rule, register_rule
+from finetune.models._conv import Conv, im2col
+from finetune.models.vit import PatchEmbed
+from finetune.models.wrn import WSConv, standardize_weight
+
+__all__: list[str] = []
+
+
+def _conv_rows(module, x):
+    return im2col(x, module.kernel.shape[0], module.stride, module.padding)
+
+
+def _standardized_grads(module, g):
+    kernel, gain = module.kernel[...], module.gain[...]
+    _, pullback = jax.vjp(standardize_weight, kernel, gain)
+    kernel_grad, gain_grad = pullback(g.reshape(kernel.shape).astype(kernel.dtype))
+    return {"kernel": kernel_grad, "gain": gain_grad}
+
+
+def _patch_rows(module, x):
+    n, h, w, c = x.shape
+    ph, pw = module.kernel.shape[:2]
+    gh, gw = h // ph, w // pw
+    patches = x[:, :gh * ph, :gw * pw].reshape(n, gh, ph, gw, pw, c)
+    return patches.transpose(0, 1, 3, 2, 4, 5).reshape(n, gh * gw, ph * pw * c)
+
+
+register_rule(Conv, Rule(inputs=_conv_rows))
+register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
+                           grads=_standardized_grads))
+register_rule(PatchEmbed, Rule(inputs=_patch_rows))
