@@ -17,7 +17,7 @@ from pathlib import Path
 
 import accounting
 from pipelines import config as cfg
-from pipelines import files, model_files, preflight, records, reporting, run_folder
+from pipelines import files, model_files, preflight, processes, records, reporting, run_folder
 from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
@@ -41,6 +41,10 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     trained model, its test accuracy) and public inputs.
     """
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    multi, config = processes.active(), processes.writer_config(config, ("out",))
+    if multi and config.audit_canaries:
+        raise ValueError("`audit_canaries` needs a one-process job")
     if not config.out:
         return _train(config, None)
     out = Path(config.out)
@@ -50,6 +54,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         preflight.check_output_paths(out=out / name)
     with run_folder.hold(out, "finetune"):  # one run at a time
         finished = _finished_run(out, config)
+        if finished is not None and multi:  # the others would train on without it
+            raise ValueError(f"{out} holds a finished run; give a new `out`")
         if finished is not None:
             # A run killed after its results and before removing its checkpoint: remove it.
             shutil.rmtree(out / "checkpoint", ignore_errors=True)
@@ -85,6 +91,13 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
+    multi, rows = processes.active(), None
+    if multi:  # each process keeps its own rows (every process reads the spec)
+        from dp.distributed import process_rows
+
+        processes.check_rows(num_real)
+        first, stop = process_rows(num_real)
+        train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head.
@@ -124,7 +137,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
-    if out is not None:
+    if out is not None and not multi:  # a multi-process run does not checkpoint
         checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
                                              config=_options(config))
         if checkpointer.latest_step() is not None:
@@ -151,7 +164,8 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
                                  checkpointer=checkpointer, progress=progress)
     else:
         trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
-                                          checkpointer=checkpointer, progress=progress)
+                                          checkpointer=checkpointer, progress=progress,
+                                          rows=rows)
 
     # Evaluate on the (public) test split.
     accuracy = finetune.evaluate_model(trained.model, *test, spec)
@@ -214,8 +228,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
         reporting.write_json(out / "results.json", results)
-        checkpointer.close()
-        shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
+        if checkpointer is not None:
+            checkpointer.close()
+            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
     return results
 
 
