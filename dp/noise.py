@@ -69,7 +69,15 @@ def noise_stddev(plan) -> float:
 
 
 def add_noise(tree: Any, stddev: jax.Array, key: jax.Array) -> Any:
-    """`tree` + N(0, stddev^2 I) over all of its coordinates (float32 leaves), one draw of
-    `gaussian_noise(key, size)` for the whole tree (it compiles faster than one per leaf)."""
+    """`tree` + N(0, stddev^2 I) over all of its coordinates, one draw of
+    `gaussian_noise(key, size)` for the whole tree (it compiles faster than one per leaf).
+
+    A float64 tree (a clipped sum accumulated in float64, `dp.accumulate`) gets its noise
+    added in float64 and is then rounded to float32: the rounding is post-processing, so the
+    sum's sensitivity is the float64 sum's; float32 leaves stay float32."""
     flat, unravel = ravel_pytree(tree)
-    return unravel(flat + stddev * gaussian_noise(key, flat.size))
+    noisy = flat + jnp.asarray(stddev, flat.dtype) * gaussian_noise(key, flat.size).astype(
+        flat.dtype)
+    if flat.dtype == jnp.float64:
+        return jax.tree.map(lambda leaf: leaf.astype(jnp.float32), unravel(noisy))
+    return unravel(noisy)

@@ -31,6 +31,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from dp.accumulate import FLOAT64_SUMS, row_block_sum
 from dp.clipping import ClippedSum, Clipper
 from dp.norms import dense_grad_norms, input_gram
 
@@ -144,7 +145,8 @@ def clipped_grad_sum(
     Formal guarantee:
       rows of `features` are distinct individuals; each contributes at most `clip_norm` in L2 norm
       to the returned sum of its config (a row whose norm is not finite contributes nothing), for
-      any input values.
+      any input values. Called inside an `x64_jit` program, the sum is float64 and rounding
+      moves it by at most a relative 2 N^2 2^-53 more (`dp.accumulate`); outside, float32.
     """
     sums, _, num_clipped = _clip(params, features, onehot, clip_norm, loss, mask, gram,
                                  finite_rows)
@@ -174,10 +176,16 @@ def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows):
     num_clipped = jnp.sum(clipped, axis=0)
     weighted = jnp.where((scale > 0)[:, None, :, None], res * (scale / views)[:, None, :, None],
                          0.0)
-    sums = {
-        "w": jnp.einsum("nvd,nvpc->pdc", features, weighted, precision=_HIGHEST),
-        "b": jnp.sum(weighted, axis=(0, 1)),
-    }
+    # The row reduction accumulates in float64 inside an `x64_jit` program (`dp.accumulate`:
+    # the sum's sensitivity stays within C (1 + 1e-6)), in float32 elsewhere.
+    acc = jax.dtypes.canonicalize_dtype(FLOAT64_SUMS)
+
+    def block_sum(features, weighted):
+        return {"w": jnp.einsum("nvd,nvpc->pdc", features, weighted, precision=_HIGHEST,
+                                preferred_element_type=acc),
+                "b": jnp.sum(weighted, axis=(0, 1), dtype=acc)}
+
+    sums = row_block_sum(block_sum, features, weighted)
     return sums, norms, num_clipped
 
 

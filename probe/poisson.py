@@ -17,17 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp.accumulate import add_parts, x64_jit
 from dp.clipping import zero_nonfinite_rows
 from dp.sampling import poisson_batches
 from probe.clipping import clipped_grad_sum
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
-from probe.step import add_parts, dp_update_jit, init_state_jit, result, run_arrays, step_bar
+from probe.step import dp_update_jit, init_state_jit, result, run_arrays, step_bar
 from probe.train import prepare_inputs
 
 __all__ = ["train_probe_poisson"]
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@functools.partial(x64_jit, static_argnames=("spec",))
 def _batch_sums(params, features, onehot, mask, clip, *, spec):
     """Per-run clipped sums of one physical batch: features (P, p, [V,] d), mask (P, p)."""
 
@@ -83,7 +84,7 @@ def train_probe_poisson(
                 sums = add_parts(sums, _batch_sums(state.params, feats[index], onehot[index],
                                                    batch_mask * mask[index], arrays.clip,
                                                    spec=spec))
-            state = dp_update_jit(spec, arrays, state, *sums, step,
+            state = dp_update_jit(spec, arrays, state, *sums.value(), step,
                                   batch.sizes.astype(np.float32))
             bar.update(1)
     return result(state, arrays, batch_sizes)

@@ -20,7 +20,10 @@ Formal guarantee:
   norm, so each release is the Gaussian mechanism of noise multiplier sigma: together
   `accounting.DpPlan(sigma, steps=2)`. The second release depends on the first only through its
   (public) output: adaptive composition, which the plan's two steps account for. Noise keys come
-  from OS entropy (`dp.make_keys`).
+  from OS entropy (`dp.make_keys`). In floating point: both sums are float64, a BLAS dot over
+  blocks of `block_rows` rows (8192 by default) and a compensated sum across blocks
+  (`dp.accumulate`), and the noise is added in float64, so one row moves a computed sum by at
+  most B (1 + 2 b^2 2^-53 + 5 N 2^-53) <= B (1 + 6e-7) for N up to 10^9 and b = 8192.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import math
 import jax
 import numpy as np
 
+from dp.accumulate import CompensatedSum
 from dp.noise import gaussian_noise
 
 __all__ = ["Standardizer", "private_standardizer", "clipped_row_sum"]
@@ -128,8 +132,11 @@ def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
         return block.mean(axis=1) if block.ndim == 3 else block
 
     def release(transform, bound, index):
-        total = sum(clipped_row_sum(transform(rows(s)), bound, mask[s:s + block_rows])
-                    for s in range(0, num_examples, block_rows))
+        total = CompensatedSum()  # float64 across blocks, compensated (`dp.accumulate`)
+        for start in range(0, num_examples, block_rows):
+            block_mask = mask[start:start + block_rows]
+            total.add(clipped_row_sum(transform(rows(start)), bound, block_mask))
+        total = np.asarray(total.value(), np.float64)
         noise = np.asarray(gaussian_noise(jax.random.fold_in(key, index), dim), np.float64)
         return (total + noise_multiplier * bound * noise) / num_examples
 

@@ -29,11 +29,12 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from dp.accumulate import x64_jit
 from dp.noise import noise_stddev
 from dp.optimizers import private_optimizer
 from probe.specs import Params, ProbeSpec, RunSpec, TrainResult
 
-__all__ = ["RunArrays", "State", "add_parts", "dp_update", "dp_update_jit", "init_params",
+__all__ = ["RunArrays", "State", "dp_update", "dp_update_jit", "init_params",
            "init_state", "init_state_jit", "result", "run_arrays", "shared_start_sums",
            "step_bar", "step_blocks"]
 
@@ -126,20 +127,16 @@ def dp_update(spec: ProbeSpec, runs: RunArrays, state: State, sums: Params, num_
         return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
 
     clipped = jnp.where(active, num_clipped / jnp.maximum(batch_size, 1.0), 0.0)
+    clipped = clipped.astype(state.clipped_total.dtype)  # x64 programs: counts are int64
     return State(jax.tree.map(select, params, state.params),
                  jax.tree.map(select, opt_state, state.opt_state),
                  state.clipped_total + clipped)
 
 
-# For the trainers whose steps are Python loops (streamed, Poisson): one compiled call each.
-dp_update_jit = jax.jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
-init_state_jit = jax.jit(init_state, static_argnames=("spec", "dim"))
-
-
-def add_parts(total, part):
-    """`total` + `part` leaf by leaf (clipped sums and counts of row chunks or batches); `part`
-    when `total` is None (the first one)."""
-    return part if total is None else jax.tree.map(jnp.add, total, part)
+# For the trainers whose steps are Python loops (streamed, Poisson): one compiled call each,
+# with x64 scoped to it (the sums arrive in float64, `dp.accumulate`).
+dp_update_jit = x64_jit(dp_update, static_argnames=("spec",), donate_argnames=("state",))
+init_state_jit = x64_jit(init_state, static_argnames=("spec", "dim"))
 
 
 def shared_start_sums(spec: ProbeSpec, runs: RunArrays, dim: int, sum_fn):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp.accumulate import add_parts, x64_jit
 from dp.clipping import valid_labels, zero_nonfinite_rows
 from dp.distributed import sum_over_processes
 from dp.sampling import pad_rows
@@ -25,7 +26,6 @@ from probe.clipping import clipped_grad_sum
 from probe.normalization import normalize_features
 from probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
 from probe.step import (
-    add_parts,
     dp_update_jit,
     init_state_jit,
     result,
@@ -68,7 +68,7 @@ def _padded_chunks(chunks: Iterable, rows: int | None):
         yield features, labels, mask
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@functools.partial(x64_jit, static_argnames=("spec",))
 def _chunk_sums(params, features, labels, mask, clip, *, spec):
     """Clipped sums of one padded chunk. Normalize first: a finite but huge row can normalize
     to NaN, which the zeroing then catches."""
@@ -122,7 +122,7 @@ def train_probe_streaming(
         sums, seen = sum_over_processes((sums, seen))  # one process: unchanged
         if int(seen) != num_examples:  # public: the store's row count
             raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
-        return sums
+        return sums.value()
 
     with step_bar(total, progress, "probe steps (streamed)") as bar:
         for step in range(total):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp.accumulate import x64_jit
 from dp.clipping import valid_labels, zero_nonfinite_rows
 from probe.clipping import clipped_grad_sum, feature_gram
 from probe.normalization import normalize_features
@@ -90,7 +91,7 @@ def _sum_fn(features, onehot, mask, spec: ProbeSpec):
     return sum_fn
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@functools.partial(x64_jit, static_argnames=("spec",))
 def _first_step(features, onehot, mask, runs: RunArrays, *, spec):
     sum_fn = _sum_fn(features, onehot, mask, spec)
     state = init_state(spec, runs, features.shape[-1])
@@ -98,7 +99,7 @@ def _first_step(features, onehot, mask, runs: RunArrays, *, spec):
     return dp_update(spec, runs, state, sums, num_clipped, 0, runs.denominator)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+@functools.partial(x64_jit, static_argnames=("spec",), donate_argnames=("state",))
 def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec):
     sum_fn = _sum_fn(features, onehot, mask, spec)
 

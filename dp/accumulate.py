@@ -1,0 +1,157 @@
+"""Sums of clipped gradients whose floating-point sensitivity stays within C (1 + 1e-6).
+
+A clipped sum is noised once it is complete, so what the Gaussian mechanism needs is a bound on
+how far one example moves the *computed* sum, rounding included (Casacuberta et al. 2022,
+https://arxiv.org/abs/2207.10635). In float32 the rounding is relative to the size of the sum,
+up to N C, not to C: on N aligned rows of norm C, removing one moved the float32 sum by 1.046 C
+at N = 4 x 10^6, and a float32 value of size N C cannot even represent a change of 1e-6 C once
+N > 16. So every sum of examples is accumulated in float64, and the noise is added in float64
+before anything is rounded to float32 (`dp.noise.add_noise`):
+
+  * within one chunk / physical batch / device: the row reduction of the clipped sum is a float64
+    dot of float32 operands (`FLOAT64_SUMS`, the products are exact in float64), over at most
+    `MAX_BLOCK_ROWS` rows;
+  * across chunks, batches and the steps of a finetune's physical batches: `add_parts`, a
+    compensated (Neumaier) float64 sum on the host, `CompensatedSum`;
+  * across devices: XLA reduces the per-device float64 partial sums.
+
+Programs that hold float64 sums are traced with `jax.enable_x64` scoped to them (`x64_jit`): the
+global default stays float32, and every array the probe creates says its dtype.
+
+Formal guarantee:
+  Let u = 2^-53. A float64 sum of n terms in any order (a dot's reduction) is within
+  (n - 1) u sum_i |t_i| of the exact sum (Higham 2002, "Accuracy and Stability of Numerical
+  Algorithms", eq. 4.4), and the Neumaier sum of k parts s_j within 2 u |sum_j s_j| +
+  O(k u^2) sum_j |s_j| (Higham, eq. 4.9). For zero-out neighbours D, D' the computed parts of
+  every block other than the one holding the changed row are bit-identical, so the computed
+  totals differ by at most
+      C + 2 (b - 1) u b C + 2 (2 u N C + O(k u^2) N C) <= C (1 + 2 b^2 u + 5 u N),
+  with b the rows of one block (at most 2^16) and N the number of examples: at N = 10^9,
+  b = 2^16 this is C (1 + 1.5e-6) in the worst case... and C (1 + 5.6e-7) with
+  b <= `MAX_BLOCK_ROWS` = 2^15, below C (1 + 1e-6) for every N up to 10^9.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FLOAT64_SUMS", "MAX_BLOCK_ROWS", "CompensatedSum", "add_float64", "add_parts",
+           "row_block_sum", "x64_jit"]
+
+# The dtype a clipped sum's row reduction accumulates in (inside an `x64_jit` program).
+FLOAT64_SUMS = jnp.float64
+# Rows one float64 dot may reduce over for the bound of the module docstring.
+MAX_BLOCK_ROWS = 2**15
+
+
+def x64_jit(fun=None, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)`, traced and run with `jax.enable_x64` scoped to the call,
+    so it may hold float64 sums; nothing outside it sees x64."""
+    if fun is None:
+        return functools.partial(x64_jit, **jit_kwargs)
+    jitted = jax.jit(fun, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        with jax.enable_x64(True):
+            return jitted(*args, **kwargs)
+
+    return call
+
+
+class CompensatedSum:
+    """A Neumaier-compensated float64 sum of pytrees of parts (on the device, asynchronous)."""
+
+    def __init__(self):
+        self.total: Any = None
+        self.compensation: Any = None
+
+    def add(self, part) -> None:
+        """Add one part (a pytree of arrays, any float dtype, widened to float64)."""
+        if self.total is None:
+            self.total, self.compensation = _start(part)
+        else:
+            self.total, self.compensation = _neumaier(self.total, self.compensation, part)
+
+    def value(self):
+        """The compensated total (a float64 pytree); None if nothing was added."""
+        return None if self.total is None else _finish(self.total, self.compensation)
+
+
+@x64_jit
+def _start(part):
+    total = jax.tree.map(lambda p: p.astype(jnp.float64), part)
+    return total, jax.tree.map(jnp.zeros_like, total)
+
+
+def _neumaier_step(total, compensation, part):
+    """One Neumaier step per leaf: (total + part, the accumulated rounding errors)."""
+    part = jax.tree.map(lambda p, t: p.astype(t.dtype), part, total)
+    new = jax.tree.map(jnp.add, total, part)
+
+    def error(total, part, new):  # the rounding error of total + part, exactly
+        return jnp.where(jnp.abs(total) >= jnp.abs(part), (total - new) + part,
+                         (part - new) + total)
+
+    return new, jax.tree.map(jnp.add, compensation, jax.tree.map(error, total, part, new))
+
+
+_neumaier = x64_jit(_neumaier_step)
+
+
+@x64_jit
+def _finish(total, compensation):
+    return jax.tree.map(jnp.add, total, compensation)
+
+
+def row_block_sum(block_sum, inputs: jax.Array, weights: jax.Array,
+                  block_rows: int = MAX_BLOCK_ROWS):
+    """`block_sum(inputs, weights)` (a pytree summed over the leading row axis), computed over
+    blocks of at most `block_rows` rows and accumulated with Neumaier's sum in the blocks' dtype:
+    inside a compiled program, so a reduction over many rows keeps the bound of the module
+    docstring. The last block is the last `block_rows` rows, its rows already summed weighted 0.
+    """
+    rows = inputs.shape[0]
+    if rows <= block_rows:
+        return block_sum(inputs, weights)
+    blocks = -(-rows // block_rows)
+
+    def part(index):
+        start = jnp.minimum(index * block_rows, rows - block_rows)
+        fresh = start + jnp.arange(block_rows) >= index * block_rows
+        block_weights = jax.lax.dynamic_slice_in_dim(weights, start, block_rows)
+        block_weights = jnp.where(fresh.reshape((-1,) + (1,) * (weights.ndim - 1)),
+                                  block_weights, 0.0)
+        return block_sum(jax.lax.dynamic_slice_in_dim(inputs, start, block_rows), block_weights)
+
+    def body(index, carry):
+        return _neumaier_step(*carry, part(index))
+
+    first = part(0)
+    total, compensation = jax.lax.fori_loop(1, blocks, body,
+                                            (first, jax.tree.map(jnp.zeros_like, first)))
+    return jax.tree.map(jnp.add, total, compensation)
+
+
+def add_parts(total: CompensatedSum | None, part) -> CompensatedSum:
+    """`total` with `part` added (a new `CompensatedSum` when `total` is None): the one line a
+    trainer's loop over chunks or physical batches needs; read it with `.value()`."""
+    total = CompensatedSum() if total is None else total
+    total.add(part)
+    return total
+
+
+def add_float64(total, part):
+    """`total` + `part` leaf by leaf in float64 (`part` when `total` is None): a plain float64
+    sum, for a few parts (a finetune step's physical batches: k parts add at most
+    (k - 1) u times their total size, negligible next to C for any k below 10^6)."""
+    return _start(part)[0] if total is None else _add64(total, part)
+
+
+@x64_jit
+def _add64(total, part):
+    return jax.tree.map(lambda t, p: t.astype(jnp.float64) + p.astype(jnp.float64), total, part)

@@ -1,0 +1,146 @@
+"""Floating-point sensitivity: on N aligned rows of norm C (the adversarial case for rounding),
+nulling one row moves the sum each trainer hands to the noise by at most C (1 + 1e-6),
+measured in float64 (`dp.accumulate`). benchmarks/sensitivity.py runs the same pair at
+N = 10^4 .. 10^7 through `--stream`; here N is a few thousand, where a float32 sum already
+breaks the bound (its rounding is relative to N C, not to C)."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import accounting
+import dp
+import probe
+
+CLIP = 1.0
+NUM_CLASSES = 3
+SPEC = probe.ProbeSpec(NUM_CLASSES, optimizer="sgd")
+
+
+def aligned_rows(num_rows: int):
+    """`num_rows` copies of one row whose gradient is clipped (every contribution is C, all
+    aligned), and the same rows with row 0 made a null record (its label outside the classes):
+    zero-out neighbours."""
+    row = np.array([3.1, -1.7, 2.3, 0.7, -2.9], np.float32) * 7.3
+    features = np.tile(row, (num_rows, 1))
+    labels = np.zeros(num_rows, np.int64)
+    nulled = labels.copy()
+    nulled[0] = dp.NULL_LABEL
+    return features, labels, nulled
+
+
+def flat64(sums) -> np.ndarray:
+    return np.concatenate([np.asarray(sums["w"], np.float64).ravel(),
+                           np.asarray(sums["b"], np.float64).ravel()])
+
+
+def spied_sums(monkeypatch, module, name: str, sums_arg: int, train):
+    """The clipped sums `train()` hands to `module.name` (the DP update) at step 0, float64.
+
+    A Python-loop trainer calls it on the host; a compiled trainer's call is traced, so the
+    sums come back through `jax.debug.callback`, float64 as its bits (the callback may run
+    in a thread where x64 is off, which would round it to float32)."""
+    real, seen = getattr(module, name), []
+
+    def record(wide, sums):
+        if wide:
+            sums = jax.tree.map(lambda s: np.ascontiguousarray(s).view(np.float64)[..., 0], sums)
+        seen.append(flat64(sums))
+
+    def spy(*args, **kwargs):
+        sums = args[sums_arg]
+        if not isinstance(jax.tree.leaves(sums)[0], jax.core.Tracer):
+            seen.append(flat64(sums))
+        else:
+            wide = jax.tree.leaves(sums)[0].dtype == jnp.float64
+            bits = (jax.tree.map(lambda s: jax.lax.bitcast_convert_type(s, jnp.uint32), sums)
+                    if wide else sums)
+            jax.debug.callback(functools.partial(record, wide), bits)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    jax.clear_caches()  # retrace the compiled trainers, so that they call the spy
+    train()
+    jax.effects_barrier()
+    monkeypatch.setattr(module, name, real)
+    jax.clear_caches()
+    return seen[0]
+
+
+def run():
+    plan = accounting.DpPlan(1.0, 1, clip_norm=CLIP)
+    return [probe.RunSpec(plan, 1.0)], dp.make_keys(1)
+
+
+def in_memory(features, labels, mesh=False):
+    runs, keys = run()
+    flags = probe.PerformanceFlags(mesh=probe.make_data_mesh(1) if mesh else None)
+    return probe.train_probe(features, labels, runs, keys, SPEC, flags=flags)
+
+
+def streamed(features, labels, rows_per_chunk=1024):
+    runs, keys = run()
+
+    def chunks():
+        for start in range(0, len(labels), rows_per_chunk):
+            yield features[start:start + rows_per_chunk], labels[start:start + rows_per_chunk]
+
+    return probe.train_probe_streaming(
+        chunks, runs, keys, SPEC, num_examples=len(labels), dim=features.shape[-1],
+        flags=probe.PerformanceFlags(rows_per_chunk=rows_per_chunk))
+
+
+def poisson(features, labels):
+    runs, keys = run()
+    return probe.train_probe_poisson(features, labels, runs, keys, SPEC,
+                                     flags=probe.PerformanceFlags(physical_batch_size=512),
+                                     rng=np.random.default_rng(0))
+
+
+TRAINERS = {
+    "in_memory": (probe.train, "dp_update", 3, in_memory),
+    "sharded": (probe.train, "dp_update", 3, lambda x, y: in_memory(x, y, mesh=True)),
+    "streamed": (probe.streaming, "dp_update_jit", 3, streamed),
+    "poisson": (probe.poisson, "dp_update_jit", 3, poisson),
+}
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_nulling_one_aligned_row_moves_the_sum_by_at_most_c(monkeypatch, trainer):
+    module, name, sums_arg, train = TRAINERS[trainer]
+    features, labels, nulled = aligned_rows(8192)
+    full = spied_sums(monkeypatch, module, name, sums_arg, lambda: train(features, labels))
+    other = spied_sums(monkeypatch, module, name, sums_arg, lambda: train(features, nulled))
+    moved = np.linalg.norm(full - other) / CLIP
+    assert 1 - 1e-3 < moved <= 1 + 1e-6, moved  # the row is clipped: it moves it by ~C
+
+
+def test_compensated_sum_is_exact_where_a_float64_loop_is_not():
+    """Neumaier's sum of 1, 1e100, 1, -1e100 is 2 (a plain float64 loop gives 0), and of 10^5
+    copies of 0.1 it is within one rounding of the exact 10^4 * float64(0.1)."""
+    from dp.accumulate import CompensatedSum
+
+    total = CompensatedSum()
+    for value in (1.0, 1e100, 1.0, -1e100):
+        total.add({"a": np.array([value])})
+    assert float(total.value()["a"][0]) == 2.0
+    total = CompensatedSum()
+    part = {"a": np.full(3, 0.1, np.float32)}
+    for _ in range(10_000):
+        total.add(part)
+    exact = 10_000 * float(np.float32(0.1))
+    assert abs(float(total.value()["a"][0]) - exact) <= math.ulp(exact)
+
+
+def test_add_float64_keeps_float64():
+    from dp.accumulate import add_float64
+
+    total = None
+    for _ in range(3):
+        total = add_float64(total, {"a": np.full(2, 2.0**-30, np.float32)})
+    assert total["a"].dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(total["a"]), 3 * 2.0**-30)
