@@ -1,34 +1,40 @@
 """Sums of clipped gradients whose floating-point sensitivity stays within C (1 + 1e-6).
 
-A clipped sum is noised once it is complete, so what the Gaussian mechanism needs is a bound on
-how far one example moves the *computed* sum, rounding included (Casacuberta et al. 2022,
+A clipped sum is noised once it is complete, so the Gaussian mechanism needs a bound on how far
+one example moves the *computed* sum, rounding included (Casacuberta et al. 2022,
 https://arxiv.org/abs/2207.10635). In float32 the rounding is relative to the size of the sum,
-up to N C, not to C: on N aligned rows of norm C, removing one moved the float32 sum by 1.046 C
-at N = 4 x 10^6, and a float32 value of size N C cannot even represent a change of 1e-6 C once
-N > 16. So every sum of examples is accumulated in float64, and the noise is added in float64
-before anything is rounded to float32 (`dp.noise.add_noise`):
+up to N C, not to C: on N aligned rows of norm C, nulling one moved the float32 sum of the
+streamed probe by 1.115 C at N = 10^7 (benchmarks/sensitivity.py), and a float32 value of size
+N C cannot represent a change of 1e-6 C once N > 16. So every sum over examples is accumulated
+in float64, and the noise is added to it in float64 before anything is rounded to float32
+(`dp.noise.add_noise`; that rounding is post-processing):
 
-  * within one chunk / physical batch / device: the row reduction of the clipped sum is a float64
-    dot of float32 operands (`FLOAT64_SUMS`, the products are exact in float64), over at most
-    `MAX_BLOCK_ROWS` rows;
-  * across chunks, batches and the steps of a finetune's physical batches: `add_parts`, a
-    compensated (Neumaier) float64 sum on the host, `CompensatedSum`;
-  * across devices: XLA reduces the per-device float64 partial sums.
+  * within one chunk, physical batch or device: the row reduction of the clipped sum is a float64
+    dot of float32 operands (`FLOAT64_SUMS`: the products are exact), over blocks of at most
+    `MAX_BLOCK_ROWS` rows, the blocks added with Neumaier's compensated sum (`row_block_sum`);
+  * across chunks and physical batches: `add_parts`, the same compensated float64 sum
+    (`CompensatedSum`, on the device, asynchronous);
+  * across devices: XLA adds the D per-device float64 sums.
 
-Programs that hold float64 sums are traced with `jax.enable_x64` scoped to them (`x64_jit`): the
-global default stays float32, and every array the probe creates says its dtype.
+Float64 costs no extra pass over the features: the forward matmul (the logits) stays float32;
+only the reduction accumulates in float64. Programs holding float64 sums are traced with
+`jax.enable_x64` scoped to them (`x64_jit`): the global default stays float32, and every array
+those programs create names its dtype.
 
 Formal guarantee:
-  Let u = 2^-53. A float64 sum of n terms in any order (a dot's reduction) is within
-  (n - 1) u sum_i |t_i| of the exact sum (Higham 2002, "Accuracy and Stability of Numerical
-  Algorithms", eq. 4.4), and the Neumaier sum of k parts s_j within 2 u |sum_j s_j| +
-  O(k u^2) sum_j |s_j| (Higham, eq. 4.9). For zero-out neighbours D, D' the computed parts of
-  every block other than the one holding the changed row are bit-identical, so the computed
-  totals differ by at most
-      C + 2 (b - 1) u b C + 2 (2 u N C + O(k u^2) N C) <= C (1 + 2 b^2 u + 5 u N),
-  with b the rows of one block (at most 2^16) and N the number of examples: at N = 10^9,
-  b = 2^16 this is C (1 + 1.5e-6) in the worst case... and C (1 + 5.6e-7) with
-  b <= `MAX_BLOCK_ROWS` = 2^15, below C (1 + 1e-6) for every N up to 10^9.
+  Let u = 2^-53, b the rows of one block (<= 2^15), N the examples, D the devices, and each
+  example one view (the block's terms are then the examples' clipped gradients, of norm <= C).
+  A float64 sum of n terms in any order is within (n - 1) u sum |t_i| of the exact sum, and
+  Neumaier's sum of k parts within 2 u |sum| + O(k u^2) sum |parts| (Higham 2002, "Accuracy and
+  Stability of Numerical Algorithms", sections 4.2-4.3). For zero-out neighbours (one row
+  replaced by a null row, N public) every block but the one holding that row computes
+  bit-identical parts, so the two computed totals differ by at most
+      C (1 + 2 b^2 u + (4 + 2 (D - 1)) u N + O(N u^2 N / b)),
+  that is C (1 + 6.8e-7) at N = 10^9 on one device, C (1 + 9.1e-7) on two, and within
+  C (1 + 1e-6) for N up to 3.4 x 10^9 / (D + 1) on D devices (3.8 x 10^8 on eight). With K views
+  per example the block's terms are the K view products, and the bound is relative to the sum
+  of their norms instead of C. Measured on the adversarial aligned rows: tests/test_sensitivity.py
+  and benchmarks/sensitivity.py.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ def row_block_sum(block_sum, inputs: jax.Array, weights: jax.Array,
     if rows <= block_rows:
         return block_sum(inputs, weights)
     blocks = -(-rows // block_rows)
+    block_rows = -(-rows // blocks)  # equal blocks: the last one overlaps by < `blocks` rows
 
     def part(index):
         start = jnp.minimum(index * block_rows, rows - block_rows)

@@ -42,6 +42,7 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
+from dp.accumulate import add_float64, x64_jit
 from dp.bookkeeping import bookkeeping_clipper
 from dp.canaries import GradientCanaries, canary_tap
 from dp.clipping import NULL_LABEL, per_example_clipper, valid_labels, zero_nonfinite_rows
@@ -172,7 +173,7 @@ def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
                              observer=tap)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "steps", "canaries"),
+@functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries"),
                    donate_argnums=(0, 1, 2))
 def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip, *,
               spec: FinetuneSpec, steps: int, canaries: int = 0):
@@ -286,7 +287,7 @@ def train_finetune(
                                *place(images[np.minimum(own, len(images) - 1)], labels[own],
                                       mask, index.astype(np.int32)),
                                clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
-            sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+            sums = add_float64(sums, part)  # float64 across physical batches (dp.accumulate)
         sums = sum_over_processes(sums)  # one process: unchanged
         params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
                                            noise_key, denominator, clip, spec=spec,

@@ -66,7 +66,9 @@ def train_probe_poisson(
 
     Formal guarantee:
       As `train_probe`; the batch of each step includes every row independently with probability q,
-      so each run is the Poisson-sampled Gaussian of its `DpPlan`.
+      so each run is the Poisson-sampled Gaussian of its `DpPlan`. The physical batches' sums
+      are float64 and added with a compensated sum (`dp.accumulate`), then noised in float64:
+      one row moves a step's computed sum by at most C (1 + 1e-6) for batches up to 10^9 rows.
     """
     flags = flags or PerformanceFlags()
     feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)

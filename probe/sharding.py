@@ -2,7 +2,9 @@
 
 The clipped sum is a sum over rows, so each device sums its own rows and XLA reduces the
 partial sums across devices (the mesh's axes are automatic, compiler-chosen); the noise is then
-added once, to the reduced sum, exactly as on one device.
+added once, to the reduced sum, exactly as on one device. The partial sums and their reduction
+are float64 (`dp.accumulate`): with D devices one row moves the computed sum by at most
+C (1 + 1e-6) for N up to 3.4 x 10^9 / (D + 1).
 """
 
 from __future__ import annotations

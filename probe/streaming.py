@@ -105,7 +105,10 @@ def train_probe_streaming(
       flags: `rows_per_chunk` and `prefetch_depth` are used.
 
     Formal guarantee:
-      As `train_probe`.
+      As `train_probe`: each chunk's sum is float64 (`dp.accumulate.row_block_sum`), the
+      chunks' sums are added with a compensated float64 sum (`dp.accumulate.add_parts`) and
+      the total is noised in float64, so one row moves the computed sum by at most C (1 + 1e-6)
+      for N up to 10^9, whatever the chunk size.
     """
     flags = flags or PerformanceFlags()
     check_full_batch(runs)

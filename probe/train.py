@@ -137,7 +137,9 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
       rows are distinct individuals; the neighbouring relation is zero-out (one row replaced by a
       null row that contributes nothing; N public); each run is then exactly the mechanism of its
       `DpPlan`, if `keys` are secret (`make_keys`). Rows with non-finite features or labels outside
-      [0, C) are such null rows.
+      [0, C) are such null rows. In floating point: the clipped sum is accumulated in float64
+      over blocks of rows and noised in float64, so one row moves the computed sum by at most
+      C (1 + 1e-6) for N up to 10^9 (`dp.accumulate`; on D devices, N up to 3.4e9 / (D + 1)).
     """
     flags = flags or PerformanceFlags()
     check_full_batch(runs)

@@ -144,3 +144,24 @@ def test_add_float64_keeps_float64():
         total = add_float64(total, {"a": np.full(2, 2.0**-30, np.float32)})
     assert total["a"].dtype == np.float64
     np.testing.assert_array_equal(np.asarray(total["a"]), 3 * 2.0**-30)
+
+
+@pytest.mark.parametrize("rows", [7, 64, 65, 200, 257])
+def test_row_block_sum_is_the_float64_sum_over_every_row_once(rows):
+    """Blocks of at most 64 rows (the last one overlapping the one before, its repeated rows
+    weighted 0) give the float64 X^T W and column sums of W, every row counted once."""
+    from dp.accumulate import row_block_sum, x64_jit
+
+    rng = np.random.default_rng(rows)
+    inputs = rng.normal(size=(rows, 3)).astype(np.float32)
+    weights = rng.normal(size=(rows, 2)).astype(np.float32)
+
+    def block_sum(x, w):
+        return {"xw": jnp.einsum("nd,nc->dc", x, w, preferred_element_type=jnp.float64),
+                "w": jnp.sum(w, axis=0, dtype=jnp.float64)}
+
+    sums = x64_jit(lambda x, w: row_block_sum(block_sum, x, w, block_rows=64))(inputs, weights)
+    x64, w64 = inputs.astype(np.float64), weights.astype(np.float64)
+    assert sums["xw"].dtype == np.float64
+    np.testing.assert_allclose(np.asarray(sums["xw"]), x64.T @ w64, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(sums["w"]), w64.sum(0), rtol=1e-13, atol=1e-13)
