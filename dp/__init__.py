@@ -10,6 +10,8 @@
   * `dp.norms`: per-example gradient norms of a dense layer from its inputs and output
     gradients (the ghost norm), bounded under float32 rounding; the linear probe's closed
     form is its one-layer case;
+  * `dp.accumulate`: float64 and compensated sums of clipped gradients (over rows, chunks,
+    physical batches), so that one example moves the computed sum by at most C (1 + 1e-6);
   * `dp.optimizers`: the privatizer as an optax transformation, and the DP step as
     `optax.chain(privatizer(stddev, key), optax.scale(1 / expected_batch_size), optimizer)`
     with any optax optimizer and schedule;
@@ -19,6 +21,7 @@
 the other.
 """
 
+from dp.accumulate import CompensatedSum, add_float64, add_parts, row_block_sum, x64_jit
 from dp.auditing import (
     AuditBounds,
     audit_bounds,
@@ -55,8 +58,11 @@ __all__ = [
     "AuditBounds",
     "ClippedSum",
     "Clipper",
+    "CompensatedSum",
     "PoissonStep",
+    "add_float64",
     "add_noise",
+    "add_parts",
     "audit_bounds",
     "bookkeeping_clipper",
     "choose_thresholds",
@@ -74,7 +80,9 @@ __all__ = [
     "poisson_batches",
     "private_optimizer",
     "privatizer",
+    "row_block_sum",
     "tradeoff_curve",
     "valid_labels",
+    "x64_jit",
     "zero_nonfinite_rows",
 ]

@@ -16,10 +16,10 @@ in float64, and the noise is added to it in float64 before anything is rounded t
     (`CompensatedSum`, on the device, asynchronous);
   * across devices: XLA adds the D per-device float64 sums.
 
-Float64 costs no extra pass over the features: the forward matmul (the logits) stays float32;
-only the reduction accumulates in float64. Programs holding float64 sums are traced with
-`jax.enable_x64` scoped to them (`x64_jit`): the global default stays float32, and every array
-those programs create names its dtype.
+Only the reduction is float64: the forward matmul (the logits), the norms and the clipping
+stay float32 (the cost: README, "Measured performance"). Programs holding float64 sums are
+traced with `jax.enable_x64` scoped to them (`x64_jit`): the global default stays float32, and
+every array those programs create names its dtype.
 
 Formal guarantee:
   Let u = 2^-53, b the rows of one block (<= 2^15), N the examples, D the devices, and each
@@ -154,8 +154,9 @@ def add_parts(total: CompensatedSum | None, part) -> CompensatedSum:
 
 def add_float64(total, part):
     """`total` + `part` leaf by leaf in float64 (`part` when `total` is None): a plain float64
-    sum, for a few parts (a finetune step's physical batches: k parts add at most
-    (k - 1) u times their total size, negligible next to C for any k below 10^6)."""
+    sum, for a few parts whose running total is a pytree the caller hands on (a finetune
+    step's physical batches). k parts of a batch of B rows add at most (k - 1) u B C to the
+    rounding (u = 2^-53): below 1e-6 C for B up to 10^6 rows in physical batches of 256."""
     return _start(part)[0] if total is None else _add64(total, part)
 
 
