@@ -28,10 +28,14 @@ Formal guarantee:
   Neumaier's sum of k parts within 2 u |sum| + O(k u^2) sum |parts| (Higham 2002, "Accuracy and
   Stability of Numerical Algorithms", sections 4.2-4.3). For zero-out neighbours (one row
   replaced by a null row, N public) every block but the one holding that row computes
-  bit-identical parts, so the two computed totals differ by at most
-      C (1 + 2 b^2 u + (4 + 2 (D - 1)) u N + O(N u^2 N / b)),
-  that is C (1 + 6.8e-7) at N = 10^9 on one device, C (1 + 9.1e-7) on two, and within
-  C (1 + 1e-6) for N up to 3.4 x 10^9 / (D + 1) on D devices (3.8 x 10^8 on eight). With K views
+  bit-identical parts (XLA computes a block the same way each time: on CPU, and on GPU with
+  `--xla_gpu_deterministic_ops=true`; otherwise add 2 u N b), so the two computed totals
+  differ by at most
+      C (1 + 2 b^2 u + 4 u (N + R) + 2 (D - 1) u N + O(N u^2 N / b)),
+  R the rows of one chunk or physical batch (the compensated sum of its blocks; R = 0 in
+  memory, where the blocks' sum is the only one): with R <= 10^6, C (1 + 6.8e-7) at N = 10^9
+  on one device, C (1 + 9.1e-7) on two, and within C (1 + 1e-6) for N up to
+  3.4 x 10^9 / (D + 1) on D devices (3.8 x 10^8 on eight). With K views
   per example the block's terms are the K view products, and the bound is relative to the sum
   of their norms instead of C. Measured on the adversarial aligned rows: tests/test_sensitivity.py
   and benchmarks/sensitivity.py.
