@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dp.accumulate import x64_jit
+from dp.accumulate import FLOAT64_SUMS, x64_jit
 from dp.clipping import valid_labels, zero_nonfinite_rows
 from probe.clipping import clipped_grad_sum, feature_gram
 from probe.normalization import normalize_features
@@ -83,10 +83,13 @@ def _sum_fn(features, onehot, mask, spec: ProbeSpec):
     program, fused with the float32 cast); the Gram matrix is computed once per program."""
     features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
     gram = feature_gram(features if features.ndim == 3 else features[:, None, :])
+    # The features in float64 once per program, for the sums' float64 reduction (`dp.accumulate`;
+    # converting them at every step would cost a pass over them per step).
+    wide = features.astype(jax.dtypes.canonicalize_dtype(FLOAT64_SUMS))
 
     def sum_fn(params, clip):
         return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram, finite_rows=True)
+                                gram=gram, finite_rows=True, wide_features=wide)
 
     return sum_fn
 
