@@ -122,10 +122,10 @@ def train_probe_streaming(
                                                 flags.prefetch_depth):
             sums = add_parts(sums, _chunk_sums(params, features, labels, mask, clip, spec=spec))
             seen += int(mask.sum())
-        sums, seen = sum_over_processes((sums, seen))  # one process: unchanged
+        sums, seen = sum_over_processes((sums.value(), seen))  # one process: unchanged
         if int(seen) != num_examples:  # public: the store's row count
             raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
-        return sums.value()
+        return sums
 
     with step_bar(total, progress, "probe steps (streamed)") as bar:
         for step in range(total):
