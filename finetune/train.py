@@ -241,12 +241,15 @@ def _clipped(plan: DpPlan) -> bool:
 
 def split_trained(model: nnx.Module, spec: FinetuneSpec):
     """(graphdef, trained parameters, the rest) of `model` for `spec.train`
-    (`finetune.modes.trained_filter`); ValueError when that selects nothing."""
+    (`finetune.modes.trained_filter`); ValueError when that selects nothing (for "lora": no
+    adapter)."""
     graphdef, params, rest = nnx.split(model, trained_filter(spec.train), ...)
+    if spec.train == "lora" and not count_params(nnx.state(model, nnx.LoRAParam)):
+        raise ValueError(f"`train='lora'` selects no parameter of {type(model).__name__}: add "
+                         "adapters first (`finetune.add_lora`)")
     if not count_params(params):
-        hint = " (add adapters with `finetune.modes.add_lora`)" if spec.train == "lora" else ""
         raise ValueError(f"`train={spec.train!r}` selects no parameter of "
-                         f"{type(model).__name__}{hint}")
+                         f"{type(model).__name__}")
     return graphdef, params, rest
 
 
