@@ -128,7 +128,8 @@ def test_lora_trains_only_adapters_and_the_head_and_releases_them_merged(rng, tm
 @pytest.mark.slow
 def test_a_lora_vit_exports_to_torch_onnx_and_timm_as_the_adapter_model(tmp_path):
     """timm's ViT-tiny with trained-looking adapters (random A and B, rank 4): the merged
-    model file's torch, ONNX and timm exports equal the adapter model within 1e-4."""
+    model file, its `to_torch` (timm's own ViT, as `--format timm` fills it), torch.export and
+    ONNX exports equal the adapter model within 1e-4."""
     from tests.test_export import TOLERANCE, _compare, _tiny_timm_vit
 
     model = finetune.add_lora(fm.vit_from_timm(_tiny_timm_vit(0), None, rngs=nnx.Rngs(0)), 4,
@@ -205,7 +206,8 @@ def test_non_private_bias_run_says_it_is_not_private_everywhere(rng, tmp_path, m
     assert privacy["private"] is False and float(privacy["epsilon"]) == math.inf
     assert "NO privacy guarantee" in privacy["claim"] and privacy["dp_event"] == {
         "type": "NonPrivateDpEvent"}
-    assert float(privacy["plan"]["clip_norm"]) == math.inf and privacy["plan"]["noise_multiplier"] == 0
+    assert float(privacy["plan"]["clip_norm"]) == math.inf
+    assert privacy["plan"]["noise_multiplier"] == 0
     assert float(results["ledger"]["epsilon"]) == math.inf
     assert results["trained"]["mode"] == "bias"
     assert 0 < results["trained"]["parameters"] < results["trained"]["of"]
@@ -226,3 +228,25 @@ def test_modes_that_cannot_run_are_refused_in_one_line(rng, tmp_path, monkeypatc
     assert len(err.splitlines()) == 1
     assert _finetune(*FAST, "--non-private", "--audit-canaries", "10") == 2
     assert "--audit-canaries" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_lora_vit_run_releases_a_plain_vit_that_reproduces_its_accuracy(rng, tmp_path,
+                                                                          monkeypatch):
+    from tests.test_predict import _accuracy, _predict
+
+    _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 40, 32, 3))
+    monkeypatch.chdir(tmp_path)
+    assert _finetune("--model", "vit_tiny_patch16_224", "--random-init", "--steps", "2",
+                     "--batch-size", "8", "--physical-batch-size", "8", "--lr", "0.5",
+                     "--train", "lora", "--lora-rank", "4", "--out", "run", "--quiet") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    trained = results["trained"]
+    # 12 blocks of rank-4 adapters on qkv (192 -> 576), proj, fc1 (192 -> 768), fc2; the head.
+    assert trained["mode"] == "lora" and trained["lora_rank"] == 4
+    assert trained["parameters"] == 12 * 4 * (768 + 384 + 960 + 960) + 192 * 4 + 4
+    arrays, document = dpmodel.read_model_file(tmp_path / "run" / "model.safetensors")
+    assert not [k for k in arrays if "lora" in k or "base_module" in k]
+    assert document["training"]["trained"] == trained
+    rows = _predict("run/model.safetensors", "npz:test.npz", out=tmp_path / "p.csv")
+    assert _accuracy(rows) == results["test_accuracy_ema"]
