@@ -21,6 +21,7 @@ import dpmodel
 import finetune
 import finetune.models as fm
 from dp.canaries import GradientCanaries
+from finetune.modes import count_params
 from tests.conftest import fixed_keys
 from tests.model_helpers import network_file, perturb_nnx, uint8_images
 from tests.test_finetune_job import FAST, _finetune, _images, _write
@@ -77,10 +78,11 @@ def _check_only_trained_changed(before: dict, after: dict, pattern: str) -> int:
     return trained
 
 
-@pytest.mark.parametrize("family,mode", [("cnn", "head"), ("cnn", "bias"), ("vit", "head"),
-                                         ("vit", "bias")])
-def test_head_and_bias_modes_train_noise_and_count_only_their_parameters(family, mode, rng,
-                                                                         monkeypatch):
+@pytest.mark.parametrize("family,mode,clipping", [
+    ("cnn", "head", "bookkeeping"), ("cnn", "bias", "per_example"), ("vit", "head", "bookkeeping"),
+    ("vit", "bias", "bookkeeping")])
+def test_head_and_bias_modes_train_noise_and_count_only_their_parameters(family, mode, clipping,
+                                                                         rng, monkeypatch):
     channels = 3 if family == "vit" else 1
     model = _model(family)
     before = _params(model)
@@ -89,7 +91,7 @@ def test_head_and_bias_modes_train_noise_and_count_only_their_parameters(family,
     result = finetune.train_finetune(
         model, images.reshape(12, 16, 16, channels), labels,
         accounting.DpPlan(2.0, 2, 1.0, 1.0), _spec(mode, channels), keys=fixed_keys(2, 0),
-        flags=finetune.FinetuneFlags(physical_batch_size=8))
+        flags=finetune.FinetuneFlags(physical_batch_size=8, clipping=clipping))
     trained = _check_only_trained_changed(before, _params(result.model), TRAINED[mode])
     assert sizes and set(sizes) == {trained}  # the noise has the trained dimension only
     head = before["head/kernel"].size + before["head/bias"].size
@@ -123,6 +125,28 @@ def test_lora_trains_only_adapters_and_the_head_and_releases_them_merged(rng, tm
     path = network_file(tmp_path / "m.safetensors", merged, name="vit", side=16, channels=3,
                         rgb=True)
     np.testing.assert_allclose(dpmodel.load_model(path).logits(images), ours, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bias", "lora"])
+def test_both_clippers_agree_on_the_trained_parameters_of_a_mode(mode, rng):
+    """Book-keeping and per-example clipping of the same split (frozen layers in `rest`, the
+    trained parameters alone clipped): the same clipped sum."""
+    model = _model("vit")
+    if mode == "lora":
+        finetune.add_lora(model, 2, rngs=nnx.Rngs(1))
+    perturb_nnx(model, 0.3)
+    spec = _spec(mode, 3)
+    graphdef, params, rest = finetune.split_trained(model, spec)
+    images, labels = uint8_images(6, 16, 3), rng.integers(0, CLASSES, 6)
+    mask = np.array([1, 1, 1, 0, 1, 1], np.float32)
+    sums = [finetune.clipped_sum(
+        graphdef, params, rest, jnp.asarray(images), jnp.asarray(labels), jnp.asarray(mask),
+        jnp.arange(6, dtype=jnp.int32), jnp.float32(1.0), jax.random.key(0), spec=spec,
+        flags=finetune.FinetuneFlags(physical_batch_size=6, clipping=clipping))
+        for clipping in ("bookkeeping", "per_example")]
+    flat = [np.concatenate([np.ravel(v) for v in jax.tree.leaves(s)]) for s in sums]
+    assert flat[0].size == count_params(params) and np.linalg.norm(flat[1]) > 0.5
+    np.testing.assert_allclose(flat[0], flat[1], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
