@@ -10,13 +10,13 @@ from finetune.checkpoint import Checkpointer
 from finetune.evaluation import EVAL_BATCH_SIZE, evaluate_model, iter_logits, normalize_images
 from finetune.modes import TRAIN_MODES, add_lora, merge_lora
 from finetune.specs import SCHEDULES, FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
+from finetune.timing import print_progress
 from finetune.train import (
     clipped_sum,
     ema_decay_at,
     gradient_sum,
     init_state,
     model_inputs,
-    print_progress,
     split_trained,
     train_finetune,
 )

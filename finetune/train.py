@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import time
 from collections.abc import Callable
 
 import jax
@@ -64,7 +63,7 @@ from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainSta
 from finetune.timing import StepClock
 
 __all__ = ["clipped_sum", "ema_decay_at", "gradient_sum", "init_state", "model_inputs",
-           "print_progress", "split_trained", "train_finetune"]
+           "split_trained", "train_finetune"]
 
 
 def ema_decay_at(step: int | jax.Array, decay: float):
@@ -371,40 +370,3 @@ def _placement(flags: FinetuneFlags):
             mesh, PartitionSpec("data", *([None] * (a.ndim - 1))))) for a in arrays)
 
     return place
-
-
-# ------------------------------------------------------------------------------------------
-# Evaluation on public data.
-# ------------------------------------------------------------------------------------------
-
-
-def print_progress(total_steps: int, expected_batch: float, views: int,
-                   epsilon_at: Callable[[int], float] | None = None, *, first_step: int = 0,
-                   every: int | None = None, stream=None):
-    """A `progress` callback: one line per `every` steps (about 20 lines in all) with the
-    throughput and, if given, the epsilon spent so far (`epsilon_at(steps)`).
-
-    The throughput counts the *expected* batch size q N (times K views) per step: the sampled
-    sizes are kept secret (revealing them is not covered by the accounting). The first step's
-    line says how long it took: it includes compiling the step (about 46 s for a ViT on a
-    CPU), which would otherwise pass in silence."""
-    every = every or max(1, total_steps // 20)
-    stream = stream or sys.stderr  # the one in use now, not the one at import
-    start = time.perf_counter()
-    first = [True]
-
-    def report(step: int):
-        if first[0]:  # the first step compiles the training step: say how long that took
-            first[0] = False
-            print(f"step {step}/{total_steps} took {time.perf_counter() - start:.1f} s "
-                  "(it compiled the training step; later steps reuse it)", file=stream,
-                  flush=True)
-        if step % every and step != total_steps:
-            return
-        seconds = max(time.perf_counter() - start, 1e-9)
-        rate = (step - first_step) * expected_batch * views / seconds
-        spent = f"  epsilon spent {epsilon_at(step):.3f}" if epsilon_at else ""
-        print(f"step {step}/{total_steps}  {rate:.0f} img/s (expected batch){spent}",
-              file=stream, flush=True)
-
-    return report

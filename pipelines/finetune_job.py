@@ -139,7 +139,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
     log("finetune: compiling the training step (the first step includes it)", quiet)
     progress = None if quiet else finetune.print_progress(
-        steps, q * num_examples, config.augmult, epsilon_at,
+        steps, q * num_examples, config.augmult, None if config.non_private else epsilon_at,
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
     audit = None
     if config.audit_canaries:
