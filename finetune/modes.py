@@ -23,6 +23,11 @@ noised (the noise has their dimension), and the optimizer's and the EMA's state;
 parameter is a constant of the run, bitwise unchanged. None of this changes epsilon: whichever
 parameters are trained, each example's gradient with respect to them is clipped to C.
 
+Book-keeping clipping (`dp.bookkeeping`) taps each `nnx.LoRA` as one layer (`dp.taps` rule
+below): y = x A B + W x, so with G = x^T dloss/dy (the rule's A^T B), one example's adapter
+gradients are dloss/dA = G B^T and dloss/dB = A^T G, formed per example (d_in x d_out each)
+instead of through per-example copies of the adapters.
+
 A LoRA model is released merged (`merge_lora`: each adapted layer becomes the plain
 `nnx.Linear` with kernel W + A B), so its model file, predictions and exports are those of the
 architecture it adapted.
@@ -36,6 +41,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from dp.taps import Rule, register_rule
 
 __all__ = ["LORA_LAYERS", "TRAIN_MODES", "add_lora", "count_params", "merge_lora",
            "trained_filter"]
@@ -115,3 +122,15 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
             parent = parent[key] if isinstance(key, int) else getattr(parent, key)
         setattr(parent, path[-1], base)
     return model
+
+
+def _lora_grads(module: nnx.LoRA, g: jax.Array) -> dict[str, jax.Array]:
+    """One example's adapter gradients from G = x^T dloss/dy, (d_in, d_out)."""
+    a, b = module.lora_a[...].astype(g.dtype), module.lora_b[...].astype(g.dtype)
+    highest = jax.lax.Precision.HIGHEST
+    return {"lora_a": jnp.matmul(g, b.T, precision=highest),
+            "lora_b": jnp.matmul(a.T, g, precision=highest)}
+
+
+register_rule(nnx.LoRA, Rule(inputs=lambda module, x: x, params=("lora_a", "lora_b"),
+                             grads=_lora_grads))
