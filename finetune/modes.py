@@ -24,9 +24,10 @@ parameter is a constant of the run, bitwise unchanged. None of this changes epsi
 parameters are trained, each example's gradient with respect to them is clipped to C.
 
 Book-keeping clipping (`dp.bookkeeping`) taps each `nnx.LoRA` as one layer (`dp.taps` rule
-below): y = x A B + W x, so with G = x^T dloss/dy (the rule's A^T B), one example's adapter
-gradients are dloss/dA = G B^T and dloss/dB = A^T G, formed per example (d_in x d_out each)
-instead of through per-example copies of the adapters.
+below): y = x A B + x W, so from its input rows x and output gradient rows b = dloss/dy, one
+example's adapter gradients are dloss/dA = x^T (b B^T) and dloss/dB = (x A)^T b, formed per
+example at their own small size (d_in x r, r x d_out): never x^T b (d_in x d_out), nor
+per-example copies of the adapters.
 
 A LoRA model is released merged (`merge_lora`: each adapted layer becomes the plain
 `nnx.Linear` with kernel W + A B), so its model file, predictions and exports are those of the
@@ -124,13 +125,17 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     return model
 
 
-def _lora_grads(module: nnx.LoRA, g: jax.Array) -> dict[str, jax.Array]:
-    """One example's adapter gradients from G = x^T dloss/dy, (d_in, d_out)."""
-    a, b = module.lora_a[...].astype(g.dtype), module.lora_b[...].astype(g.dtype)
+def _lora_row_grads(module: nnx.LoRA, x: jax.Array, b: jax.Array) -> dict[str, jax.Array]:
+    """Every example's adapter gradients from its input rows x (n, T, d_in) and output
+    gradient rows b (n, T, d_out)."""
+    down = module.lora_a[...].astype(x.dtype)
+    up = module.lora_b[...].astype(x.dtype)
     highest = jax.lax.Precision.HIGHEST
-    return {"lora_a": jnp.matmul(g, b.T, precision=highest),
-            "lora_b": jnp.matmul(a.T, g, precision=highest)}
+    hidden = jnp.einsum("ntd,dr->ntr", x, down, precision=highest)
+    back = jnp.einsum("ntp,rp->ntr", b, up, precision=highest)
+    return {"lora_a": jnp.einsum("ntd,ntr->ndr", x, back, precision=highest),
+            "lora_b": jnp.einsum("ntr,ntp->nrp", hidden, b, precision=highest)}
 
 
 register_rule(nnx.LoRA, Rule(inputs=lambda module, x: x, params=("lora_a", "lora_b"),
-                             grads=_lora_grads))
+                             row_grads=_lora_row_grads))
