@@ -21,6 +21,7 @@ import dpmodel
 import finetune
 import finetune.models as fm
 from dp.canaries import GradientCanaries
+from dp.taps import rule_for
 from finetune.modes import count_params
 from tests.conftest import fixed_keys
 from tests.model_helpers import network_file, perturb_nnx, uint8_images
@@ -134,6 +135,8 @@ def test_both_clippers_agree_on_the_trained_parameters_of_a_mode(mode, rng):
     model = _model("vit")
     if mode == "lora":
         finetune.add_lora(model, 2, rngs=nnx.Rngs(1))
+        # Its own book-keeping rule (rows to adapter gradients), not per-example copies.
+        assert rule_for(model.blocks[0].attn.qkv).row_grads is not None
     perturb_nnx(model, 0.3)
     spec = _spec(mode, 3)
     graphdef, params, rest = finetune.split_trained(model, spec)
