@@ -67,9 +67,9 @@ _BLOCK = 16
 
 
 def _blocked_sum(x: jax.Array) -> tuple[jax.Array, int]:
-    """Row sums of nonnegative x (n, m) by levels of at most 16 terms (so the rounding bound
-    is gamma of the levels' sizes summed, about 16 log16(m), not gamma_m), and the number of
-    terms of that bound."""
+    """Row sums of x (n, m) by levels of at most 16 terms, and the number of terms k of their
+    rounding bound: |computed - exact| <= gamma_k sum |x|, with k = the levels' sizes summed
+    (about 16 log16(m), not m as for a sum in unknown order)."""
     terms = 0
     while x.shape[1] > 1:
         width = min(_BLOCK, x.shape[1])
@@ -138,17 +138,21 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     b_s, b_exp = _unit_scale(b, b_peak)
     a_gram = jnp.einsum("ntd,nsd->nts", a_s, a_s, precision=_HIGHEST)
     b_gram = jnp.einsum("ntp,nsp->nts", b_s, b_s, precision=_HIGHEST)
-    sq = jnp.sum(a_gram * b_gram, axis=(1, 2))
-    tau = jnp.sum(jnp.sqrt(jnp.diagonal(a_gram, axis1=1, axis2=2))
-                  * jnp.sqrt(jnp.diagonal(b_gram, axis1=1, axis2=2)), axis=1)
-    tau = tau * (1.0 + _gamma(d + p + tokens))
-    bound = jnp.sqrt(jnp.maximum(sq, 0.0) + _gamma(d + p + tokens * tokens + 8) * tau**2)
+    sq, sq_terms = _blocked_sum((a_gram * b_gram).reshape(a.shape[0], -1))
+    tau, tau_terms = _blocked_sum(jnp.sqrt(jnp.diagonal(a_gram, axis1=1, axis2=2))
+                                  * jnp.sqrt(jnp.diagonal(b_gram, axis1=1, axis2=2)))
+    # Each Gram entry is within gamma_d (gamma_p) of |a_t| |a_s| (|b_t| |b_s|) of its exact
+    # value, products round by u, the blocked sum adds gamma_(sq_terms) of the sum of
+    # |terms| <= tau^2; tau itself is computed low by at most gamma_(d + p + tau_terms + 4).
+    tau = tau * (1.0 + _gamma(d + p + tau_terms + 4))
+    slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
+    bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2) * (1.0 + _gamma(2)))
     return _unscale(_unscale(bound + _gamma(tokens + 8) * tau, a_exp, a_peak), b_exp, b_peak)
 
 
 def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
                         notices: Callable[[str], None] | None = None,
-                        dtype: Any = None) -> Clipper:
+                        dtype: Any = None, ghost: bool | None = None) -> Clipper:
     """The book-keeping clipper of an NNX model (module docstring).
 
     Args:
@@ -159,6 +163,8 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         65,536 entries that no rule covers (their per-example gradients are instantiated).
       dtype: the forward's parameter dtype (bfloat16 for mixed precision); None keeps them.
         A, B and every gradient are cast to float32 before norms and sums.
+      ghost: None chooses ghost norm or instantiation per layer by cost (`layer_plan`); True
+        uses the ghost norm wherever a rule allows it, False never (tests and benchmarks).
 
     Returns:
       A `dp.Clipper` whose `params` is the trained `nnx.State` or (that state, extra).
@@ -206,12 +212,13 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         (off_grads, outs), inputs = jax.grad(total, argnums=(0, 1), has_aux=True)(
             (st_off, ex_off), perturb)
         return _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm,
-                             mask)
+                             mask, ghost)
 
     return clip
 
 
-def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm, mask):
+def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm, mask,
+                  ghost):
     """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B."""
     n = mask.shape[0]
     parts, norms = {}, []  # parts: tap name -> ("ghost", a, b) or ("inst", {param: g})
@@ -225,7 +232,9 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             parts[name] = ("inst", grads)
             norms += [_scaled_norm(v) for v in grads.values()]
             continue
-        if rule.grads is None and layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) == "ghost":
+        plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
+            "ghost" if ghost else "instantiate")
+        if rule.grads is None and plan == "ghost":
             parts[name] = ("ghost", a, b)
             norms.append(_ghost_norm(a, b))
             continue

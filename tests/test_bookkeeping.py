@@ -1,0 +1,132 @@
+"""Book-keeping clipping (`dp.bookkeeping_clipper`) against per-example gradients
+(`dp.per_example_clipper`, `jax_privacy.clipped_grad`) on this project's models, and its bound
+on adversarial rows. The probe-shaped contract runs in tests/test_contract.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dp
+from finetune.models import TemperedCNN, VisionTransformer, ViTConfig, WideResNet
+
+CLASSES = 5
+SMALL_VIT = ViTConfig(image_size=(16, 16), patch_size=(8, 8), in_channels=3, embed_dim=32,
+                      depth=2, num_heads=2, head_dim=16, mlp_dim=64, layer_scale=True)
+
+
+def _model(name: str):
+    rngs = nnx.Rngs(0)
+    if name == "cnn":
+        return TemperedCNN(CLASSES, image_size=16, in_channels=1, rngs=rngs), (16, 1)
+    if name == "wrn":
+        return WideResNet(CLASSES, depth=10, width=1, image_size=8, in_channels=1,
+                          rngs=rngs), (8, 1)
+    return VisionTransformer(SMALL_VIT, CLASSES, rngs=rngs), (16, 3)
+
+
+def _loss(logits, label):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.broadcast_to(label, logits.shape[:1])).mean()
+
+
+def _clippers(name: str, ghost, dtype=None):
+    """(params away from init, the book-keeping clipper, the per-example clipper, image shape)."""
+    model, (side, channels) = _model(name)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(next(keys), p.shape), params)
+
+    def per_example(p, x, y):
+        return _loss(nnx.merge(graphdef, p, rest)(x[0]), y[0])
+
+    def bookkeeping(model, extra, x, y):
+        return _loss(model(x.astype(dtype or x.dtype)), y)
+
+    ours = jax.jit(dp.bookkeeping_clipper(bookkeeping, graphdef, rest, ghost=ghost,
+                                          dtype=dtype))
+    return params, ours, jax.jit(dp.per_example_clipper(per_example)), (side, side, channels)
+
+
+def _flat(grads) -> np.ndarray:
+    return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
+
+
+@pytest.mark.parametrize("name,ghost", [("cnn", None), ("wrn", None), ("vit", None),
+                                        ("vit", True)])
+def test_equals_per_example_clipping_with_views_and_padding(name, ghost):
+    """K = 2 views, two padding rows: the clipped sums agree within 1e-5 relative unclipped;
+    clipped, the book-keeping norms are upper bounds within 1e-5 (instantiated) or 1e-3
+    (ghost: the Gram form's float32 rounding bound, `dp.bookkeeping`) of the exact ones, and
+    the sums agree within that much."""
+    params, ours, reference, shape = _clippers(name, ghost)
+    rng = np.random.default_rng(0)
+    n = 8
+    x = jnp.asarray(rng.normal(size=(n, 2, *shape)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, CLASSES, n))
+    mask = jnp.asarray((np.arange(n) < 6).astype(np.float32))
+    tol = 1e-5 if ghost is None else 1e-3
+    for clip in (jnp.inf, 0.05):
+        mine, theirs = ours(params, (x, y), clip, mask), reference(params, (x, y), clip, mask)
+        a, b = _flat(mine.grads), _flat(theirs.grads)
+        assert np.linalg.norm(a - b) <= (1e-5 if clip == jnp.inf else tol) * np.linalg.norm(b)
+        exact, bound = np.asarray(theirs.norms)[:6], np.asarray(mine.norms)[:6]
+        assert (bound >= exact * (1 - 1e-6)).all() and (bound <= exact * (1 + tol)).all()
+
+
+def _adversarial(shape, rng):
+    """8 ordinary examples (2 views each), then: huge pixels, pixels near float32's max,
+    two nearly antipodal large views (their gradients cancel in the view average)."""
+    x = rng.normal(size=(11, 2, *shape)).astype(np.float32)
+    x[8] *= 1e6
+    x[9] = np.sign(x[9]) * 3e37
+    x[10, 1] = -x[10, 0] * (1 + 1e-3)
+    x[10] *= 1e4
+    return jnp.asarray(x), jnp.asarray(np.arange(11) % CLASSES)
+
+
+@pytest.mark.parametrize("name,ghost,dtype", [("cnn", None, None), ("vit", True, jnp.bfloat16)])
+def test_each_example_moves_the_sum_by_at_most_c(name, ghost, dtype):
+    """Removing any one example (its mask to 0) moves the computed float32 sum by at most
+    C (1 + 1e-6), measured in float64, on rows built to break clipping, with a float32 or a
+    bfloat16 forward."""
+    params, ours, _, shape = _clippers(name, ghost, dtype)
+    x, y = _adversarial(shape, np.random.default_rng(1))
+    clip = 0.5
+    full = _flat(ours(params, (x, y), clip, jnp.ones(11)).grads)
+    assert np.isfinite(full).all()
+    for row in [0, 8, 9, 10]:
+        without = _flat(ours(params, (x, y), clip, jnp.ones(11).at[row].set(0.0)).grads)
+        assert np.linalg.norm(full - without) <= clip * (1 + 1e-6), row
+
+
+def test_a_layer_without_a_rule_is_exact_and_named():
+    """flax's own `nnx.Conv` has no rule: its parameters' per-example gradients are formed
+    (exact), and a large one is named in a notice."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 300, (16, 16), rngs=rngs)  # 76,800 + 300 parameters
+            self.head = nnx.Linear(300, CLASSES, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.conv(x)).mean(axis=(1, 2)))
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+    lines = []
+    ours = dp.bookkeeping_clipper(lambda m, e, x, y: _loss(m(x), y), graphdef, rest,
+                                  notices=lines.append)
+    reference = dp.per_example_clipper(
+        lambda p, x, y: _loss(nnx.merge(graphdef, p, rest)(x[0]), y[0]))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(4, 1, 8, 8, 1)).astype(np.float32))
+    y = jnp.arange(4) % CLASSES
+    a = _flat(ours(params, (x, y), 0.1, jnp.ones(4)).grads)
+    b = _flat(reference(params, (x, y), 0.1, jnp.ones(4)).grads)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert lines == ["book-keeping clipping has no rule for conv.kernel: their per-example "
+                     "gradients are formed (exact, slower)"]
