@@ -84,7 +84,7 @@ def _leaf_path(key_path) -> tuple:
                  for k in key_path if not (hasattr(k, "name") and k.name == "value"))
 
 
-_SMALL = 2**22
+_SMALL = 2**20
 
 
 def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -208,20 +209,29 @@ class Model:
                 and not resize_crop["resize"] and not resize_crop["crop"]
                 and array.shape[1] == array.shape[2]):
             array = as_channels(array, channels["grayscale_to_rgb"])
-        else:
+        else:  # image by image: one of another size or mode is named
             images = _pil_images(batch)
             if not images:
                 return np.zeros((0, side, side, want), np.uint8)
-            array = images_to_array(images, resize_crop["resize"], resize_crop["crop"],
-                                    channels["grayscale_to_rgb"])
-        if array.shape[-1] != want:
-            raise ValueError(f"images with {array.shape[-1]} channel(s) given to {self.path}, "
-                             f"which takes {want}")
-        if array.shape[1:3] != (side, side):
-            raise ValueError(f"images of {array.shape[1]}x{array.shape[2]} pixels (after the "
-                             f"model's resize and crop) given to {self.path}, which takes "
-                             f"{side}x{side}")
+            arrays = [images_to_array([image], resize_crop["resize"], resize_crop["crop"],
+                                      channels["grayscale_to_rgb"]) for image in images]
+            for i, one in enumerate(arrays):
+                self._check_input(one, f"{_image_name(batch, images, i)}: ")
+            return np.concatenate(arrays)
+        self._check_input(array, "")
         return array
+
+    def _check_input(self, array: np.ndarray, name: str) -> None:
+        """Refuse images (n, H, W, C) that are not the network's input size and channels."""
+        side, want = self.document["architecture"]["image_size"], self.document[
+            "architecture"]["in_channels"]
+        if array.shape[-1] != want:
+            raise ValueError(f"{name}images with {array.shape[-1]} channel(s) given to "
+                             f"{self.path}, which takes {want}")
+        if array.shape[1:3] != (side, side):
+            raise ValueError(f"{name}images of {array.shape[1]}x{array.shape[2]} pixels (after "
+                             f"the model's resize and crop) given to {self.path}, which takes "
+                             f"{side}x{side}")
 
     # ------------------------------------------------------------------------------------------
     # Export
@@ -237,6 +247,13 @@ class Model:
 def _is_features(batch) -> bool:
     return (isinstance(batch, np.ndarray) and np.issubdtype(batch.dtype, np.floating)
             and batch.ndim == 2)
+
+
+def _image_name(batch, images: list, i: int) -> str:
+    """Image i of a batch by name: its path, its `filename`, else its place in the batch."""
+    if isinstance(batch, Sequence) and isinstance(batch[i], str | os.PathLike):
+        return os.fspath(batch[i])
+    return getattr(images[i], "filename", "") or f"image {i} of the batch"
 
 
 def _pil_images(batch) -> list:
@@ -255,11 +272,15 @@ def _pil_images(batch) -> list:
     images = []
     for item in batch if isinstance(batch, Sequence) else list(batch):
         if isinstance(item, str | os.PathLike):
-            try:
-                with Image.open(item) as image:
-                    image.load()
-                    item = image.convert("RGB") if image.mode not in ("L", "RGB") else image.copy()
-            except (OSError, ValueError, SyntaxError) as err:
+            try:  # a decompression bomb (Pillow's warning or error) is refused by name too
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    with Image.open(item) as image:
+                        image.load()
+                        item = (image.convert("RGB") if image.mode not in ("L", "RGB")
+                                else image.copy())
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError,
+                    Image.DecompressionBombWarning) as err:
                 raise ValueError(f"cannot read image {item}: {err}") from err
         elif not isinstance(item, Image.Image):
             raise ValueError(f"expected images (PIL images, file paths or a uint8 array), got "

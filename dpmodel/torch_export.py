@@ -245,9 +245,13 @@ def export_onnx(model) -> tuple[bytes, str]:
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         path = os.path.join(folder, "model.onnx")
-        torch.onnx.export(module, (example,), path, dynamo=True, external_data=False,
-                          input_names=[name], output_names=["logits"],
-                          dynamic_shapes=({0: batch},), optimize=False, verbose=False)
+        try:
+            torch.onnx.export(module, (example,), path, dynamo=True, external_data=False,
+                              input_names=[name], output_names=["logits"],
+                              dynamic_shapes=({0: batch},), optimize=False, verbose=False)
+        except OSError as err:  # a full temporary disk: named, with the way around it
+            raise OSError(err.errno, f"{err.strerror} (the ONNX export's temporary file; set "
+                          "TMPDIR to a folder with room)", folder) from err
         proto = onnx.load(path)
     entry = proto.metadata_props.add()
     entry.key, entry.value = "dpprobe_export", _export_note(model)

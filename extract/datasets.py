@@ -9,7 +9,6 @@ the public per-record rule of `extract.defects` applies to it, the same for ever
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import io
@@ -24,10 +23,12 @@ from extract.defects import (
     Defect,
     decoding,
     first_line,
+    image_error,
     integer_pixels,
     label_values,
     open_image,
     pixel_rule,
+    strict_decoding,
     unreadable,
 )
 from extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
@@ -290,12 +291,13 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
             content = None
         if content is not None:
             try:
-                with contextlib.nullcontext() if strict else decoding():
+                with strict_decoding() if strict else decoding():
                     with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
                         image.verify()
             except Exception as err:  # noqa: BLE001 - PIL raises many kinds for bad files
                 if strict:
-                    raise ValueError(f"{file} is not a readable image ({first_line(err)})") from err
+                    raise ValueError(f"{file} is not a readable image "
+                                     f"({image_error(err)})") from err
                 defects.append(unreadable(row, err))
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content or b"").digest())

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["MAX_FILE_BYTES", "MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding",
-           "first_line", "integer_pixels", "label_defects", "label_values", "open_image",
-           "pixel_rule", "unreadable"]
+           "first_line", "image_error", "integer_pixels", "label_defects", "label_values",
+           "open_image", "pixel_rule", "strict_decoding", "unreadable"]
 
 # The label of a null record: outside every class list, as the trainer's canaries use it.
 NULL_LABEL = -1
@@ -139,6 +139,22 @@ def decoding():
         yield
 
 
+@contextlib.contextmanager
+def strict_decoding():
+    """Around a Pillow open or decode on an owner's path (`extract`, `predict`: strict readers,
+    which refuse a bad image by name): a decompression bomb, Pillow's warning or its error, is
+    raised as a ValueError for the caller to name the file, not printed as a warning nor left an
+    unexpected error; other warnings are left as they are."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            yield
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise ValueError(f"a possible decompression bomb ({first_line(err)})") from err
+
+
 def open_image(source):
     """`PIL.Image.open(source)` (a path or a binary file), refused (ValueError) when its header
     says more than `MAX_PIXELS` pixels, before anything is decoded. Use it within `decoding`."""
@@ -155,11 +171,15 @@ def open_image(source):
 
 def unreadable(row: int, err: BaseException) -> Defect:
     """The null record of an image that cannot be read, and why (for the owner)."""
+    return Defect(row, NULL, f"not a readable image ({image_error(err)})")
+
+
+def image_error(err: BaseException) -> str:
+    """Why Pillow could not read an image, in one line without an object's address."""
     from PIL import UnidentifiedImageError
 
-    why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
-           else first_line(err))
-    return Defect(row, NULL, f"not a readable image ({why})")
+    return ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
+            else first_line(err))
 
 
 def label_values(values) -> tuple[np.ndarray, list[Defect]]:

@@ -71,19 +71,21 @@ def _read_into(store: StorePath, group: zarr.Group, features: np.ndarray,
 
 
 def iter_split_chunks(
-    store: StorePath, split: str, dtype=np.float32
+    store: StorePath, split: str, dtype=np.float32, row_range: tuple[int, int] | None = None
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Stream (features, labels) row chunk by row chunk, for stores larger than memory.
 
     `dtype=None` keeps the stored dtype (float16 halves the memory of each chunk). Each chunk
     is checked against its recorded sha256; a damaged one raises `DamagedStoreError`.
+    `row_range` = (start, stop): only those rows (the chunks that hold them, each checked whole,
+    cut to the range), e.g. one process's share of a multi-process job.
     """
     group = open_split(store, split)
     features, labels = group["features"], group["labels"]
     sums = np.asarray(group["chunk_sha256"][:])
-    rows = features.chunks[0]
+    rows, (first, last) = features.chunks[0], row_range or (0, features.shape[0])
     where = f"{store}/{split}"
-    for start in range(0, features.shape[0], rows):
+    for start in range(first - first % rows, min(last, features.shape[0]), rows):
         try:
             chunk = np.asarray(features[start:start + rows])
             chunk_labels = np.asarray(labels[start:start + rows])
@@ -91,6 +93,9 @@ def iter_split_chunks(
             raise _unreadable(f"{where}/features", start, rows, features.shape[0],
                               err) from err
         check_chunk_sums(where, sums, chunk, chunk_labels, rows, start=start)
+        if first > start or last < start + len(chunk):
+            cut = slice(max(first - start, 0), last - start)
+            chunk, chunk_labels = chunk[cut], chunk_labels[cut]
         yield (chunk if dtype is None else chunk.astype(dtype, copy=False), chunk_labels)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from extract.defects import NULL, NULL_LABEL, Defect, first_line, label_defects
+from extract.defects import NULL, NULL_LABEL, Defect, image_error, label_defects, strict_decoding
 
 __all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range"]
 
@@ -94,10 +94,11 @@ class ImageSplit:
         images = []
         for i in indices:
             try:
-                images.append(self.load(int(i)))
+                with strict_decoding():
+                    images.append(self.load(int(i)))
             except (OSError, ValueError, SyntaxError) as err:  # PIL's errors for bad files
                 raise ValueError(f"cannot read image {self.describe(int(i))}: "
-                                 f"{first_line(err)}") from err
+                                 f"{image_error(err)}") from err
         return images
 
     def provenance(self) -> dict:

@@ -15,8 +15,13 @@ created readable by its owner only, and the job removes it once the run is compl
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
+import re
+import tempfile
 from pathlib import Path
 
 import jax
@@ -59,10 +64,39 @@ class Checkpointer:
                   "keys": np.asarray(jax.random.key_data(keys))}
         meta = {"step": int(state.step), "config": self.config,
                 "sampler": _json_ints(rng.bit_generator.state)}
-        self._manager.save(state.step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        self._reserve(sum(np.asarray(x).nbytes for x in jax.tree.leaves(arrays)))
+        try:
+            with _orbax_silenced():
+                self._manager.save(state.step, args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+                    force=True)
+                self._manager.wait_until_finished()
+        except (OSError, ValueError) as err:  # orbax's own for a full disk (os_error_code=27)
+            found = re.search(r"os_error_code='?(\d+)", str(err))
+            code = int(found.group(1)) if found else getattr(err, "errno", None)
+            why = os.strerror(code) if code else (str(err).strip().splitlines() or ["?"])[0]
+            raise OSError(code or errno.EIO, f"cannot write the checkpoint of step {state.step} "
+                          f"({why[:300]}); the last complete one is kept, and the same command "
+                          "resumes from it", str(self.directory)) from err
         return True
+
+    def _reserve(self, nbytes: int) -> None:
+        """Refuse (OSError, in one line) a checkpoint the disk cannot take before orbax writes
+        it: orbax's threads report a failed write with tracebacks, even after the error is
+        caught. The space (the arrays' bytes and 1 MiB for metadata) is allocated in a
+        temporary file, and freed."""
+        fd, path = tempfile.mkstemp(prefix=".dpprobe-space-", dir=self.directory)
+        try:
+            os.posix_fallocate(fd, 0, nbytes + 2**20)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                return  # a filesystem that cannot reserve space: orbax's write tells
+            raise OSError(err.errno, f"no room for a checkpoint of {nbytes + 2**20} bytes "
+                          f"({err.strerror}); free space, or give another `out`",
+                          str(self.directory)) from err
+        finally:
+            os.close(fd)
+            os.remove(path)
 
     def restore(self, initial: TrainState):
         """The latest save as (state, keys, rng), with `initial` giving the pytree structure;
@@ -91,6 +125,18 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _orbax_silenced():
+    """Orbax logs (absl) a failed write with its traceback from its threads, and a leftover
+    temporary folder as a warning: the caller says it in one line instead."""
+    logger = logging.getLogger("absl")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _abstract(x):

@@ -53,6 +53,7 @@ from accounting import DpPlan
 from dp.bookkeeping import bookkeeping_clipper
 from dp.canaries import GradientCanaries, canary_tap
 from dp.clipping import NULL_LABEL, per_example_clipper, valid_labels, zero_nonfinite_rows
+from dp.distributed import local_batches, shared_generator, sum_over_processes
 from dp.noise import make_keys, noise_stddev
 from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
@@ -277,6 +278,7 @@ def train_finetune(
     on_step: Callable[[TrainState, np.random.Generator], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     canaries: GradientCanaries | None = None,
+    rows: tuple[int, int, int] | None = None,
 ) -> FinetuneResult:
     """DP-SGD on the parameters of `model` that `spec.train` names (module docstring).
 
@@ -299,12 +301,20 @@ def train_finetune(
       canaries: white-box gradient canaries (`dp.canaries`): m more rows, N..N+m-1, sampled,
         clipped and noised with the real ones (`plan` is then of N + m rows); each step's
         privatized sum on their block is returned in `canary_projections`.
+      rows: (start, stop, N) in a multi-process job (`dp.distributed`): `images` and `labels`
+        are rows [start, stop) of the job's N; every process samples the same batches (`rng`
+        None: `dp.distributed.shared_generator`), sums the clipped gradients of its own rows,
+        and the partial sums are added over processes before the noise, which is added once.
     """
     flags = flags or FinetuneFlags()
     keys = make_keys(2) if keys is None else keys
-    rng = np.random.default_rng() if rng is None else rng  # OS entropy
+    rng = shared_generator() if rng is None else rng  # OS entropy (process 0's, shared)
     images, labels = np.asarray(images), np.asarray(labels)
-    num_real, p = len(labels), flags.physical_batch_size
+    first, stop, num_real = rows or (0, len(labels), len(labels))
+    if stop - first != len(labels) or (rows is not None and canaries is not None):
+        raise ValueError(f"rows={rows} needs {stop - first} labels (got {len(labels)}) and no "
+                         "canaries")
+    p = flags.physical_batch_size
     count = 0 if canaries is None else canaries.count
     num_examples = num_real + count
     if count:  # canary j's row: any image (its loss ignores it), label 0 if in, else null
@@ -330,12 +340,15 @@ def train_finetune(
         batch_sizes[step] = batch.sizes[0]
         aug_key = jax.random.fold_in(keys[1], step)
         sums = None
-        for index, mask in zip(batch.index[:, 0], batch.mask[:, 0], strict=True):
+        for index, mask in local_batches(batch.index[:, 0], batch.mask[:, 0], first,
+                                         stop + count, p):  # this process's rows
+            own = index - first
             part = batch_sum(graphdef, params, rest,
-                               *place(images[np.minimum(index, num_real - 1)], labels[index],
-                                      mask, index.astype(np.int32)),
-                               clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
+                             *place(images[np.minimum(own, len(images) - 1)], labels[own],
+                                    mask, index.astype(np.int32)),
+                             clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
             sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+        sums = sum_over_processes(sums)  # one process: unchanged
         params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
                                            noise_key, denominator, clip, spec=spec,
                                            steps=plan.steps, canaries=count, private=private)

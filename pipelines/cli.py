@@ -11,8 +11,9 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
-from pipelines import arguments, options, records, reporting
+from pipelines import arguments, options, processes, records, reporting
 from pipelines.account_job import AccountConfig, account
 from pipelines.audit_job import AuditConfig, run_audit
 from pipelines.config import ConfigError
@@ -74,6 +75,8 @@ def _info(config: InfoConfig, args) -> int:
 
 def _probe(config: ProbeConfig, args) -> int:
     results = run_probe(config)
+    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
+        return 0
     print(reporting.probe_table(results))
     if config.out and not config.quiet:
         print(f"wrote {config.out} ({results['wall_seconds']:.2f} s)", file=sys.stderr)
@@ -87,6 +90,8 @@ def _tune(config: TuneConfig, args) -> int:
 
 def _finetune(config: FinetuneConfig, args) -> int:
     results = run_finetune(config)
+    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
+        return 0
     if results.get("already_complete"):
         print(f"already complete: {results['already_complete']}")
     print(reporting.finetune_line(results))
@@ -191,6 +196,10 @@ def _use_jax_compilation_cache() -> None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(base, "dpprobe", "jax"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    # A cache entry that cannot be written (a full disk), or one cut short by it, only costs a
+    # compile: not a warning beside the job's own one-line error, nor on the retry's stderr.
+    warnings.filterwarnings("ignore", message="Error (writing|reading) persistent compilation "
+                            "cache entry")
 
 
 def _quiet_closed_stdout() -> None:
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, --version, or a one-line usage error (status 2)
         return stop.code if isinstance(stop.code, int) else 2
+    processes.name_command(args.command)  # named in a multi-process job's failure line
     try:
         config = make_config(args)
         code = args.func(config, args)
@@ -229,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DPPROBE_DEBUG"):
             raise
         message = options.cli_words(_one_line(err), args.parser)  # fields named as options
+        if processes.active():  # one line naming the process, and leave now (the others
+            processes.fail(*processes.describe_failure(err, message), args.command)  # go too)
         print(f"dpprobe {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,8 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary file to write `path` through, atomically: a temp file in the same directory,
     renamed onto `path` when the block ends, removed if it raises (nothing is written then),
     with the permissions of a file the user creates (0666 minus the umask; mkstemp's are
-    0600). For outputs written piece by piece (`dpprobe predict`'s CSV)."""
+    0600). For outputs written piece by piece (`dpprobe predict`'s CSV). An OSError that
+    names no file (a full disk) is raised naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -28,6 +29,11 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
             os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a full disk (ENOSPC, EFBIG): named by the file it was writing
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -6,6 +6,7 @@ import dataclasses
 
 import accounting
 from pipelines import config as cfg
+from pipelines import processes
 from pipelines.options import (
     OPTIMIZERS,
     TRAIN_MODES,
@@ -58,6 +59,9 @@ class FinetuneConfig:
         parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
+      coordinator, num_processes, process_id, process_timeout: run as one of several
+        processes (`pipelines.processes`: each trains on its own rows, process 0 writes; no
+        checkpoints, no audit).
       audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
         `seed`), each in with probability 1/2, and the one-run bounds on epsilon
         (`finetune.canaries`); 0: off. The epochs count the real records only, so an audited
@@ -151,9 +155,14 @@ class FinetuneConfig:
         "gradient", choices=AUDIT_KINDS, help="gradient (default): white-box gradient "
         "canaries, a rigorous lower bound and an estimate of epsilon; image: black-box noise "
         "images (loose)")
+    coordinator: str | None = processes.coordinator_option()
+    num_processes: int | None = processes.num_processes_option()
+    process_id: int | None = processes.process_id_option()
+    process_timeout: int = processes.process_timeout_option()
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):
+        processes.check(self)
         cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
                    delta=cfg.check_delta("delta", self.delta))
         for name in ("learning_rate", "clip_norm", "epochs"):

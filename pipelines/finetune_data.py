@@ -38,8 +38,9 @@ def load_images(config, *, rgb: bool):
       record of it that the rule would make null is refused by name), the class names.
 
     Raises:
-      ValueError: for structural faults only (no such file, no rows, no class list, an unknown
-        format, splits that disagree, image files without `--resize` or `--crop`).
+      ValueError: for structural faults only (no such file, no rows, no class list or one of
+        fewer than 2 classes, an unknown format, splits that disagree, image files without
+        `--resize` or `--crop`).
     """
     import extract
 
@@ -55,6 +56,9 @@ def load_images(config, *, rgb: bool):
                          "test split of a one-split source (npz:, imagefolder:) with `test_data`")
     if splits["train"].class_names != splits["test"].class_names:
         raise ValueError("the train and test data declare different classes")
+    if len(splits["train"].class_names) < 2:  # as probe, tune and audit (a public count)
+        raise ValueError(f"a classifier needs at least 2 classes, {config.data} declares "
+                         f"{len(splits['train'].class_names)}")
     for split in splits.values():
         if split.array is None and not (config.resize or config.crop):
             raise ValueError(f"{split.spec or split.dataset} holds image files, each of its own "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import accounting
 from pipelines import config as cfg
-from pipelines import files, model_files, preflight, records, reporting
+from pipelines import files, model_files, preflight, processes, records, reporting, run_folder
 from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
 from pipelines.finetune_recipe import finetune_recipe
@@ -57,20 +57,51 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
     results and model file say so.
     """
+    config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    multi, config = processes.active(), processes.writer_config(config, ("out",))
+    if multi and config.audit_canaries:
+        raise ValueError("`audit_canaries` needs a one-process job")
+    if not config.out:
+        return _train(config, None)
+    out = Path(config.out)
+    run_folder.check_outside_inputs(out, _input_paths(config))
+    run_folder.check_checkpoint_folder(out / "checkpoint")
+    for name in ("results.json", model_files.MODEL_FILE):
+        preflight.check_output_paths(out=out / name)
+    with run_folder.hold(out, "finetune"):  # one run at a time
+        finished = _finished_run(out, config)
+        if finished is not None and multi:  # the others would train on without it
+            raise ValueError(f"{out} holds a finished run; give a new `out`")
+        if finished is not None:
+            # A run killed after its results and before removing its checkpoint: remove it.
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+            log(f"already complete: {out / 'results.json'}", config.quiet)
+            return finished
+        return _train(config, out)
+
+
+def _input_paths(config: FinetuneConfig) -> list[str]:
+    """The local files and folders the job reads (its output must not be, nor lie in, one)."""
+    import extract
+
+    paths = [config.data_dir, config.weights]
+    for spec in (config.data, config.test_data):
+        try:
+            paths.append(extract.parse_data_spec(spec)[1] if spec else None)
+        except ValueError:
+            pass  # refused by the reader, in its own words
+    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
+
+
+def _train(config: FinetuneConfig, out: Path | None) -> dict:
+    """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
     import finetune
 
-    config = cfg.make_config(FinetuneConfig, config, "data", **options)
     if config.train == "lora" and config.model in finetune.models.MODEL_NAMES:
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
                          f"`model={config.model}` has none: train all, head or bias")
-    out = Path(config.out) if config.out else None
-    if out is not None:
-        finished = _finished_run(out, config)
-        if finished is not None:
-            log(f"already complete: {out / 'results.json'}", config.quiet)
-            return finished
-        for name in ("results.json", model_files.MODEL_FILE):
-            preflight.check_output_paths(out=out / name)
+
     start = time.perf_counter()
     quiet = config.quiet
 
@@ -81,6 +112,13 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
+    multi, rows = processes.active(), None
+    if multi:  # each process keeps its own rows (every process reads the spec)
+        from dp.distributed import process_rows
+
+        processes.check_rows(num_real)
+        first, stop = process_rows(num_real)
+        train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
@@ -127,7 +165,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
-    if out is not None:
+    if out is not None and not multi:  # a multi-process run does not checkpoint
         checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
                                              config=_options(config))
         if checkpointer.latest_step() is not None:
@@ -154,7 +192,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
                                  checkpointer=checkpointer, progress=progress)
     else:
         trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
-                                          checkpointer=checkpointer, progress=progress)
+                                          checkpointer=checkpointer, progress=progress,
+                                          rows=rows)
 
     # The released form: LoRA adapters merged into the kernels (W + A B), evaluated as saved.
     merge = finetune.modes.merge_lora
@@ -226,11 +265,13 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
             crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
             timm_architecture=model_info.get("architecture"), trained=trained_info)
         results["model_file"] = str(out / model_files.MODEL_FILE)
-        reporting.write_json(out / "results.json", results)
+        # The options before the results: a run killed between the two reruns, not refused.
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
-        checkpointer.close()
-        shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once the run is done
+        reporting.write_json(out / "results.json", results)
+        if checkpointer is not None:
+            checkpointer.close()
+            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
     return results
 
 

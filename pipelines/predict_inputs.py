@@ -121,6 +121,8 @@ def _spec(spec: str, config, model) -> Input:
                 batch = split.array[start:stop]
             else:
                 batch = split.images(range(start, stop))
+                for row, image in zip(range(start, stop), batch, strict=True):
+                    image.filename = split.describe(row)  # named if the model refuses it
             files = getattr(split, "files", None)
             ids = [str(files[i]) for i in range(start, stop)] if files else range(start, stop)
             yield batch, np.asarray(list(ids), dtype=object), labels[start:stop]

@@ -8,6 +8,7 @@ import math
 
 import accounting
 from pipelines import config as cfg
+from pipelines import processes
 from pipelines.options import (
     LOSSES,
     NORMALIZATIONS,
@@ -76,6 +77,8 @@ class ProbeConfig:
         sizes, the data fingerprint) to this local file, for debugging; never share it.
       save_model: a folder for one model file per epsilon (its first seed's run;
         `pipelines.model_files.probe_models`).
+      coordinator, num_processes, process_id, process_timeout: run as one of several
+        processes (`pipelines.processes`: each reads its own rows, process 0 writes).
     """
 
     store: str = store_option()
@@ -126,9 +129,14 @@ class ProbeConfig:
     save_model: str | None = option(
         None, metavar="DIR", help="write one model file per epsilon (its first seed's run) "
         "into DIR, named by epsilon (eps1.safetensors), for `dpprobe predict` and `export`")
+    coordinator: str | None = processes.coordinator_option()
+    num_processes: int | None = processes.num_processes_option()
+    process_id: int | None = processes.process_id_option()
+    process_timeout: int = processes.process_timeout_option()
     quiet: bool = option(False, action="store_true", help="print only the table")
 
     def __post_init__(self):
+        processes.check(self)
         learning_rates = check_learning_rates(self.learning_rates)
         cfg.freeze(
             self, store=str(self.store),

@@ -15,16 +15,18 @@ import numpy as np
 import accounting
 import extract
 from pipelines import config as cfg
-from pipelines import plots, preflight, recipe, records, reporting
+from pipelines import plots, preflight, processes, recipe, records, reporting
 from pipelines.probe_config import MAX_RUNS, ProbeConfig
 from pipelines.reporting import log
 
-__all__ = ["CSV_COLUMNS", "MAX_RUNS", "ProbeConfig", "run_probe"]
+__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
                "sampling_probability", "optimizer", "learning_rate", "replicate",
                "test_accuracy", "test_top5_accuracy", "accountant", "neighboring_relation",
                "guarantee")
+# The fields that name outputs: only process 0 of a multi-process job writes them.
+OUTPUTS = ("out", "csv", "plot", "diagnostics", "save_model")
 
 
 def run_probe(config: ProbeConfig | str, /, **options) -> dict:
@@ -39,6 +41,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
       The results dict (also written to `out` as JSON when given).
     """
     config = cfg.make_config(ProbeConfig, config, "store", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    config = processes.writer_config(config, OUTPUTS)
     preflight.check_probe_job(config)
     start = time.perf_counter()
     store, quiet = config.store, config.quiet
@@ -50,13 +54,18 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
     if stream and config.sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    processes.check_rows(num_examples)
+    if processes.active() and (config.sampling_probability < 1.0 or (config.devices or 1) > 1):
+        raise ValueError("a multi-process probe trains full batch on every device of every "
+                         "process: drop `sampling_probability` and `devices`")
     if config.devices and config.devices > 1 and (stream or config.sampling_probability < 1.0):
         raise ValueError("`devices` shards in-memory full-batch training; it does not combine "
                          "with `stream` or `sampling_probability` < 1")
     test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
     test_in_memory = not stream and not _too_big_for_memory(test_bytes)
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,
-                                                 test_in_memory=test_in_memory)
+                                                 test_in_memory=test_in_memory,
+                                                 num_examples=num_examples)
     import probe  # already imported by `_read_splits`, while it read
 
     delta, accountant = config.delta, config.accountant
@@ -163,13 +172,17 @@ def _split_attrs(store) -> tuple[dict, dict]:
     return train_attrs, test_attrs
 
 
-def _read_splits(store, *, stream: bool, test_in_memory: bool):
+def _read_splits(store, *, stream: bool, test_in_memory: bool, num_examples: int):
     """The store reads of the probe job: (train features or None when streamed, train labels,
     test chunks or None when streamed), read while JAX is imported.
 
     `import probe` is the first JAX import, so `dpprobe extract` never pays for it; Zarr
-    decodes in its own threads meanwhile.
+    decodes in its own threads meanwhile. A process of a multi-process job reads its own rows.
     """
+    if processes.active() and not stream:
+        return (*_own_rows(store, num_examples),
+                list(extract.iter_split_chunks(store, "test", dtype=None)) if test_in_memory
+                else None)
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dpprobe-read") as pool:
         train_read = pool.submit(
             _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
@@ -204,10 +217,22 @@ def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chun
                                            progress=progress)
     elif stream:
         driver = "full batch, streamed from disk"
+        rows, flags = None, probe.PerformanceFlags()
+        if processes.active():  # this process's rows, every chunk padded to the store's
+            rows, flags = _process_rows(num_examples), probe.PerformanceFlags(
+                rows_per_chunk=int(extract.open_split(config.store, "train")["features"]
+                                   .chunks[0]))
+            driver += f", rows split over {processes.count()} processes"
         result = probe.train_probe_streaming(
-            lambda: extract.iter_split_chunks(config.store, "train", dtype=None), runs, keys,
-            spec, num_examples=num_examples, dim=dim, progress=progress,
+            lambda: extract.iter_split_chunks(config.store, "train", dtype=None,
+                                              row_range=rows), runs, keys,
+            spec, num_examples=num_examples, dim=dim, flags=flags, progress=progress,
         )
+    elif processes.active():  # every device of every process; each process holds its rows
+        driver = f"full batch, in memory, rows split over {processes.count()} processes"
+        result = probe.train_probe(train_x, train_y, runs, keys, spec, progress=progress,
+                                   flags=probe.PerformanceFlags(mesh=probe.make_data_mesh()),
+                                   num_examples=num_examples)
     else:
         devices = config.devices
         mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
@@ -271,6 +296,25 @@ def _write_diagnostics(path, grid, result, train_attrs) -> None:
                      else {})}
                  for i, (e, t, lr, k) in enumerate(grid)],
     })
+
+
+def _process_rows(num_examples: int) -> tuple[int, int]:
+    from dp.distributed import process_rows
+
+    return process_rows(num_examples)
+
+
+def _own_rows(store, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
+    """This process's train rows, padded with null rows (zero features, label -1: they
+    contribute nothing) to ceil(N / processes), the same count on every process."""
+    chunks = list(extract.iter_split_chunks(store, "train", dtype=None,
+                                            row_range=_process_rows(num_examples)))
+    features = np.concatenate([c[0] for c in chunks])
+    labels = np.concatenate([c[1] for c in chunks]).astype(np.int32)
+    padded = -(-num_examples // processes.count())
+    return (np.concatenate([features, np.zeros((padded - len(labels), *features.shape[1:]),
+                                               features.dtype)]),
+            np.concatenate([labels, np.full(padded - len(labels), -1, np.int32)]))
 
 
 def _too_big_for_memory(num_bytes: int) -> bool:

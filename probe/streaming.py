@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dp.clipping import valid_labels, zero_nonfinite_rows
+from dp.distributed import sum_over_processes
 from dp.sampling import pad_rows
 from probe.clipping import clipped_grad_sum
 from probe.normalization import normalize_features
@@ -95,7 +96,9 @@ def train_probe_streaming(
 
     Args:
       chunks: a callable returning a fresh iterable of (features, labels) row chunks (e.g.
-        `extract.iter_split_chunks(store, "train")`); it is called once per step.
+        `extract.iter_split_chunks(store, "train")`); it is called once per step. In a
+        multi-process job, this process's rows only (`dp.distributed.process_rows`): the
+        chunks' clipped sums are added over processes before the noise.
       runs, keys, spec, progress: as for `train_probe`.
       num_examples: N (public; the chunks must hold exactly N rows in total).
       dim: feature dim d.
@@ -116,7 +119,8 @@ def train_probe_streaming(
                                                 flags.prefetch_depth):
             sums = add_parts(sums, _chunk_sums(params, features, labels, mask, clip, spec=spec))
             seen += int(mask.sum())
-        if seen != num_examples:  # public: the store's row count
+        sums, seen = sum_over_processes((sums, seen))  # one process: unchanged
+        if int(seen) != num_examples:  # public: the store's row count
             raise ValueError(f"the chunks held {seen} rows, expected {num_examples}")
         return sums
 

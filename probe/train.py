@@ -110,8 +110,8 @@ def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, 
 
 
 def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec: ProbeSpec, *,
-                flags: PerformanceFlags | None = None, progress: bool = False
-                ) -> TrainResult:
+                flags: PerformanceFlags | None = None, progress: bool = False,
+                num_examples: int | None = None) -> TrainResult:
     """Train one zero-initialized linear probe per run, full batch, all runs in one program.
 
     Args:
@@ -125,6 +125,9 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
       flags: speed knobs (`flags.mesh` shards rows over devices; `flags.feature_dtype`);
         None gives the defaults.
       progress: show a progress bar over steps.
+      num_examples: N (public), when `features` are this process's rows of a multi-process
+        job (`dp.distributed.process_rows`, padded with null rows to the same count on every
+        process); default: the rows given, times the processes when `flags.mesh` is set.
 
     Returns:
       TrainResult with params {"w": (P, d, C), "b": (P, C)} (NumPy).
@@ -139,7 +142,8 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     check_full_batch(runs)
     feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
     # N is public; in a multi-host job each process passes its own, equally many rows.
-    num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
+    if num_examples is None:
+        num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
     arrays = run_arrays(runs, keys, num_examples)
     if flags.mesh is None:  # on the device once, not once per block of steps
         data = jax.device_put((feats, onehot, mask))
