@@ -227,6 +227,11 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         rule = rule_for(module)
         a, b = promote_float32(inputs[name], outs[name])
         a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
+        if rule.row_grads is not None:
+            grads = rule.row_grads(module, a, b)
+            parts[name] = ("inst", grads)
+            norms += [_scaled_norm(v) for v in grads.values()]
+            continue
         plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
             "ghost" if ghost else "instantiate")
         if rule.grads is None and plan == "ghost":

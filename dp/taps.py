@@ -39,11 +39,15 @@ class Rule(NamedTuple):
     grads(module, g) -> {name: gradient}: one example's gradients from g = A^T B, (d, p).
       None: the kernel's gradient is g reshaped to the kernel (a plain matmul layer), which
       also lets the clipper use ghost norms (it never forms g).
+    row_grads(module, a, b) -> {name: (n, ...) gradients}: every example's gradients from its
+      rows a (n, T, d) and b (n, T, p) directly, for a layer whose gradients are much smaller
+      than A^T B (low-rank adapters, `finetune.modes`); it takes precedence over `grads`.
     """
 
     inputs: Callable[[Any, jax.Array], jax.Array]
     params: tuple[str, ...] = ("kernel",)
     grads: Callable[[Any, jax.Array], dict[str, jax.Array]] | None = None
+    row_grads: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]] | None = None
 
 
 _RULES: dict[type, Rule] = {}

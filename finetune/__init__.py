@@ -1,25 +1,30 @@
-"""Full finetuning: DP-SGD on every weight of a Flax NNX model (`finetune.train`), on the DP
-mechanism of `dp` (sampling, the per-example clipper, the privatizer); the models in
-`finetune.models`; its one-run privacy audit in `finetune.canaries`."""
+"""Finetuning: DP-SGD on the weights of a Flax NNX model (`finetune.train`): all of them, the
+head, the biases or LoRA adapters (`finetune.modes`), on the DP mechanism of `dp` (sampling, the
+per-example clipper, the privatizer); the models in `finetune.models`; its one-run privacy audit
+in `finetune.canaries`."""
 
-from finetune import models
+from finetune import models, modes
 from finetune.augment import augment_views
 from finetune.canaries import CanaryAudit, audit_finetune
 from finetune.checkpoint import Checkpointer
 from finetune.evaluation import EVAL_BATCH_SIZE, evaluate_model, iter_logits, normalize_images
+from finetune.modes import TRAIN_MODES, add_lora, merge_lora
 from finetune.specs import SCHEDULES, FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
+from finetune.timing import print_progress
 from finetune.train import (
     clipped_sum,
     ema_decay_at,
+    gradient_sum,
     init_state,
     model_inputs,
-    print_progress,
+    split_trained,
     train_finetune,
 )
 
 __all__ = [
     "EVAL_BATCH_SIZE",
     "SCHEDULES",
+    "TRAIN_MODES",
     "CanaryAudit",
     "Checkpointer",
     "FinetuneFlags",
@@ -28,7 +33,12 @@ __all__ = [
     "TrainState",
     "audit_finetune",
     "augment_views",
+    "add_lora",
+    "merge_lora",
     "models",
+    "modes",
+    "gradient_sum",
+    "split_trained",
     "clipped_sum",
     "ema_decay_at",
     "evaluate_model",

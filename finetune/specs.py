@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from dp.optimizers import OPTIMIZERS
+from finetune.modes import TRAIN_MODES
 
 __all__ = ["SCHEDULES", "FinetuneFlags", "FinetuneResult", "FinetuneSpec", "TrainState"]
 
@@ -47,6 +48,9 @@ class FinetuneSpec:
         min(ema_decay, (1 + t) / (10 + t)); None: no EMA.
       mean, std: per-channel input normalization (public constants, never data statistics);
         uint8 images are first scaled to [0, 1].
+      train: which parameters are trained (`finetune.modes`): "all", "head", "bias" (DP-BiTFiT)
+        or "lora" (the model's `nnx.LoRA` adapters, `finetune.modes.add_lora`); the head in
+        every mode. The others are constants of the run.
     """
 
     num_classes: int
@@ -61,6 +65,7 @@ class FinetuneSpec:
     ema_decay: float | None = 0.999
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    train: str = "all"
 
     def __post_init__(self):
         if self.num_classes < 1:
@@ -77,6 +82,8 @@ class FinetuneSpec:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if len(self.mean) != len(self.std) or min(self.std) <= 0:
             raise ValueError("mean and std need the same length and std > 0")
+        if self.train not in TRAIN_MODES:
+            raise ValueError(f"train must be one of {TRAIN_MODES}, got {self.train!r}")
 
     def learning_rate_schedule(self, steps: int) -> optax.Schedule:
         """The learning rate at each optimizer step."""
@@ -151,6 +158,12 @@ class FinetuneResult:
     `batch_sizes` (each sampled logical batch size) is an exact statistic of the private data:
     for local debugging only, never to be published. `canary_projections` (an audited run's
     (T, m) privatized sums on the gradient canaries' block, over C) are DP outputs.
+
+    `compile_seconds` (the first step run, compiling included) and `images_per_second` (the
+    steps after it, counted at the expected batch size q N: `finetune.timing`) are wall-clock
+    measurements, like a job's run time: not DP outputs, and not exact statistics of the data
+    (timing is outside the claim, as for every DP-SGD implementation). None when not measured
+    (no step, or a single one, was run).
     """
 
     model: nnx.Module
@@ -158,3 +171,5 @@ class FinetuneResult:
     steps: int
     batch_sizes: np.ndarray
     canary_projections: np.ndarray | None = None
+    compile_seconds: float | None = None
+    images_per_second: float | None = None

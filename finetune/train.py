@@ -16,6 +16,14 @@ Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
      an optax chain; the optimizer is post-processing);
   4. EMA of the parameters (De et al., App. C), itself post-processing.
 
+Which parameters: those `spec.train` names (`finetune.modes`: all, the head, biases, LoRA
+adapters); the model is split into them and the rest, a constant of the run, so the clipped
+sums, the noise (its dimension), the optimizer and the EMA see only the trained ones.
+
+Non-private reference: a plan with clip_norm = inf (so sigma = 0; `--non-private`) trains on
+the same Poisson batches with the plain gradient of the summed loss (`gradient_sum`: no
+clipping) and an update without the privatizer (no noise): NOT private.
+
 Null records: an example whose image holds a NaN or Inf, whose label is outside the class
 set, or whose gradient is not finite contributes exactly zero (its whole gradient is zeroed
 before clipping, a function of that example alone).
@@ -31,8 +39,8 @@ Formal guarantee:
 from __future__ import annotations
 
 import functools
+import math
 import sys
-import time
 from collections.abc import Callable
 
 import jax
@@ -52,10 +60,12 @@ from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
 from finetune.augment import views_of
 from finetune.evaluation import normalize_images
+from finetune.modes import count_params, trained_filter
 from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
+from finetune.timing import StepClock
 
-__all__ = ["clipped_sum", "ema_decay_at", "init_state", "model_inputs", "print_progress",
-           "train_finetune"]
+__all__ = ["clipped_sum", "ema_decay_at", "gradient_sum", "init_state", "model_inputs",
+           "split_trained", "train_finetune"]
 
 
 def ema_decay_at(step: int | jax.Array, decay: float):
@@ -160,25 +170,50 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
     return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip, mask * valid).grads
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
+def gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
+                 spec: FinetuneSpec, flags: FinetuneFlags,
+                 canaries: tuple[int, float] | None = None):
+    """NOT private: `clipped_sum` without the clipping (`clip` is ignored), for the
+    non-private reference: one backward pass of the sum over the batch's unmasked rows of each
+    example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero."""
+    del clip
+    if jnp.issubdtype(images.dtype, jnp.floating):
+        images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
+    valid = valid_labels(labels, spec.num_classes)
+    loss = _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries)
+
+    def total(params):
+        losses = jax.vmap(lambda image, label, row: loss(params, image[None], label[None],
+                                                         row[None]))(
+            images, jnp.where(valid, labels, 0), rows)
+        return jnp.sum(jnp.where(mask * valid > 0, losses, 0.0))
+
+    return jax.grad(total)(params)
+
+
 def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
-               canaries: int = 0):
+               canaries: int = 0, private: bool = True):
     """The run's DP update (`dp.private_optimizer`): noise, the mean over the expected batch,
     then the recipe's optimizer with its learning-rate schedule (post-processing); with
-    `canaries` > 0, the auditor's tap records each step's noisy sum on the canary block."""
+    `canaries` > 0, the auditor's tap records each step's noisy sum on the canary block.
+    `private=False` (the non-private reference): the same without the noise."""
     optimizer = make_optimizer(spec.optimizer, spec.learning_rate_schedule(steps),
                                momentum=spec.momentum)
+    if not private:
+        return optax.chain(optax.scale(1.0 / denominator), optimizer)
     tap = (canary_tap(lambda sums: sums[1], steps=steps, count=canaries, clip_norm=clip)
            if canaries else None)
     return private_optimizer(optimizer, stddev=stddev, key=key, expected_batch_size=denominator,
                              observer=tap)
 
 
-@functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries"),
+@functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries", "private"),
                    donate_argnums=(0, 1, 2))
 def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip, *,
-              spec: FinetuneSpec, steps: int, canaries: int = 0):
+              spec: FinetuneSpec, steps: int, canaries: int = 0, private: bool = True):
     """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay."""
-    tx = _transform(spec, steps, stddev, key, denominator, clip, canaries)
+    tx = _transform(spec, steps, stddev, key, denominator, clip, canaries, private)
     updates, opt_state = tx.update(sums, opt_state, params)
     params = optax.apply_updates(params, updates)
     if spec.ema_decay is not None:
@@ -195,9 +230,28 @@ def init_state(params, spec: FinetuneSpec, plan: DpPlan, noise_key: jax.Array,
     if canaries:
         params = (params, jnp.zeros((canaries,), jnp.float32))
     tx = _transform(spec, plan.steps, *_noise_and_mean(plan, noise_key, num_examples),
-                    jnp.float32(plan.clip_norm), canaries)
+                    jnp.float32(plan.clip_norm), canaries, _clipped(plan))
     ema = jax.tree.map(jnp.copy, params) if spec.ema_decay is not None else None
     return TrainState(params, tx.init(params), ema, 0)
+
+
+def _clipped(plan: DpPlan) -> bool:
+    """Whether a plan clips (and noises): clip_norm = inf is the non-private reference."""
+    return math.isfinite(plan.clip_norm)
+
+
+def split_trained(model: nnx.Module, spec: FinetuneSpec):
+    """(graphdef, trained parameters, the rest) of `model` for `spec.train`
+    (`finetune.modes.trained_filter`); ValueError when that selects nothing (for "lora": no
+    adapter)."""
+    graphdef, params, rest = nnx.split(model, trained_filter(spec.train), ...)
+    if spec.train == "lora" and not count_params(nnx.state(model, nnx.LoRAParam)):
+        raise ValueError(f"`train='lora'` selects no parameter of {type(model).__name__}: add "
+                         "adapters first (`finetune.add_lora`)")
+    if not count_params(params):
+        raise ValueError(f"`train={spec.train!r}` selects no parameter of "
+                         f"{type(model).__name__}")
+    return graphdef, params, rest
 
 
 def _noise_and_mean(plan: DpPlan, noise_key: jax.Array, num_examples: int):
@@ -227,14 +281,15 @@ def train_finetune(
     canaries: GradientCanaries | None = None,
     rows: tuple[int, int, int] | None = None,
 ) -> FinetuneResult:
-    """DP-SGD on every parameter (`nnx.Param`) of `model` (module docstring).
+    """DP-SGD on the parameters of `model` that `spec.train` names (module docstring).
 
     Args:
       model: a Flax NNX model, `model(x)` on (n, H, W, C) float32 giving (n, classes) logits,
         without batch statistics (`finetune.models.check_no_batchnorm`). Not modified.
       images: (N, H, W, C) uint8 or float (on the host), or (N, K, H, W, C) given views.
       labels: (N,) ints; a label outside [0, num_classes) makes a null record.
-      plan: the run's DP mechanism (sigma, T, q, C).
+      plan: the run's DP mechanism (sigma, T, q, C); clip_norm = inf (sigma = 0): the
+        NOT private reference (plain batch gradients, no noise).
       spec: the training recipe; flags: speed knobs.
       keys: (2,) keys: noise and augmentation. None (the private choice) draws them from OS
         entropy (`dp.make_keys`); tests pass their own.
@@ -266,7 +321,12 @@ def train_finetune(
     if count:  # canary j's row: any image (its loss ignores it), label 0 if in, else null
         labels = np.concatenate([labels, np.where(canaries.included, 0, NULL_LABEL)])
     static_canaries = (num_real, canaries.norm) if count else None
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    private = _clipped(plan)
+    if count and not private:
+        raise ValueError("canaries audit a privacy claim; a non-private plan (clip_norm = inf) "
+                         "has none")
+    graphdef, params, rest = split_trained(model, spec)
+    batch_sum = clipped_sum if private else gradient_sum
     state = init_state(params, spec, plan, keys[0], num_examples, count)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
         state, keys, rng = restored
@@ -275,6 +335,7 @@ def train_finetune(
     place = _placement(flags)
     batch_sizes = np.zeros(plan.steps, np.int64)
     params, opt_state, ema, start = state
+    clock = StepClock()
     for step in range(start, plan.steps):
         batch = next(poisson_batches(num_examples, [plan.sampling_probability], [1], p, rng))
         batch_sizes[step] = batch.sizes[0]
@@ -283,15 +344,18 @@ def train_finetune(
         for index, mask in local_batches(batch.index[:, 0], batch.mask[:, 0], first,
                                          stop + count, p):  # this process's rows
             own = index - first
-            part = clipped_sum(graphdef, params, rest,
-                               *place(images[np.minimum(own, len(images) - 1)], labels[own],
-                                      mask, index.astype(np.int32)),
-                               clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
+            part = batch_sum(graphdef, params, rest,
+                             *place(images[np.minimum(own, len(images) - 1)], labels[own],
+                                    mask, index.astype(np.int32)),
+                             clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
             sums = add_float64(sums, part)  # float64 across physical batches (dp.accumulate)
         sums = sum_over_processes(sums)  # one process: unchanged
+        if not private:  # no noise to add in float64: the optimizer's float32 from here
+            sums = jax.tree.map(lambda v: v.astype(jnp.float32), sums)
         params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
                                            noise_key, denominator, clip, spec=spec,
-                                           steps=plan.steps, canaries=count)
+                                           steps=plan.steps, canaries=count, private=private)
+        clock.step_done(params, last=step + 1 == plan.steps)
         if checkpointer is not None:
             checkpointer.save(TrainState(params, opt_state, ema, step + 1), keys, rng)
         if on_step is not None:
@@ -304,7 +368,8 @@ def train_finetune(
         params, ema = params[0], None if ema is None else ema[0]
     trained = nnx.merge(graphdef, params, rest)
     ema_model = None if ema is None else nnx.merge(graphdef, ema, rest)
-    return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections)
+    return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections,
+                          clock.compile_seconds, clock.images_per_second(float(denominator)))
 
 
 def _placement(flags: FinetuneFlags):
@@ -321,40 +386,3 @@ def _placement(flags: FinetuneFlags):
             mesh, PartitionSpec("data", *([None] * (a.ndim - 1))))) for a in arrays)
 
     return place
-
-
-# ------------------------------------------------------------------------------------------
-# Evaluation on public data.
-# ------------------------------------------------------------------------------------------
-
-
-def print_progress(total_steps: int, expected_batch: float, views: int,
-                   epsilon_at: Callable[[int], float] | None = None, *, first_step: int = 0,
-                   every: int | None = None, stream=None):
-    """A `progress` callback: one line per `every` steps (about 20 lines in all) with the
-    throughput and, if given, the epsilon spent so far (`epsilon_at(steps)`).
-
-    The throughput counts the *expected* batch size q N (times K views) per step: the sampled
-    sizes are kept secret (revealing them is not covered by the accounting). The first step's
-    line says how long it took: it includes compiling the step (about 46 s for a ViT on a
-    CPU), which would otherwise pass in silence."""
-    every = every or max(1, total_steps // 20)
-    stream = stream or sys.stderr  # the one in use now, not the one at import
-    start = time.perf_counter()
-    first = [True]
-
-    def report(step: int):
-        if first[0]:  # the first step compiles the training step: say how long that took
-            first[0] = False
-            print(f"step {step}/{total_steps} took {time.perf_counter() - start:.1f} s "
-                  "(it compiled the training step; later steps reuse it)", file=stream,
-                  flush=True)
-        if step % every and step != total_steps:
-            return
-        seconds = max(time.perf_counter() - start, 1e-9)
-        rate = (step - first_step) * expected_batch * views / seconds
-        spent = f"  epsilon spent {epsilon_at(step):.3f}" if epsilon_at else ""
-        print(f"step {step}/{total_steps}  {rate:.0f} img/s (expected batch){spent}",
-              file=stream, flush=True)
-
-    return report

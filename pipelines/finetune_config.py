@@ -7,7 +7,14 @@ import dataclasses
 import accounting
 from pipelines import config as cfg
 from pipelines import processes
-from pipelines.options import OPTIMIZERS, integer, num_classes_option, number, option
+from pipelines.options import (
+    OPTIMIZERS,
+    TRAIN_MODES,
+    integer,
+    num_classes_option,
+    number,
+    option,
+)
 
 __all__ = ["AUDIT_KINDS", "DEFAULT_MODEL", "MAX_CANARIES", "FinetuneConfig"]
 
@@ -39,6 +46,12 @@ class FinetuneConfig:
         `batch_size`, `epochs`, `learning_rate` and `clip_norm` left None are chosen from
         public quantities (`pipelines.finetune_recipe`) and recorded with the results.
       augmult, crop_padding, flip: K views per example (crops of the padded image, flips).
+      train: which parameters are trained (`finetune.modes`): all, head, bias (DP-BiTFiT) or
+        lora (adapters of rank `lora_rank` on a ViT's qkv, proj, fc1, fc2; merged into the
+        kernels in the released model); the head in every mode.
+      non_private: NOT private: the plain batch gradient (no clipping, no noise, no
+        accounting) on the same Poisson batches, for side-by-side comparisons; `epsilon`,
+        `delta`, `accountant` and `clip_norm` are then unused and the results say epsilon inf.
       ema_decay: EMA of the parameters (0 turns it off).
       physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
       seed: drives only the model's initialization (never a mechanism).
@@ -102,6 +115,15 @@ class FinetuneConfig:
                                help="linear warm-up steps (default %(default)s)")
     clip_norm: float | None = option(None, type=number,
                                      help="per-example clip norm C (default 0.1)")
+    train: str = option("all", choices=TRAIN_MODES, metavar="MODE", help="which parameters "
+                        "are trained: %(choices)s (the head always; bias: every bias and norm "
+                        "offset, DP-BiTFiT; lora: low-rank adapters on a ViT's attention and MLP "
+                        "layers) (default %(default)s)")
+    lora_rank: int = option(8, type=integer, metavar="R",
+                            help="rank of the LoRA adapters of --train lora (default %(default)s)")
+    non_private: bool = option(False, action="store_true", help="NOT private: train with the "
+                               "plain batch gradient (no clipping, no noise, epsilon inf) on "
+                               "the same Poisson batches, for side-by-side comparisons")
     augmult: int = option(1, type=integer, help="augmentation multiplicity K: views per "
                           "example, averaged before clipping (default %(default)s)")
     crop_padding: int = option(0, type=integer, help="random crops of the image padded by P "
@@ -146,7 +168,8 @@ class FinetuneConfig:
         for name in ("learning_rate", "clip_norm", "epochs"):
             if getattr(self, name) is not None:
                 cfg.freeze(self, **{name: cfg.check_number(name, getattr(self, name), 0)})
-        for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every"):
+        for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every",
+                     "lora_rank"):
             cfg.check_int(name, getattr(self, name))
         for name in ("batch_size", "steps", "resize", "crop", "microbatch_size", "num_classes"):
             if getattr(self, name) is not None:
@@ -155,6 +178,9 @@ class FinetuneConfig:
         cfg.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
         if self.audit_canaries == 1:
             raise cfg.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
+        if self.non_private and self.audit_canaries:
+            raise cfg.ConfigError("audit_canaries", "audits a privacy claim; `non_private=True` "
+                                  "trains without one")
         if self.audit_kind not in AUDIT_KINDS:
             raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
                                   f"{self.audit_kind!r}")

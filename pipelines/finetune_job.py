@@ -1,8 +1,10 @@
-"""The finetune job: DP-SGD on every weight of a backbone (`finetune.train_finetune`), on images
-from the same data specs as `extract`, evaluated on the test split, recorded with its ledger.
+"""The finetune job: DP-SGD on the weights of a backbone (`finetune.train_finetune`; all, the
+head, biases or LoRA adapters, `finetune.modes`), on images from the same data specs as
+`extract`, evaluated on the test split, recorded with its ledger.
 
-load images -> build the model -> calibrate sigma for (epsilon, delta) from q = B/N and T ->
-train (checkpointed, resumable) -> evaluate the model and its EMA -> record.
+load images -> build the model (LoRA adapters) -> calibrate sigma for (epsilon, delta) from
+q = B/N and T -> train (checkpointed, resumable) -> merge the adapters -> evaluate the model and
+its EMA -> record. `non_private=True`: the same without clipping, noise or accounting.
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
 
 # Inputs of models trained from scratch are scaled to [-1, 1] (public constants).
 _FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
+# What --non-private says wherever it is recorded.
+NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
+               "accounting) on the same Poisson batches as DP-SGD; this model and its results "
+               "carry NO privacy guarantee (epsilon inf)")
+TRAIN_NOTES = {
+    "all": "every parameter",
+    "head": "the classifier head only; the rest is the initialization, unchanged",
+    "bias": "every bias and normalization offset, and the head (DP-BiTFiT); the rest is the "
+            "initialization, unchanged",
+    "lora": "low-rank adapters W + A B on the attention and MLP layers (qkv, proj, fc1, fc2), "
+            "and the head; released merged into the kernels (the model file holds W + A B)",
+}
 # In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
 OPTIONS_FILE = ".dpprobe-finetune-options.json"
 
@@ -36,9 +50,12 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     fields as keywords. Returns the results dict (also `out`/results.json).
 
     Formal guarantee: one run of the Poisson-sampled Gaussian (`accounting.DpPlan(sigma, T, q, C)`,
-    sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public). Noise
+    sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public), on
+    the parameters `train` names (the others are public constants: the initialization). Noise
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
-    trained model, its test accuracy) and public inputs.
+    trained model, its test accuracy), public inputs and wall-clock timings. With
+    `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
+    results and model file say so.
     """
     config = cfg.make_config(FinetuneConfig, config, "data", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
@@ -81,6 +98,10 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
     import finetune
 
+    if config.train == "lora" and config.model in finetune.models.MODEL_NAMES:
+        raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
+                         f"`model={config.model}` has none: train all, head or bias")
+
     start = time.perf_counter()
     quiet = config.quiet
 
@@ -100,7 +121,8 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
 
-    # Model: from scratch, or a timm ViT with its weights; zero-initialized head.
+    # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
+    # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
     model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
 
     # The recipe: what the config gives, else chosen from public quantities (N, size, model).
@@ -115,7 +137,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     q = min(1.0, chosen.batch_size / num_examples)
     # Epochs over the real records (an audited run takes the steps of the run it audits).
     steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
-    if math.isinf(config.epsilon):
+    if config.non_private:  # NOT private: no clipping, no noise
+        sigma, clip = 0.0, math.inf
+    elif math.isinf(config.epsilon):
         sigma, clip = 0.0, chosen.clip_norm
     else:
         sigma = accounting.calibrate_noise_multiplier(
@@ -127,13 +151,17 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
         momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
         augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
-        ema_decay=config.ema_decay or None, mean=mean, std=std)
+        ema_decay=config.ema_decay or None, mean=mean, std=std, train=config.train)
     flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
                                    microbatch_size=config.microbatch_size,
                                    mixed_precision=config.mixed_precision, devices=config.devices)
+    trained_info = _trained_info(config, model, spec)
     log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
         f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
-        f"K = {config.augmult}", quiet)
+        f"K = {config.augmult}, training {trained_info['parameters']:,} of "
+        f"{trained_info['of']:,} parameters ({config.train})", quiet)
+    if config.non_private:
+        log(f"NOT PRIVATE: {NON_PRIVATE}", quiet)
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
@@ -149,7 +177,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     log("finetune: compiling the training step (the first step includes it)", quiet)
     progress = None if quiet else finetune.print_progress(
-        steps, q * num_examples, config.augmult, epsilon_at,
+        steps, q * num_examples, config.augmult, None if config.non_private else epsilon_at,
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
     audit = None
     if config.audit_canaries:
@@ -167,6 +195,11 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
                                           checkpointer=checkpointer, progress=progress,
                                           rows=rows)
 
+    # The released form: LoRA adapters merged into the kernels (W + A B), evaluated as saved.
+    merge = finetune.modes.merge_lora
+    trained = dataclasses.replace(trained, model=merge(trained.model), ema_model=None if
+                                  trained.ema_model is None else merge(trained.ema_model))
+
     # Evaluate on the (public) test split.
     accuracy = finetune.evaluate_model(trained.model, *test, spec)
     ema_accuracy = (finetune.evaluate_model(trained.ema_model, *test, spec)
@@ -174,7 +207,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     # Record: DP outputs and public inputs only.
     ledger = accounting.PrivacyLedger()
-    ledger.record(f"DP-SGD {config.model}", plan, role="final" if plan.is_private
+    ledger.record(f"SGD {config.model} (NOT private)" if config.non_private
+                  else f"DP-SGD {config.model}", plan, role="final" if plan.is_private
+                  else "NOT private (no clipping, no noise)" if config.non_private
                   else "non-private reference")
     results = {
         "dpprobe_version": records.VERSION,
@@ -186,7 +221,8 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         "model": model_info,
         "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
             "batch_size": chosen.batch_size, "epochs": chosen.epochs,
-            "clip_norm": chosen.clip_norm, "chosen": chosen.chosen},
+            "clip_norm": clip, "chosen": chosen.chosen},
+        "trained": trained_info,
         "warnings": warnings,
         "privacy": {
             "epsilon": plan.epsilon(config.delta, config.accountant) if plan.is_private
@@ -199,13 +235,18 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
             "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
             "dataset_size_public": True,
             "sampling": f"Poisson, q = {q:g} (expected batch {chosen.batch_size})",
-        } | records.randomness(config.seed, "the model's initialization"
-                                + (" and the audit's canaries' in/out coins"
-                                   if audit else "")),
+            "private": plan.is_private,
+        } | ({"claim": NON_PRIVATE} if config.non_private else {}) | records.randomness(
+            config.seed, "the model's initialization"
+            + (" and the audit's canaries' in/out coins" if audit else "")),
         "test_accuracy": accuracy,
         "test_accuracy_ema": ema_accuracy,
         "ledger": ledger.to_dict(config.delta, config.accountant),
         "wall_seconds": time.perf_counter() - start,
+        # Wall-clock, like wall_seconds: the first step run (it compiles the step) and the
+        # expected images (q N per step) per second over the steps after it (`finetune.timing`).
+        "compile_seconds": trained.compile_seconds,
+        "images_per_second": trained.images_per_second,
     }
     if audit is not None:
         results["audit"] = audit.to_dict() | {"model": (
@@ -222,7 +263,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
             trained.ema_model if released == "EMA" else trained.model, released=released,
             name=config.model, image_size=image_size, channels=channels, resize=config.resize,
             crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
-            timm_architecture=model_info.get("architecture"))
+            timm_architecture=model_info.get("architecture"), trained=trained_info)
         results["model_file"] = str(out / model_files.MODEL_FILE)
         # The options before the results: a run killed between the two reruns, not refused.
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
@@ -232,6 +273,19 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
             checkpointer.close()
             shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
     return results
+
+
+def _trained_info(config: FinetuneConfig, model, spec) -> dict:
+    """Which parameters the run trains, and how many of how many (public: the architecture)."""
+    import finetune
+
+    _, params, rest = finetune.split_trained(model, spec)
+    info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
+            "of": finetune.modes.count_params(params) + finetune.modes.count_params(rest),
+            "note": TRAIN_NOTES[config.train]}
+    if config.train == "lora":
+        info["lora_rank"] = config.lora_rank
+    return info
 
 
 def _options(config: FinetuneConfig) -> dict:
@@ -291,6 +345,10 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
                                        crop=image_size, device="cpu")
     model = finetune.models.vit_from_timm(backbone.module, num_classes, rngs=rngs,
                                           head_bias_init=config.head_bias_init)
+    if config.train == "lora":
+        import finetune.modes
+
+        finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
     prep = backbone.preprocessing
     info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}
     return model, tuple(prep["mean"]), tuple(prep["std"]), info | {"input": f"{image_size} px"}

@@ -138,9 +138,14 @@ def tune_model(config, results: dict, params, standardizer) -> None:
 
 def finetune_model(path, results: dict, model, *, released: str, name: str, image_size: int,
                    channels: int, resize, crop, rgb: bool, mean, std,
-                   timm_architecture: str | None) -> None:
-    """Write a fine-tuned network: `released` ("EMA" or "final iterate") parameters."""
+                   timm_architecture: str | None, trained: dict | None = None) -> None:
+    """Write a fine-tuned network: `released` ("EMA" or "final iterate") parameters (LoRA
+    adapters already merged, `finetune.modes.merge_lora`); `trained`: which parameters the
+    run trained (the job's `"trained"` record). A --non-private run's file says it is NOT
+    private in its claim."""
     privacy = results["privacy"]
+    covers = ("NOTHING: NOT private. " + privacy["claim"] if not privacy.get("private", True)
+              and "claim" in privacy else "every record of the training data")
     data = results["data"]
     accuracy = results["test_accuracy_ema" if released == "EMA" else "test_accuracy"]
     document = header("finetune", data["class_names"]) | dpmodel.network_document(
@@ -153,9 +158,9 @@ def finetune_model(path, results: dict, model, *, released: str, name: str, imag
                                "the last iterate (no EMA)"},
         "backbone": {"model": results["model"]},
         "privacy": _claim(privacy["epsilon"], privacy["delta"], privacy["accountant"],
-                          results["ledger"], "every record of the training data",
-                          plan=privacy["plan"]),
-        "training": {"recipe": results["recipe"], "data": {
+                          results["ledger"], covers, plan=privacy["plan"],
+                          private=privacy.get("private", True)),
+        "training": {"recipe": results["recipe"], "trained": trained, "data": {
                          k: data[k] for k in ("spec", "num_train", "num_test")},
                      "reported": {"split": "test", "test_accuracy": accuracy}},
     }

@@ -27,6 +27,7 @@ __all__ = [
     "OPTIMIZERS",
     "Choices",
     "Flag",
+    "TRAIN_MODES",
     "RangeEnd",
     "add_options",
     "cli_fields",
@@ -243,6 +244,7 @@ class Choices(collections.abc.Sequence):
 OPTIMIZERS = Choices("dp", "OPTIMIZERS")
 LOSSES = Choices("probe", "LOSSES")
 NORMALIZATIONS = Choices("probe", "NORMALIZATIONS")
+TRAIN_MODES = Choices("finetune.modes", "TRAIN_MODES")
 
 
 class RangeEnd(argparse.Action):

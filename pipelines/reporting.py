@@ -331,11 +331,16 @@ def finetune_line(results: dict) -> str:
     privacy = results["privacy"]
     ema = results.get("test_accuracy_ema")
     ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
+    claim = ("NOT PRIVATE (--non-private: no clipping, no noise; epsilon inf)"
+             if "claim" in privacy else
+             f"(epsilon {privacy['epsilon']:.3g}, delta {privacy['delta']:g}), "
+             f"{privacy['accountant']}, {privacy['neighboring_relation_text']}")
+    speed = (f", {results['images_per_second']:.0f} img/s"
+             if results.get("images_per_second") else "")
     return "\n".join([
         f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
-        f"{100 * results['test_accuracy']:.2f}%{ema_text} at (epsilon "
-        f"{privacy['epsilon']:.3g}, delta {privacy['delta']:g}), {privacy['accountant']}, "
-        f"{privacy['neighboring_relation_text']}; {results['wall_seconds']:.0f} s",
+        f"{100 * results['test_accuracy']:.2f}%{ema_text} at {claim}; "
+        f"{results['wall_seconds']:.0f} s{speed}",
         *warning_lines(results)])
 
 

@@ -62,12 +62,17 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert model.document["training"]["reported"]["test_accuracy"] == results["test_accuracy_ema"]
     assert model.privacy.epsilon == privacy["epsilon"] and model.class_names == list(CLASSES)
     assert not (tmp_path / "run" / "checkpoint").exists()  # it held the noise key
+    assert results["compile_seconds"] > 0 and results["images_per_second"] > 0
+    assert privacy["private"] is True and "claim" not in privacy
+    assert results["trained"]["mode"] == "all"
+    assert results["trained"]["parameters"] == results["trained"]["of"]
 
 
 # Leaves that may differ between D and D minus one row: DP outputs, times, and what follows
 # from the dataset size N alone (public under zero-out neighbours: q = B/N, its sigma, epsilon).
 ALLOWED = [
-    r"test_accuracy(_ema)?", r"(created|wall_seconds)", r"data\.num_train",
+    r"test_accuracy(_ema)?", r"(created|wall_seconds|compile_seconds|images_per_second)",
+    r"data\.num_train",
     r"privacy\.(epsilon|sampling|plan\.(sampling_probability|noise_multiplier))",
     r"privacy\.dp_event\..*",
     r"ledger\.(.*\.)?(\w*epsilon\w*|sampling_probability|noise_multiplier|mu|event.*)",
