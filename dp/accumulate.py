@@ -70,6 +70,14 @@ def x64_jit(fun=None, **jit_kwargs):
         with jax.enable_x64(True):
             return jitted(*args, **kwargs)
 
+    # What callers ask of a jitted function (cache checks, lowering) is the jitted one's.
+    call._cache_size, call.clear_cache = jitted._cache_size, jitted.clear_cache
+
+    def lower(*args, **kwargs):
+        with jax.enable_x64(True):
+            return jitted.lower(*args, **kwargs)
+
+    call.lower = lower
     return call
 
 
