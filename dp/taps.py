@@ -89,6 +89,10 @@ class Taps:
 
     def record(self, name: str, module: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         """Record the layer's input rows; return y plus its (zero) perturbation."""
+        if name in self.inputs:  # a second call would pair its B with the other call's A
+            raise ValueError(f"book-keeping clipping taps each layer once per forward pass, but "
+                             f"{name} is called more than once; use "
+                             f"FinetuneFlags(clipping='per_example') for this model")
         rows = rule_for(module).inputs(module, x)
         self.inputs[name] = rows.reshape(-1, rows.shape[-1])
         if self.perturbations is None:

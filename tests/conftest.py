@@ -95,3 +95,15 @@ def timm_probe(tmp_path_factory):
                      "--steps", "10", "--optimizer", "momentum", "--lr", "1",
                      "--save-model", str(folder / "m"), "--quiet"]) == 0
     return folder
+
+
+@pytest.fixture
+def world(base, tmp_path, monkeypatch):
+    """A fresh copy of the requesting module's `base` folder (its own fixture), as the working
+    directory: the hostile-input tests run each case in one."""
+    import shutil
+
+    here = tmp_path / "w"
+    shutil.copytree(base, here)
+    monkeypatch.chdir(here)
+    return here

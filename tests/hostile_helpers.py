@@ -123,3 +123,26 @@ def one_line(err: str, match: str) -> None:
     assert re.search(match, lines[0]), lines[0]
 
 
+
+
+def run_case(case, world: Path, capsys) -> tuple[int, str, dict, dict]:
+    """A CLI case in `world`: its setup, then `dpprobe` in process; (exit code, stderr, the
+    folder's files before, after)."""
+    from pipelines import cli
+    from tests.test_hostile import snapshot
+
+    if case.setup is not None:
+        case.setup(world)
+    capsys.readouterr()
+    before = snapshot(world)
+    code = cli.main(case.argv)
+    return code, capsys.readouterr().err, before, snapshot(world)
+
+
+def assert_refused_untouched(err: str, code: int, expect, before: dict, after: dict) -> None:
+    """One line naming the culprit (`expect.match`, exit `expect.code`), no file changed."""
+    from tests.test_hostile import assert_one_line_error
+
+    assert_one_line_error(err, code, expect)
+    assert after == before, sorted(k for k in set(before) | set(after)
+                                   if before.get(k) != after.get(k))

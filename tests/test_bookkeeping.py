@@ -130,3 +130,19 @@ def test_a_layer_without_a_rule_is_exact_and_named():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     assert lines == ["book-keeping clipping has no rule for conv.kernel: their per-example "
                      "gradients are formed (exact, slower)"]
+
+
+def test_a_layer_called_twice_is_refused():
+    """A shared layer would pair one call's input with both calls' output gradients."""
+
+    class Twice(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(jnp.tanh(self.dense(x)))
+
+    graphdef, params, rest = nnx.split(Twice(nnx.Rngs(0)), nnx.Param, ...)
+    ours = dp.bookkeeping_clipper(lambda m, e, x, y: _loss(m(x), y), graphdef, rest)
+    with pytest.raises(ValueError, match="dense is called more than once"):
+        ours(params, (jnp.ones((2, 1, 4)), jnp.zeros(2, jnp.int32)), 1.0, jnp.ones(2))

@@ -72,14 +72,6 @@ def base(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture
-def world(base, tmp_path, monkeypatch) -> Path:
-    here = tmp_path / "w"
-    shutil.copytree(base, here)
-    monkeypatch.chdir(here)
-    return here
-
-
 def snapshot(root: Path) -> dict[str, str]:
     """Every file (sha256) and folder under root; dpprobe's lock files aside."""
     found = {}

@@ -24,12 +24,14 @@ import pytest
 
 from pipelines import cli
 from tests.hostile_helpers import (
+    assert_refused_untouched,
     bad_images,
     child,
     finish,
     kept_or_new,
     odd_images,
     one_line,
+    run_case,
 )
 from tests.test_hostile import _png, assert_one_line_error, snapshot, write
 
@@ -58,14 +60,6 @@ def base(tmp_path_factory) -> Path:
         np.savez(root / name, images=rng.integers(0, 256, (rows, 16, 16, 3), np.uint8),
                  labels=np.arange(rows) % 3, class_names=np.array(CLASSES))
     return root
-
-
-@pytest.fixture
-def world(base, tmp_path, monkeypatch) -> Path:
-    here = tmp_path / "w"
-    shutil.copytree(base, here)
-    monkeypatch.chdir(here)
-    return here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,13 +179,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_finetune(case: Case, world: Path, capsys):
-    if case.setup is not None:
-        case.setup(world)
-    capsys.readouterr()
-    before = snapshot(world)
-    code = cli.main(case.argv)
-    err = capsys.readouterr().err
-    after = snapshot(world)
+    code, err, before, after = run_case(case, world, capsys)
     if case.match is None:
         assert code == 0 and "Traceback" not in err, err
         results = json.loads((world / "run/results.json").read_text())
@@ -203,9 +191,7 @@ def test_hostile_finetune(case: Case, world: Path, capsys):
         assert not (world / "run/checkpoint").exists()
         kept_or_new(before, after, "run/")
         return
-    assert_one_line_error(err, code, _Expect(case.match))
-    assert after == before, sorted(k for k in set(before) | set(after)
-                                   if before.get(k) != after.get(k))
+    assert_refused_untouched(err, code, _Expect(case.match), before, after)
 
 
 @dataclasses.dataclass

@@ -24,8 +24,17 @@ import numpy as np
 import pytest
 
 from pipelines import cli
-from tests.hostile_helpers import bad_images, child, finish, kept_or_new, odd_images, one_line
-from tests.test_hostile import _extract_npz, _png, assert_one_line_error, snapshot, write
+from tests.hostile_helpers import (
+    assert_refused_untouched,
+    bad_images,
+    child,
+    finish,
+    kept_or_new,
+    odd_images,
+    one_line,
+    run_case,
+)
+from tests.test_hostile import _extract_npz, _png, snapshot, write
 
 CLASSES = ["ant", "bee", "cat"]
 PROBE = "models/eps1.safetensors"
@@ -64,14 +73,6 @@ def base(tmp_path_factory) -> Path:
                                              rngs=nnx.Rngs(0)),
                  name="cnn", side=16, channels=3, rgb=True)
     return root
-
-
-@pytest.fixture
-def world(base, tmp_path, monkeypatch) -> Path:
-    here = tmp_path / "w"
-    shutil.copytree(base, here)
-    monkeypatch.chdir(here)
-    return here
 
 
 def hf_folder(world: Path, name: str, images: dict[str, bytes], classes=CLASSES) -> str:
@@ -248,13 +249,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_model_commands(case: Case, world: Path, capsys):
-    if case.setup is not None:
-        case.setup(world)
-    capsys.readouterr()
-    before = snapshot(world)
-    code = cli.main(case.argv)
-    err = capsys.readouterr().err
-    after = snapshot(world)
+    code, err, before, after = run_case(case, world, capsys)
     if case.match is None:
         assert code == 0 and "Traceback" not in err, err
         kept_or_new(before, after, case.out)
@@ -268,9 +263,7 @@ def test_hostile_model_commands(case: Case, world: Path, capsys):
             assert sorted(r["id"] for r in rows) == [f"odd/{n}" for n in ODD]
             assert all(r["prediction"] in MODEL_CLASSES for r in rows)
         return
-    assert_one_line_error(err, code, case)
-    assert after == before, sorted(k for k in set(before) | set(after)
-                                   if before.get(k) != after.get(k))
+    assert_refused_untouched(err, code, case, before, after)
 
 
 @pytest.mark.parametrize("argv,size,out,match", [
