@@ -178,11 +178,6 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         modules = {tuple(path): m for path, m in nnx.iter_modules(probe)}
         covered = {(*path, p) for path in names for p in rule_for(modules[path]).params}
 
-        def offsets_of(tree, keep_prefix=()):
-            return jax.tree_util.tree_map_with_path(
-                lambda kp, v: None if (*keep_prefix, *_leaf_path(kp)) in covered
-                else jnp.zeros((mask.shape[0], *v.shape), jnp.float32), tree)
-
         def one(offsets, perturbations, example):
             st_off, ex_off = offsets
             st = jax.tree.map(lambda v, o: v if o is None else v + o.astype(v.dtype), state,
@@ -200,7 +195,9 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
             lambda _: None, state), None if extra is None else jax.tree.map(
                 jnp.zeros_like, extra)), None, first))
         _notify_uncovered(notices, state, covered)
-        st_off = offsets_of(state)
+        st_off = jax.tree_util.tree_map_with_path(  # None: a tapped layer's parameter
+            lambda kp, v: None if _leaf_path(kp) in covered
+            else jnp.zeros((mask.shape[0], *v.shape), jnp.float32), state)
         ex_off = None if extra is None else jax.tree.map(
             lambda v: jnp.zeros((mask.shape[0], *v.shape), jnp.float32), extra)
         perturb = {k: jnp.zeros((mask.shape[0], *s.shape), s.dtype) for k, s in shapes.items()}
