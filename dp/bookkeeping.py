@@ -32,10 +32,19 @@ float32 terms, gamma_m = m 2^-24 / (1 - m 2^-24), doubled for safety):
 A non-finite norm (NaN/Inf anywhere in the example's A, B or gradients) gives factor 0, and a
 masked example factor 0; its A, B and gradients are replaced by zeros before any sum.
 
+A token far smaller than its example's largest entry may flush to zero in the scaled Gram
+form; the bound adds the absolute loss that flushing can cause (d 2^-126 per Gram entry), so
+such a token still counts (a review found contributions of 1e18 C without it).
+
 Formal guarantee:
-  For any inputs, each example with mask 1 adds to the returned float32 sum a vector of L2 norm
-  at most C (1 + 4 2^-24) (the last product c g rounds each entry by one unit), and each example
-  with mask 0 or a non-finite gradient adds exactly zero, whatever the other examples.
+  For any inputs, each example with mask 1 has a term in the returned float32 sum (its c g,
+  before the reduction over examples) of L2 norm at most C (1 + 4 2^-24) (the last product
+  c g rounds each entry by one unit), and each example with mask 0 or a non-finite gradient
+  has the term zero. The reduction over the batch's examples is float32: removing an example
+  also changes how the other terms round, by at most the float32 rounding of a sum of size
+  p C (README, "Floating point"; the trainers add physical batches in float64).
+  Limitation: a parameter shared by two layers (tied weights) is tapped at its first layer
+  only, so its gradient misses the other use; the bound still holds for what is summed.
 """
 
 from __future__ import annotations
@@ -138,15 +147,23 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     b_s, b_exp = _unit_scale(b, b_peak)
     a_gram = jnp.einsum("ntd,nsd->nts", a_s, a_s, precision=_HIGHEST)
     b_gram = jnp.einsum("ntp,nsp->nts", b_s, b_s, precision=_HIGHEST)
+    # Flushes: scaled entries are in [-1, 1], so a product or Gram entry that XLA flushes to
+    # zero (below 2^-126) loses less than d 2^-126 (a's) or p 2^-126 (b's) absolutely: with
+    # the diagonals raised by that much, tau bounds sum_t |a_t| |b_t| however small a token
+    # is next to the example's peak; the Gram form's absolute loss is within
+    # T^2 (2 d p + 1) 2^-125.
+    tiny = 2.0**-125
+    a_diag = jnp.diagonal(a_gram, axis1=1, axis2=2) + d * tiny
+    b_diag = jnp.diagonal(b_gram, axis1=1, axis2=2) + p * tiny
     sq, sq_terms = _blocked_sum((a_gram * b_gram).reshape(a.shape[0], -1))
-    tau, tau_terms = _blocked_sum(jnp.sqrt(jnp.diagonal(a_gram, axis1=1, axis2=2))
-                                  * jnp.sqrt(jnp.diagonal(b_gram, axis1=1, axis2=2)))
+    tau, tau_terms = _blocked_sum(jnp.sqrt(a_diag) * jnp.sqrt(b_diag))
     # Each Gram entry is within gamma_d (gamma_p) of |a_t| |a_s| (|b_t| |b_s|) of its exact
     # value, products round by u, the blocked sum adds gamma_(sq_terms) of the sum of
     # |terms| <= tau^2; tau itself is computed low by at most gamma_(d + p + tau_terms + 4).
     tau = tau * (1.0 + _gamma(d + p + tau_terms + 4))
     slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
-    bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2) * (1.0 + _gamma(2)))
+    flushed = tokens * tokens * (2.0 * d * p + 1.0) * tiny
+    bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2 + flushed) * (1.0 + _gamma(2)))
     return _unscale(_unscale(bound + _gamma(tokens + 8) * tau, a_exp, a_peak), b_exp, b_peak)
 
 
@@ -273,7 +290,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                 sums[(*path, param)] = weighted(g)
     st_off, ex_off = off_grads
     grads = jax.tree_util.tree_map_with_path(
-        lambda kp, v, o: sums[_leaf_path(kp)] if o is None else weighted(o).astype(v.dtype),
+        lambda kp, v, o: sums[_leaf_path(kp)] if o is None else weighted(o),
         state, st_off, is_leaf=lambda x: x is None)
     if extra is not None:
         grads = (grads, jax.tree.map(weighted, ex_off))

@@ -146,3 +146,23 @@ def test_a_layer_called_twice_is_refused():
     ours = dp.bookkeeping_clipper(lambda m, e, x, y: _loss(m(x), y), graphdef, rest)
     with pytest.raises(ValueError, match="dense is called more than once"):
         ours(params, (jnp.ones((2, 1, 4)), jnp.zeros(2, jnp.int32)), 1.0, jnp.ones(2))
+
+
+@pytest.mark.parametrize("ghost", [True, None])
+def test_a_token_tiny_next_to_the_peak_still_counts(ghost):
+    """The ghost norm scales each example by its largest entry: a token far below it flushes
+    to zero in the Gram form, yet its gradient (here 1e18 or 1e12 of the example's) must
+    still be bounded (found by review: contributions of 1e18 C before the absolute slack)."""
+    cases = [(4, 3, [(0, 0, 3e38, None), (1, 1, 1e18, 1.0)], False),
+             (1024, 1024, [(0, 0, 2.0**60, 1.0), (1, 0, 2.0**20, 2.0**-20)], True)]
+    for d, p, tokens, bias in cases if ghost else cases[1:]:
+        model = nnx.Linear(d, p, use_bias=bias, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        ours = dp.bookkeeping_clipper(lambda m, e, x, w: jnp.sum(m(x) * w), graphdef, rest,
+                                      ghost=ghost)
+        x, w = np.zeros((2, 2, d), np.float32), np.zeros((2, 2, p), np.float32)
+        for token, column, a, b in tokens:
+            x[0, token, column] = a
+            w[0, token, :] = 0.0 if b is None else b / np.sqrt(p)
+        result = ours(params, (jnp.asarray(x), jnp.asarray(w)), 1.0, jnp.array([1.0, 0.0]))
+        assert np.linalg.norm(_flat(result.grads)) <= 1.0 + 1e-6
