@@ -86,40 +86,27 @@ def model_inputs(images, spec: FinetuneSpec) -> jax.Array:
 
 def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, aug_key,
                      canaries: tuple[int, float] | None):
-    """The loss of one example (leading batch axis of 1, as `clipped_grad` calls it): the mean
-    over its K views of the cross-entropy. With gradient canaries (`canaries` = (N, norm)),
-    params = (the model's, the canary block) and row N + j is canary j, whose loss is
-    norm * block[j] (`dp.canaries`): its whole gradient is norm e_j in the block."""
-    if canaries is not None:
-        num_real, norm = canaries
-        model_loss = _example_loss_fn(graphdef, rest, spec, flags, aug_key, None)
-
-        def audited(params, image, label, row):
-            model_params, block = params
-            canary = row[0] - num_real
-            canary_loss = norm * block[jnp.clip(canary, 0, block.shape[0] - 1)]
-            return jnp.where(canary >= 0, canary_loss, model_loss(model_params, image, label, row))
-
-        return audited
+    """The loss of one example (leading batch axis of 1, as `clipped_grad` calls it):
+    `_model_loss_fn` on the model merged from `params` (cast to bfloat16 for mixed
+    precision). With gradient canaries, params = (the model's, the canary block)."""
+    model_loss = _model_loss_fn(spec, aug_key, canaries)
 
     def loss(params, image, label, row):
-        key = jax.random.fold_in(aug_key, row[0])
-        views = views_of(image[0], key, views=spec.augmult, padding=spec.crop_padding,
-                         flip=spec.flip)
-        views = model_inputs(views, spec)
+        model_params, block = params if canaries is not None else (params, None)
         if flags.mixed_precision:
-            params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-            views = views.astype(jnp.bfloat16)
-        logits = nnx.merge(graphdef, params, rest)(views).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, jnp.broadcast_to(label, logits.shape[:1])).mean()
+            model_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), model_params)
+        return model_loss(nnx.merge(graphdef, model_params, rest), block, image[0], label[0],
+                          row[0])
 
     return loss
 
 
-def _bookkeeping_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | None):
-    """`_example_loss_fn` for `dp.bookkeeping_clipper`: one example without a batch axis,
-    given the (tapped) model and the canary block as `extra`."""
+def _model_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | None):
+    """The loss of one example (no batch axis) given the model (`dp.bookkeeping_clipper` calls
+    it with the tapped model) and the canary block: the mean over its K views of the
+    cross-entropy. With gradient canaries (`canaries` = (N, norm)), row N + j is canary j,
+    whose loss is norm * block[j] (`dp.canaries`): its whole gradient is norm e_j in the
+    block."""
 
     def loss(model, block, image, label, row):
         views = model_inputs(views_of(image, jax.random.fold_in(aug_key, row), views=spec.augmult,
@@ -160,7 +147,7 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
     valid = valid_labels(labels, spec.num_classes)
     if flags.clipping == "bookkeeping":
         clipper = bookkeeping_clipper(
-            _bookkeeping_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
+            _model_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
             dtype=jnp.bfloat16 if flags.mixed_precision else None)
         return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip,
                        mask * valid).grads
