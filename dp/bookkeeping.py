@@ -36,13 +36,32 @@ A token far smaller than its example's largest entry may flush to zero in the sc
 form; the bound adds the absolute loss that flushing can cause (d 2^-126 per Gram entry), so
 such a token still counts (a review found contributions of 1e18 C without it).
 
+The reduction over the batch's examples. Inside an `x64_jit` program every sum over examples
+(the ghost layers' einsum, the c-weighted sums of instantiated gradients) accumulates in
+float64 from float32 operands, whose products are exact. In float32 it would have no bound
+that holds for all data: a term that rounds far below its magnitude (tokens that cancel) or
+a sum of size n C makes the other examples' terms round by up to n C u each. In float64, with
+kappa = `reduction_slack(n, G, L)` (n examples, G ghost layers, L norms combined):
+  * a ghost layer's sum of n T exact products rounds within gamma_nT sum_i c_i tau_i (Higham,
+    any order; u = 2^-53), and c_i tau_i <= C 2^12 / sqrt(d + p + 2) because U carries the
+    Gram form's slack, at least sqrt(d + p + 2) 2^-12 tau: at most n^2 T 2^-41 / sqrt(d + p + 2)
+    C per layer, whatever the data;
+  * an instantiated leaf's sum of n exact products c_i g_i rounds within gamma_n sum_i c_i
+    |g_i|, and over L leaves within n^2 sqrt(L) 2^-53 C;
+so the clipping bound used is C / (1 + kappa), kappa twice their sum plus a margin (D and D'
+each round): for a ViT-tiny at 224 px (48 ghost layers, T = 197) and n = 256, kappa = 2.1e-5,
+an effective clipping bound lower by that much.
+
 Formal guarantee:
-  For any inputs, each example with mask 1 has a term in the returned float32 sum (its c g,
-  before the reduction over examples) of L2 norm at most C (1 + 4 2^-24) (the last product
-  c g rounds each entry by one unit), and each example with mask 0 or a non-finite gradient
-  has the term zero. The reduction over the batch's examples is float32: removing an example
-  also changes how the other terms round, by at most the float32 rounding of a sum of size
-  p C (README, "Floating point"; the trainers add physical batches in float64).
+  For any inputs, each example with mask 1 has a term in the returned sum (its c g, before
+  the reduction over examples) of L2 norm at most C (1 + 4 2^-24) (the last product c g rounds
+  each entry by one unit), and each example with mask 0 or a non-finite gradient has the term
+  zero. Inside an `x64_jit` program, for zero-out neighbours D, D' (one example's mask 1 in D,
+  0 in D', the batch otherwise the same: XLA computes each example's terms the same way
+  whatever the others hold), the two computed float64 sums differ in L2 norm by at most
+  C (1 + 4 2^-24 + kappa) / (1 + kappa) (1 + 2^-24) <= C (1 + 3.1e-7), for any data (the
+  reduction above; the trainers add physical batches in float64, `dp.accumulate`). Outside
+  x64 the reduction is float32 and only the per-example term is bounded.
   Limitation: a parameter shared by two layers (tied weights) is tapped at its first layer
   only, so its gradient misses the other use; the bound still holds for what is summed.
 """
@@ -57,10 +76,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dp.accumulate import FLOAT64_SUMS
 from dp.clipping import ClippedSum, Clipper
 from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
 
-__all__ = ["bookkeeping_clipper", "layer_plan"]
+__all__ = ["bookkeeping_clipper", "layer_plan", "reduction_slack"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _U = 2.0**-24
@@ -103,6 +123,17 @@ def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
     if 2 * tokens * tokens < in_dim * out_dim and examples * in_dim * out_dim > _SMALL:
         return "ghost"
     return "instantiate"
+
+
+def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
+                    leaves: int) -> float:
+    """kappa: how far, relative to C, the float64 reduction over a batch of `examples` can move
+    the other examples' terms when one is removed (module docstring), with a margin; a ghost
+    layer is (tokens, in_dim, out_dim), `leaves` the norms combined into each example's."""
+    n2 = float(examples) ** 2
+    ghost = sum(n2 * t * 2.0**-41 / math.sqrt(d + p + 2) for t, d, p in ghost_layers)
+    inst = n2 * math.sqrt(max(leaves, 1)) * 2.0**-53
+    return 2.0 * (ghost + inst) * (1.0 + 2.0**-20) + 2.0**-30
 
 
 def _unit_scale(x: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -261,6 +292,11 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         norms += [_scaled_norm(v) for v in grads.values()]
     small = [g for g in jax.tree.leaves(off_grads) if g is not None]
     norms += [_scaled_norm(g) for g in small]
+    acc = jax.dtypes.canonicalize_dtype(FLOAT64_SUMS)  # float64 inside an `x64_jit` program
+    if acc == jnp.float64:  # room for the float64 reduction's rounding (module docstring)
+        ghosts = [(a.shape[1], a.shape[2], b.shape[2])
+                  for kind, *data in parts.values() if kind == "ghost" for a, b in [data]]
+        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, len(norms)))
     stacked = jnp.stack(norms, axis=1)
     peak = jnp.max(stacked, axis=1)
     scaled, exponent = _unit_scale(stacked, peak)
@@ -273,7 +309,8 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
 
     def weighted(g):
         g = jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0)
-        return jnp.einsum("n...,n->...", g, factor, precision=_HIGHEST)
+        return jnp.einsum("n...,n->...", g, factor, precision=_HIGHEST,
+                          preferred_element_type=acc)
 
     sums = {}
     for path, name in names.items():
@@ -282,7 +319,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             a, b = data
             a = jnp.where(keep[:, None, None], a, 0.0)
             b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
-            g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST)
+            g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST, preferred_element_type=acc)
             param = rule_for(modules[path]).params[0]
             sums[(*path, param)] = g.reshape(getattr(modules[path], param).shape)
         else:

@@ -34,6 +34,8 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from dp.accumulate import FLOAT64_SUMS
+
 __all__ = ["NULL_LABEL", "ClippedSum", "Clipper", "null_if_nonfinite", "per_example_clipper",
            "valid_labels", "zero_nonfinite_rows"]
 
@@ -94,7 +96,8 @@ def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int 
 
     Returns:
       A `Clipper`. A gradient with a non-finite coordinate is zeroed before clipping
-      (`null_if_nonfinite`); clipping and the sum are float32.
+      (`null_if_nonfinite`); clipping is float32, the sum float64 inside an `x64_jit` program
+      (`dp.accumulate`), float32 outside.
     """
     from jax_privacy.clipping import clipped_fun
 
@@ -104,7 +107,8 @@ def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int 
     def clip(params, batch: tuple, clip_norm, mask) -> ClippedSum:
         clipped = clipped_fun(example_grad, batch_argnums=tuple(range(1, 1 + len(batch))),
                               l2_clip_norm=clip_norm, return_norms=True,
-                              microbatch_size=microbatch_size, dtype=jnp.float32)
+                              microbatch_size=microbatch_size,
+                              dtype=jax.dtypes.canonicalize_dtype(FLOAT64_SUMS))
         grads, aux = clipped(params, *batch, is_padding_example=mask == 0)
         return ClippedSum(grads, aux[-1])  # jax_privacy 2.0 returns ((), norms) here
 

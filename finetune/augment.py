@@ -19,7 +19,8 @@ def augment_views(key: jax.Array, image: jax.Array, *, views: int, padding: int,
     """`views` random views (K, H, W, C) of `image` (H, W, C): each a random H x W crop of the
     image reflect-padded by `padding` pixels on every side, then flipped left-right with
     probability 1/2 if `flip` (Zagoruyko & Komodakis' CIFAR recipe, as De et al. use).
-    With padding 0 and no flip, every view is the image itself."""
+    With padding 0 and no flip, every view is the image itself. Dtypes are explicit, so the
+    views are the same in programs traced with x64 on (`finetune.train.clipped_sum`)."""
 
     def one(key):
         crop_key, flip_key = jax.random.split(key)
@@ -27,10 +28,10 @@ def augment_views(key: jax.Array, image: jax.Array, *, views: int, padding: int,
         if padding:
             padded = jnp.pad(image, ((padding, padding), (padding, padding), (0, 0)),
                              mode="reflect")
-            top, left = jax.random.randint(crop_key, (2,), 0, 2 * padding + 1)
-            view = jax.lax.dynamic_slice(padded, (top, left, 0), image.shape)
+            top, left = jax.random.randint(crop_key, (2,), 0, 2 * padding + 1, jnp.int32)
+            view = jax.lax.dynamic_slice(padded, (top, left, jnp.int32(0)), image.shape)
         if flip:
-            view = jnp.where(jax.random.bernoulli(flip_key), view[:, ::-1], view)
+            view = jnp.where(jax.random.bernoulli(flip_key, jnp.float32(0.5)), view[:, ::-1], view)
         return view
 
     return jax.vmap(one)(jax.random.split(key, views))

@@ -128,12 +128,14 @@ def _notice(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
+@functools.partial(x64_jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
 def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
                 spec: FinetuneSpec, flags: FinetuneFlags,
                 canaries: tuple[int, float] | None = None):
     """The sum over one physical batch of each example's view-averaged gradient clipped to
-    `clip` (float32); masked rows and null records contribute exactly zero.
+    `clip`; masked rows and null records contribute exactly zero. Traced with x64 on so that
+    the reduction over the batch's examples is float64 (`dp.bookkeeping`'s guarantee: one
+    example moves the computed sum by at most C (1 + 3.1e-7)); the model runs in float32.
 
     Args:
       images: (p, H, W, C) (views drawn on the device) or (p, K, H, W, C) (given views),

@@ -176,8 +176,9 @@ def test_ema_follows_its_formula(rng):
 
 
 def test_mixed_precision_clips_and_noises_in_float32(rng):
-    """bf16 forward/backward: the sum is float32 and within bf16 rounding of the float32 one;
-    each example still contributes at most C."""
+    """bf16 forward/backward: the sum is float64 (A, B and gradients float32 before it, as
+    in the float32 model) and within bf16 rounding of the float32 one; each example still
+    contributes at most C."""
     model = TinyConvNet(nnx.Rngs(2))
     images = rng.normal(size=(6, 8, 8, 1)).astype(np.float32)
     labels = np.arange(6) % NUM_CLASSES
@@ -190,7 +191,7 @@ def test_mixed_precision_clips_and_noises_in_float32(rng):
         physical_batch_size=6, mixed_precision=True))
     full = finetune.clipped_sum(*args, spec=spec, flags=finetune.FinetuneFlags(
         physical_batch_size=6))
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(half))
+    assert all(leaf.dtype == np.float64 for leaf in jax.tree.leaves(half))
     assert np.linalg.norm(_flat(half)) <= 6 * 0.3 * (1 + 1e-6)
     np.testing.assert_allclose(_flat(half), _flat(full), atol=0.05)
 
