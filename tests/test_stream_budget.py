@@ -105,3 +105,32 @@ def test_a_sweep_split_by_the_budget_equals_one_pass(tmp_path, rng, monkeypatch)
         np.testing.assert_allclose(split.params[name], whole.params[name], rtol=1e-5,
                                    atol=1e-7)
     np.testing.assert_allclose(split.clipped_fraction, whole.clipped_fraction, rtol=1e-6)
+
+
+def test_evaluation_in_slices_of_runs_counts_the_same(rng, monkeypatch):
+    """Many runs are evaluated a slice at a time (`EVAL_CALL_BYTES`); the counts are exact, so
+    they equal one call's over every run, and each run's own alone."""
+    import probe.evaluation
+
+    x = rng.normal(size=(1500, D)).astype(np.float32)
+    labels = rng.integers(0, C, size=1500)
+    params = {"w": rng.normal(size=(11, D, C)).astype(np.float32),
+              "b": rng.normal(size=(11, C)).astype(np.float32)}
+    whole = probe.evaluation.count_totals(params, [(x, labels)])
+    calls = []
+    block_counts = probe.evaluation._block_counts
+
+    def spy(part, *args, **kwargs):
+        calls.append(part["w"].shape[0])
+        return block_counts(part, *args, **kwargs)
+
+    monkeypatch.setattr(probe.evaluation, "_block_counts", spy)
+    # Room for 4 runs' logits per call: 11 runs in 3 slices of 4, 4, 3, for each of 2 blocks.
+    monkeypatch.setattr(probe.evaluation, "EVAL_CALL_BYTES",
+                        4 * 32 * probe.EVAL_BLOCK_ROWS * C)
+    sliced = probe.evaluation.count_totals(params, [(x, labels)])
+    assert calls == [4, 4, 3] * 2
+    for got, want in zip(sliced, whole, strict=True):
+        np.testing.assert_array_equal(got, want)
+    alone = probe.evaluation.count_totals({k: v[9:10] for k, v in params.items()}, [(x, labels)])
+    np.testing.assert_array_equal(sliced[0][9:10], alone[0])
