@@ -137,7 +137,8 @@ def main():
         shutil.rmtree(store)
 
     print(f"\nLoad: `dpprobe probe --stream`, {ROWS:,} x {DIM} float16 "
-          f"({size / 2**30:.2f} GiB on disk, built in {build:.0f} s), {args.classes} classes, "
+          f"({size / 2**30:.2f} GiB on disk, built or reused in {build:.0f} s), {args.classes} "
+          f"classes, "
           f"single-step DP-Adam, delta {DELTA:g}; CPU, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[1]:.1f} (5 min)")
     print(f"{'runs':>6s} {'eps x seeds':>12s} {'wall s':>8s} {'s/run':>8s} {'peak RSS GiB':>13s}"
