@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict \
+.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict bench-load \
 	data clean
 
 install: $(STAMP)
@@ -56,6 +56,9 @@ bench-audit: install
 
 bench-predict: install
 	$(BIN)/python benchmarks/predict.py
+
+bench-load: install
+	$(BIN)/python benchmarks/probe_load.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

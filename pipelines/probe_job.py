@@ -223,6 +223,10 @@ def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chun
                 rows_per_chunk=int(extract.open_split(config.store, "train")["features"]
                                    .chunks[0]))
             driver += f", rows split over {processes.count()} processes"
+        groups = len(probe.plan_stream(runs, dim, spec.num_classes, budget=flags.memory_budget,
+                                       chunk_rows=flags.rows_per_chunk).groups)
+        if groups > 1:  # public: the number of runs and the store's shape
+            driver += f", runs in {groups} groups (memory budget)"
         result = probe.train_probe_streaming(
             lambda: extract.iter_split_chunks(config.store, "train", dtype=None,
                                               row_range=rows), runs, keys,

@@ -4,7 +4,8 @@ clipper interface, the privatizer, auditing).
   * `probe.clipping`: closed-form per-example clipping of linear models (`linear_clipper`,
     the one-layer case of `dp.norms`);
   * `probe.step`: the DP step the trainers share; `probe.train` (in memory, sharded with
-    `probe.sharding`), `probe.streaming`, `probe.poisson`: the trainers;
+    `probe.sharding`), `probe.streaming` (within a memory budget: `probe.budget`),
+    `probe.poisson`: the trainers;
   * `probe.normalization`: per-example feature normalization (free);
     `probe.standardization`: private per-feature standardization (two Gaussian releases);
   * `probe.specs`: `ProbeSpec`, `RunSpec` (privacy: the `DpPlan`), `PerformanceFlags` (speed
@@ -14,6 +15,7 @@ clipper interface, the privatizer, auditing).
     `dp.auditing`).
 """
 
+from probe.budget import DEFAULT_MEMORY_BUDGET, StreamPlan, plan_stream
 from probe.canaries import (
     CANARY_LABEL,
     CANARY_NORM,
@@ -54,6 +56,7 @@ from probe.train import prepare_features, prepare_inputs, train_probe
 __all__ = [
     "CANARY_LABEL",
     "CANARY_NORM",
+    "DEFAULT_MEMORY_BUDGET",
     "EVAL_BLOCK_ROWS",
     "FEATURE_DTYPES",
     "LOSSES",
@@ -63,6 +66,7 @@ __all__ = [
     "ProbeSpec",
     "RunSpec",
     "Standardizer",
+    "StreamPlan",
     "TrainResult",
     "add_canary",
     "audit_learning_rate",
@@ -77,7 +81,6 @@ __all__ = [
     "example_losses",
     "feature_gram",
     "fixed_blocks",
-    "EVAL_BLOCK_ROWS",
     "init_params",
     "linear_clipper",
     "linear_logits",
@@ -86,6 +89,7 @@ __all__ = [
     "normalize_features",
     "normalized_norm_bound",
     "per_example_grad_norms",
+    "plan_stream",
     "prepare_features",
     "prepare_inputs",
     "private_standardizer",

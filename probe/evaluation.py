@@ -1,8 +1,9 @@
 """Accuracy of stacked linear probes: top-1, top-k and per-class, for every run at once.
 
 Rows are cut into blocks of `EVAL_BLOCK_ROWS` consecutive rows whatever the chunks they arrive
-in (the last block padded and masked), so memory stays O(block (d + P C)) for any test set and
-one compiled kernel serves every block. Each run's logits are computed on their own
+in (the last block padded and masked), and the runs into slices of at most `EVAL_CALL_BYTES` of
+logits, so memory stays O(block d + P d C) for any test set and any number of runs, and one
+compiled kernel serves every block. Each run's logits are computed on their own
 (`block_logits`: a loop over the runs inside the compiled program), because a matmul over P
 stacked runs rounds differently from one over a single run: this way a released model
 (`dpmodel`, one run) given the same rows computes bitwise the logits its job evaluated, and
@@ -23,11 +24,14 @@ from dp.sampling import pad_rows
 from probe.clipping import linear_logits
 from probe.normalization import normalize_features
 
-__all__ = ["EVAL_BLOCK_ROWS", "block_logits", "count_totals", "evaluate", "evaluate_chunks",
-           "fixed_blocks"]
+__all__ = ["EVAL_BLOCK_ROWS", "EVAL_CALL_BYTES", "block_logits", "count_totals", "evaluate",
+           "evaluate_chunks", "fixed_blocks"]
 
 # Rows per compiled evaluation call (speed and memory only).
 EVAL_BLOCK_ROWS = 1024
+# Bytes of logits and ranks one call may hold: a sweep of many runs is evaluated a slice of
+# runs at a time (each run's logits do not depend on the others: `block_logits`).
+EVAL_CALL_BYTES = 64 << 20
 
 
 @functools.partial(jax.jit, static_argnames=("normalization", "groups"))
@@ -137,20 +141,33 @@ def count_totals(params: dict, chunks: Iterable[tuple[np.ndarray, np.ndarray]], 
     """Exact counts of each stacked run over (features, labels) chunks: [top-1 hits (P,),
     top-k hits (P,), per-class hits (P, C), examples per class (C,)] (float64).
 
-    Rows are cut into fixed blocks (`fixed_blocks`), one compiled kernel for all.
+    Rows are cut into fixed blocks (`fixed_blocks`), one compiled kernel for all; the runs into
+    equal slices whose logits fit `EVAL_CALL_BYTES`, so memory is bounded whatever P is.
     """
-    num_classes = int(params["w"].shape[-1])
-    params = jax.device_put(params)  # once, not once per block
+    num_runs, num_classes = (int(n) for n in params["w"].shape[::2])
+    per_run = 32 * block_rows * num_classes  # logits, the rank's comparisons (float32, bool)
+    count = -(-num_runs // max(1, EVAL_CALL_BYTES // per_run))
+    size = -(-num_runs // count)
+    slices = [jax.device_put({k: v[lo:lo + size] for k, v in params.items()})  # once each
+              for lo in range(0, num_runs, size)]
     totals = None
     for x, y, mask in fixed_blocks(chunks, block_rows):
-        logits = block_logits(params, x, normalization=normalization, groups=groups)
-        counts = [np.asarray(c, np.float64) for c in _counts(
-            logits, y, mask, num_classes=num_classes, top_k=min(top_k, num_classes))]
+        counts = [_block_counts(part, x, y, mask, normalization=normalization, groups=groups,
+                                num_classes=num_classes, top_k=min(top_k, num_classes))
+                  for part in slices]
+        counts = [np.concatenate(c) for c in zip(*(c[:3] for c in counts), strict=True)] + [
+            counts[0][3]]
         totals = counts if totals is None else [
             t + c for t, c in zip(totals, counts, strict=True)]
     if totals is None:
         raise ValueError("no examples to evaluate")
     return totals
+
+
+def _block_counts(params, x, y, mask, *, normalization, groups, num_classes, top_k):
+    logits = block_logits(params, x, normalization=normalization, groups=groups)
+    return [np.asarray(c, np.float64) for c in _counts(logits, y, mask,
+                                                        num_classes=num_classes, top_k=top_k)]
 
 
 def evaluate(params: dict, features, labels, *, top_k: int = 5, normalization: str = "none",

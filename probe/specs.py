@@ -18,6 +18,7 @@ import numpy as np
 
 from accounting import DpPlan
 from dp.optimizers import OPTIMIZERS, make_optimizer
+from probe.budget import DEFAULT_MEMORY_BUDGET
 from probe.clipping import LOSSES, Loss
 from probe.normalization import NORMALIZATIONS
 
@@ -104,12 +105,14 @@ class PerformanceFlags:
       physical_batch_size: Poisson training: rows per compiled call (a logical batch is cut
         into such physical batches, the last one padded and masked).
       rows_per_chunk: streaming: pad every chunk to this many rows (default: the first
-        chunk's), so that one compiled kernel serves every chunk.
+        chunk's), so that one compiled kernel serves every chunk; longer chunks are cut.
       prefetch_depth: streaming: chunks read ahead in a background thread.
       mesh: in memory: a `jax.sharding.Mesh` with a "data" axis (`probe.make_data_mesh`) to
         shard rows over devices; None runs on the default device.
       feature_dtype: the features' dtype on the device ("float16" halves memory); None keeps
         the input's. Computation is float32 either way.
+      memory_budget: streaming: bytes for the runs' state and one chunk call; runs are
+        trained in groups and chunks cut to stay within it (`probe.budget`).
     """
 
     physical_batch_size: int = 256
@@ -117,12 +120,15 @@ class PerformanceFlags:
     prefetch_depth: int = 2
     mesh: Any = None
     feature_dtype: str | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     def __post_init__(self):
         if self.physical_batch_size < 1:
             raise ValueError(f"physical_batch_size must be >= 1, got {self.physical_batch_size}")
         if self.rows_per_chunk is not None and self.rows_per_chunk < 1:
             raise ValueError(f"rows_per_chunk must be >= 1, got {self.rows_per_chunk}")
+        if self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.feature_dtype not in (None, *FEATURE_DTYPES):
