@@ -140,6 +140,14 @@ def _scaled_norm(g: jax.Array) -> jax.Array:
 def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     """Upper bound of |A_i^T B_i| plus the einsum's rounding of c A_i^T B_i (module docstring),
     from a (n, T, d) and b (n, T, p), without forming A_i^T B_i."""
+    bound, charge, a_exp, a_peak, b_exp, b_peak = ghost_scaled(a, b)
+    return _unscale(_unscale(bound + charge, a_exp, a_peak), b_exp, b_peak)
+
+
+def ghost_scaled(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
+    """`_ghost_norm`'s two terms before unscaling: (the bound of |A_i^T B_i|, the einsum's
+    rounding charge gamma_(T+8) tau), both in units of 2^(e_a + e_b), and a's and b's
+    exponents and peaks (`_unit_scale`)."""
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     a_peak = jnp.max(jnp.abs(a), axis=(1, 2))
     b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
@@ -164,7 +172,7 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
     flushed = tokens * tokens * (2.0 * d * p + 1.0) * tiny
     bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2 + flushed) * (1.0 + _gamma(2)))
-    return _unscale(_unscale(bound + _gamma(tokens + 8) * tau, a_exp, a_peak), b_exp, b_peak)
+    return bound, _gamma(tokens + 8) * tau, a_exp, a_peak, b_exp, b_peak
 
 
 def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
@@ -235,7 +243,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                   ghost):
     """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B."""
     n = mask.shape[0]
-    parts, norms = {}, []  # parts: tap name -> ("ghost", a, b) or ("inst", {param: g})
+    parts, norms = {}, []  # tap name -> ("ghost", a, b), ("rule", data), ("inst", {param: g})
     for path, name in names.items():
         module = modules[path]
         rule = rule_for(module)
@@ -245,6 +253,12 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             grads = rule.row_grads(module, a, b)
             parts[name] = ("inst", grads)
             norms += [_scaled_norm(v) for v in grads.values()]
+            continue
+        if rule.ghost is not None and (rule.ghost.prefer(n, a.shape[1], a.shape[2], b.shape[2])
+                                       if ghost is None else ghost):
+            norm, data = rule.ghost.norm(module, a, b)
+            parts[name] = ("rule", data)
+            norms.append(norm)
             continue
         plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
             "ghost" if ghost else "instantiate")
@@ -285,6 +299,10 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST)
             param = rule_for(modules[path]).params[0]
             sums[(*path, param)] = g.reshape(getattr(modules[path], param).shape)
+        elif kind == "rule":
+            for param, g in rule_for(modules[path]).ghost.sums(
+                    modules[path], data[0], factor, keep).items():
+                sums[(*path, param)] = g
         else:
             for param, g in data[0].items():
                 sums[(*path, param)] = weighted(g)
