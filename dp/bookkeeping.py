@@ -29,6 +29,9 @@ float32 terms, gamma_m = m 2^-24 / (1 - m 2^-24), doubled for safety):
   * ghost parts: the computed Gram form S' of the exact |A^T B|^2 is within gamma_G tau^2 of it
     (tau = sum_t |a_t| |b_t|, the triangle bound), and the einsum that forms sum_i c_i A_i^T B_i
     adds to example i's term an error of norm <= gamma_T c tau; so U adds both.
+  * a rule's own ghost norm (`Rule.ghost`: a layer whose gradients are a fixed linear map of
+    A^T B, e.g. weight standardization, `finetune.models.ws_ghost`): the rule bounds its term
+    with the same Gram form and charge, plus the rounding of its correction terms.
 A non-finite norm (NaN/Inf anywhere in the example's A, B or gradients) gives factor 0, and a
 masked example factor 0; its A, B and gradients are replaced by zeros before any sum.
 
@@ -42,7 +45,10 @@ Formal guarantee:
   c g rounds each entry by one unit), and each example with mask 0 or a non-finite gradient
   has the term zero. The reduction over the batch's examples is float32: removing an example
   also changes how the other terms round, by at most the float32 rounding of a sum of size
-  p C (README, "Floating point"; the trainers add physical batches in float64).
+  p C (README, "Floating point"; the trainers add physical batches in float64); for a rule's
+  ghost norm whose map is applied after that reduction (weight standardization), the operands
+  of the reduction are at most (1 + max_j |gain_j| / s_j) C per example, and so is its
+  rounding (`finetune.models.ws_ghost`; the factor is 2 at initialization).
   Limitation: a parameter shared by two layers (tied weights) is tapped at its first layer
   only, so its gradient misses the other use; the bound still holds for what is summed.
 """
