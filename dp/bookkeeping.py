@@ -29,6 +29,9 @@ float32 terms, gamma_m = m 2^-24 / (1 - m 2^-24), doubled for safety):
   * ghost parts: the computed Gram form S' of the exact |A^T B|^2 is within gamma_G tau^2 of it
     (tau = sum_t |a_t| |b_t|, the triangle bound), and the einsum that forms sum_i c_i A_i^T B_i
     adds to example i's term an error of norm <= gamma_T c tau; so U adds both.
+  * a rule's own ghost norm (`Rule.ghost`: a layer whose gradients are a fixed linear map of
+    A^T B, e.g. weight standardization, `finetune.models.ws_ghost`): the rule bounds its term
+    with the same Gram form and charge, plus the rounding of its correction terms.
 A non-finite norm (NaN/Inf anywhere in the example's A, B or gradients) gives factor 0, and a
 masked example factor 0; its A, B and gradients are replaced by zeros before any sum.
 
@@ -48,6 +51,9 @@ kappa = `reduction_slack(n, G, L)` (n examples, G ghost layers, L norms combined
     C per layer, whatever the data;
   * an instantiated leaf's sum of n exact products c_i g_i rounds within gamma_n sum_i c_i
     |g_i|, and over L leaves within n^2 sqrt(L) 2^-53 C;
+  * a rule's own ghost norm states its reduction's bound (`Rule.ghost.slack`; weight
+    standardization: n^2 2^-29 C for its einsum, as U carries gamma32_(T+8) tau, plus its
+    correction's, scaled by the largest gain / s, `finetune.models.ws_ghost`);
 so the clipping bound used is C / (1 + kappa), kappa twice their sum plus a margin (D and D'
 each round): for a ViT-tiny at 224 px (48 ghost layers, T = 197) and n = 256, kappa = 2.1e-5,
 an effective clipping bound lower by that much.
@@ -126,14 +132,15 @@ def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
 
 
 def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
-                    leaves: int) -> float:
+                    leaves: int, rules: Any = 0.0) -> Any:
     """kappa: how far, relative to C, the float64 reduction over a batch of `examples` can move
     the other examples' terms when one is removed (module docstring), with a margin; a ghost
-    layer is (tokens, in_dim, out_dim), `leaves` the norms combined into each example's."""
+    layer is (tokens, in_dim, out_dim), `leaves` the norms combined into each example's,
+    `rules` the sum of the rules' own bounds (`Rule.ghost.slack`, relative to C)."""
     n2 = float(examples) ** 2
     ghost = sum(n2 * t * 2.0**-41 / math.sqrt(d + p + 2) for t, d, p in ghost_layers)
     inst = n2 * math.sqrt(max(leaves, 1)) * 2.0**-53
-    return 2.0 * (ghost + inst) * (1.0 + 2.0**-20) + 2.0**-30
+    return 2.0 * (ghost + inst + rules) * (1.0 + 2.0**-20) + 2.0**-30
 
 
 def _unit_scale(x: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -171,6 +178,14 @@ def _scaled_norm(g: jax.Array) -> jax.Array:
 def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     """Upper bound of |A_i^T B_i| plus the einsum's rounding of c A_i^T B_i (module docstring),
     from a (n, T, d) and b (n, T, p), without forming A_i^T B_i."""
+    bound, charge, a_exp, a_peak, b_exp, b_peak = ghost_scaled(a, b)
+    return _unscale(_unscale(bound + charge, a_exp, a_peak), b_exp, b_peak)
+
+
+def ghost_scaled(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
+    """`_ghost_norm`'s two terms before unscaling: (the bound of |A_i^T B_i|, the einsum's
+    rounding charge gamma_(T+8) tau), both in units of 2^(e_a + e_b), and a's and b's
+    exponents and peaks (`_unit_scale`)."""
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     a_peak = jnp.max(jnp.abs(a), axis=(1, 2))
     b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
@@ -195,7 +210,7 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
     flushed = tokens * tokens * (2.0 * d * p + 1.0) * tiny
     bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2 + flushed) * (1.0 + _gamma(2)))
-    return _unscale(_unscale(bound + _gamma(tokens + 8) * tau, a_exp, a_peak), b_exp, b_peak)
+    return bound, _gamma(tokens + 8) * tau, a_exp, a_peak, b_exp, b_peak
 
 
 def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
@@ -266,7 +281,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                   ghost):
     """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B."""
     n = mask.shape[0]
-    parts, norms = {}, []  # parts: tap name -> ("ghost", a, b) or ("inst", {param: g})
+    parts, norms = {}, []  # tap name -> ("ghost", a, b), ("rule", data), ("inst", {param: g})
     for path, name in names.items():
         module = modules[path]
         rule = rule_for(module)
@@ -276,6 +291,12 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             grads = rule.row_grads(module, a, b)
             parts[name] = ("inst", grads)
             norms += [_scaled_norm(v) for v in grads.values()]
+            continue
+        if rule.ghost is not None and (rule.ghost.prefer(n, a.shape[1], a.shape[2], b.shape[2])
+                                       if ghost is None else ghost):
+            norm, data = rule.ghost.norm(module, a, b)
+            parts[name] = ("rule", data)
+            norms.append(norm)
             continue
         plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
             "ghost" if ghost else "instantiate")
@@ -296,7 +317,9 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     if acc == jnp.float64:  # room for the float64 reduction's rounding (module docstring)
         ghosts = [(a.shape[1], a.shape[2], b.shape[2])
                   for kind, *data in parts.values() if kind == "ghost" for a, b in [data]]
-        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, len(norms)))
+        rules = sum(rule_for(modules[path]).ghost.slack(n, parts[name][1])
+                    for path, name in names.items() if parts[name][0] == "rule")
+        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, len(norms), rules))
     stacked = jnp.stack(norms, axis=1)
     peak = jnp.max(stacked, axis=1)
     scaled, exponent = _unit_scale(stacked, peak)
@@ -322,6 +345,10 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST, preferred_element_type=acc)
             param = rule_for(modules[path]).params[0]
             sums[(*path, param)] = g.reshape(getattr(modules[path], param).shape)
+        elif kind == "rule":
+            for param, g in rule_for(modules[path]).ghost.sums(
+                    modules[path], data[0], factor, keep, acc).items():
+                sums[(*path, param)] = g
         else:
             for param, g in data[0].items():
                 sums[(*path, param)] = weighted(g)

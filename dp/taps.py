@@ -42,12 +42,19 @@ class Rule(NamedTuple):
     row_grads(module, a, b) -> {name: (n, ...) gradients}: every example's gradients from its
       rows a (n, T, d) and b (n, T, p) directly, for a layer whose gradients are much smaller
       than A^T B (low-rank adapters, `finetune.modes`); it takes precedence over `grads`.
+    ghost: a ghost norm through `grads`' map, for a layer whose gradients are a fixed linear
+      map of A^T B (weight standardization, `finetune.models.ws_ghost`): an object with
+      `prefer(n, T, d, p)` (the cost choice), `norm(module, a, b) -> (bound (n,), data)`,
+      `sums(module, data, factor, keep, acc) -> {name: clipped sum}` (reduced over the batch
+      in dtype acc) and `slack(n, data)` (its reduction's bound relative to C,
+      `dp.bookkeeping.reduction_slack`); None: `grads` only.
     """
 
     inputs: Callable[[Any, jax.Array], jax.Array]
     params: tuple[str, ...] = ("kernel",)
     grads: Callable[[Any, jax.Array], dict[str, jax.Array]] | None = None
     row_grads: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]] | None = None
+    ghost: Any = None
 
 
 _RULES: dict[type, Rule] = {}

@@ -5,8 +5,9 @@ Each layer computes y = A W with A its im2col patches (or the image's non-overla
 and W its kernel flattened to (d, p), so one example's kernel gradient is A^T B. For a
 weight-standardized convolution W = standardize(kernel, gain) (`finetune.models.wrn`), a fixed
 function of the parameters, so the gradients of the kernel and the gain are the chain rule
-through it (`jax.vjp`, one example at a time): that layer's gradient is formed per example
-(fan-in x filters, small for convolutions) rather than by ghost norm.
+through it (`jax.vjp`, one example at a time) where the layer has many tokens, and a ghost
+norm through the standardization's (linear) chain rule where it has few
+(`finetune.models.ws_ghost`, chosen by cost).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dp.taps import Rule, register_rule
 from finetune.models._conv import Conv, im2col
 from finetune.models.vit import PatchEmbed
 from finetune.models.wrn import WSConv, standardize_weight
+from finetune.models.ws_ghost import WS_GHOST
 
 __all__: list[str] = []
 
@@ -42,5 +44,5 @@ def _patch_rows(module, x):
 
 register_rule(Conv, Rule(inputs=_conv_rows))
 register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
-                           grads=_standardized_grads))
+                           grads=_standardized_grads, ghost=WS_GHOST))
 register_rule(PatchEmbed, Rule(inputs=_patch_rows))
