@@ -116,25 +116,23 @@ def _leaf_path(key_path) -> tuple:
 
 _SMALL = 2**20
 _LARGE = 2**26
-_TRAFFIC = 8
 
 
 def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
-    """"ghost" or "instantiate" for a layer of T tokens and a (d, p) kernel, by cost.
+    """"ghost" or "instantiate" for a layer of T tokens and a (d, p) kernel, by time and space.
 
-    Time: both forms spend n T d p multiply-adds on the clipped sum (ghost: sum_i c_i A_i^T B_i;
-    instantiation: the g_i = A_i^T B_i it sums, which replace the weight gradient), so only
-    the norms differ: the ghost norm adds n T^2 (d + p) multiply-adds, instantiation reads and
-    writes the n d p entries of g a few times (about `_TRAFFIC` multiply-adds' worth per
-    entry). Space: instantiation holds n d p floats, ghost 2 n T^2 (Bu et al. 2023, Sec. 3.2:
-    ghost saves space when 2 T^2 < p d). Ghost when it saves space and either time too
-    (T^2 (d + p) < 8 d p: few tokens, e.g. a ViT at 32 px, T = 5) or the gradients would
-    exceed 2^26 floats; instantiation when they are small (n d p <= 2^20) or time favours it
-    (a ViT-tiny at 224 px, T = 197: its Gram products would cost 1.3x the layer's forward)."""
+    Time (Bu et al. 2023, Table 2): the ghost norm costs T^2 (d + p) multiply-adds per
+    example, forming the gradient T d p (which the clipped sum then reuses: the ghost form
+    spends those on its einsum instead), so ghost saves time when T (d + p) < d p. Space:
+    instantiation holds n d p floats, ghost 2 n T^2 (ghost saves space when 2 T^2 < p d).
+    Ghost when it saves space and either time too (few tokens: a ViT at 32 px, T = 5) or the
+    gradients would exceed 2^26 floats; instantiation when they are small (n d p <= 2^20) or
+    time favours it (a ViT at 224 px, T = 197: the Gram products would cost 1.3x the
+    layer's forward; measured 1.2x faster there, DP and non-private in turn)."""
     gradients = examples * in_dim * out_dim
     if gradients <= _SMALL or 2 * tokens * tokens >= in_dim * out_dim:
         return "instantiate"
-    if tokens * tokens * (in_dim + out_dim) < _TRAFFIC * in_dim * out_dim or gradients > _LARGE:
+    if tokens * (in_dim + out_dim) < in_dim * out_dim or gradients > _LARGE:
         return "ghost"
     return "instantiate"
 
