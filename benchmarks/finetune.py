@@ -22,7 +22,7 @@ per mode, DP-SGD of that mode against the non-private reference of the same mode
 (`train_finetune` with `DpPlan(0, T, 1, inf)`: plain batch gradient, no noise), both through
 `train_finetune`, the same model, images and physical batches (LoRA rank `--lora-rank`).
 Run: .venv/bin/python benchmarks/finetune.py [--repeats 3 --steps 3 --models cnn,wrn16_4,vit]
-     [--train all,bias,lora]
+     [--train all,bias,lora] [--vit-px 224 --batch 16]
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ MODELS = {  # name: (finetune model, image side, channels, physical batch)
     "vit": ("vit_tiny_patch16_224", 32, 3, 64),
 }
 CLASSES = 10
+
+
+def _rate(value, width=9):
+    """Images per second: whole numbers, one decimal below 100 (ViT-tiny at 224 px)."""
+    return f"{value:{width}.1f}" if value < 100 else f"{value:{width}.0f}"
 
 
 def _data(side, channels, n, seed=0):
@@ -214,7 +219,13 @@ def main():
     parser.add_argument("--train", default="all", help="comma-separated modes: all (the table "
                         "above), bias, lora (ViT-tiny rows, DP vs non-private of the mode)")
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--vit-px", type=int, default=32, help="ViT-tiny's image side "
+                        "(a multiple of 16; 224: the pretrained resolution, T = 197 tokens)")
+    parser.add_argument("--batch", type=int, default=None, help="physical batch p of every "
+                        "model (default: the model's own, table MODELS)")
     args = parser.parse_args()
+    for key, (name, side, channels, p) in MODELS.items():
+        MODELS[key] = (name, args.vit_px if key == "vit" else side, channels, args.batch or p)
     modes = args.train.split(",")
     header = (f"{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
               f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
@@ -228,7 +239,7 @@ def main():
         own = f"{opacus / torch_rate:12.2f}" if opacus else f"{'-':>12}"
         opacus_text = f"{opacus:8.0f}" if opacus else f"{'-':>8}"
         torch_text = f"{torch_rate:8.0f}" if torch_rate else f"{'-':>8}"
-        print(f"{key:9} {side:3d} {p:4d} {dp:9.0f} {plain:9.0f} {dp / plain:6.2f} "
+        print(f"{key:9} {side:3d} {p:4d} {_rate(dp)} {_rate(plain)} {dp / plain:6.2f} "
               f"{opacus_text} {mode:>9} {torch_text} {ratio} {own}", flush=True)
     partial = [m for m in modes if m != "all"]
     if partial:
@@ -239,7 +250,7 @@ def main():
         dp, plain = dpprobe_pair(name, side, channels, p, args.steps, args.repeats, mode,
                                  args.lora_rank)
         label = f"lora r{args.lora_rank}" if mode == "lora" else mode
-        print(f"{label:9} {'vit':9} {side:3d} {p:4d} {dp:9.0f} {plain:9.0f} {dp / plain:6.2f}",
+        print(f"{label:9} {'vit':9} {side:3d} {p:4d} {_rate(dp)} {_rate(plain)} {dp / plain:6.2f}",
               flush=True)
     print("\ntargets (issue 25): DP / non-private >= 0.8 (--train bias/lora: >= 0.9); "
           "ours / Opacus >= 3; our non-private >= 0.8 PyTorch's")

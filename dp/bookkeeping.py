@@ -8,7 +8,8 @@ https://arxiv.org/abs/2110.05679). For a layer y_t = a_t W over the tokens t of 
 im2col patches), the example's kernel gradient is g = A^T B with B = dloss/dy, so
 
   * its squared norm is sum_{t,s} (a_t . a_s)(b_t . b_s) (ghost: never forms g, costs T^2 (d+p))
-    or |A^T B|^2 (instantiated: costs T d p), chosen per layer by cost (ghost when 2 T^2 < p d);
+    or |A^T B|^2 (instantiated: forms g, which the clipped sum reuses), chosen per layer by
+    time and space (`layer_plan`);
   * the clipped sum over examples is sum_i c_i A_i^T B_i: one einsum per layer (ghost) or the
     c-weighted sum of the instantiated g_i.
 
@@ -55,8 +56,9 @@ kappa = `reduction_slack(n, G, L)` (n examples, G ghost layers, L norms combined
     standardization: n^2 2^-29 C for its einsum, as U carries gamma32_(T+8) tau, plus its
     correction's, scaled by the largest gain / s, `finetune.models.ws_ghost`);
 so the clipping bound used is C / (1 + kappa), kappa twice their sum plus a margin (D and D'
-each round): for a ViT-tiny at 224 px (48 ghost layers, T = 197) and n = 256, kappa = 2.1e-5,
-an effective clipping bound lower by that much.
+each round): kappa = 3.5e-8 for a ViT-tiny at 32 px and n = 64 (48 ghost layers, T = 5),
+7.6e-6 for WRN-16-4 at n = 32 (two weight-standardized ghost layers), an effective clipping
+bound lower by that much.
 
 Formal guarantee:
   For any inputs, each example with mask 1 has a term in the returned sum (its c g, before
@@ -120,13 +122,24 @@ def _leaf_path(key_path) -> tuple:
 
 
 _SMALL = 2**20
+_LARGE = 2**26
 
 
 def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
-    """"ghost" when the Gram form is cheaper than forming the gradient (2 T^2 < p d, Bu et al.
-    2023, Sec. 3.2) and the batch's gradients of the layer would take more than 2^22 floats;
-    else "instantiate" (cheap then, and its rounding bound is tighter)."""
-    if 2 * tokens * tokens < in_dim * out_dim and examples * in_dim * out_dim > _SMALL:
+    """"ghost" or "instantiate" for a layer of T tokens and a (d, p) kernel, by time and space.
+
+    Time (Bu et al. 2023, Table 2): the ghost norm costs T^2 (d + p) multiply-adds per
+    example, forming the gradient T d p (which the clipped sum then reuses: the ghost form
+    spends those on its einsum instead), so ghost saves time when T (d + p) < d p. Space:
+    instantiation holds n d p floats, ghost 2 n T^2 (ghost saves space when 2 T^2 < p d).
+    Ghost when it saves space and either time too (few tokens: a ViT at 32 px, T = 5) or the
+    gradients would exceed 2^26 floats; instantiation when they are small (n d p <= 2^20) or
+    time favours it (a ViT at 224 px, T = 197: the Gram products would cost 1.3x the
+    layer's forward; its clipped sum measured 1.2x faster there than with ghost norms)."""
+    gradients = examples * in_dim * out_dim
+    if gradients <= _SMALL or 2 * tokens * tokens >= in_dim * out_dim:
+        return "instantiate"
+    if tokens * (in_dim + out_dim) < in_dim * out_dim or gradients > _LARGE:
         return "ghost"
     return "instantiate"
 
@@ -311,15 +324,17 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             grads = jax.vmap(lambda gi, m=module, r=rule: r.grads(m, gi))(g)
         parts[name] = ("inst", grads)
         norms += [_scaled_norm(v) for v in grads.values()]
-    small = [g for g in jax.tree.leaves(off_grads) if g is not None]
-    norms += [_scaled_norm(g) for g in small]
+    small = [g.reshape(n, -1) for g in jax.tree.leaves(off_grads) if g is not None]
+    leaves = len(norms) + len(small)  # kappa counts every leaf, as if normed one by one
+    if small:  # one norm of them all (exact concatenation): a few large reductions, not ~100
+        norms.append(_scaled_norm(jnp.concatenate(small, axis=1)))
     acc = jax.dtypes.canonicalize_dtype(FLOAT64_SUMS)  # float64 inside an `x64_jit` program
     if acc == jnp.float64:  # room for the float64 reduction's rounding (module docstring)
         ghosts = [(a.shape[1], a.shape[2], b.shape[2])
                   for kind, *data in parts.values() if kind == "ghost" for a, b in [data]]
         rules = sum(rule_for(modules[path]).ghost.slack(n, parts[name][1])
                     for path, name in names.items() if parts[name][0] == "rule")
-        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, len(norms), rules))
+        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, leaves, rules))
     stacked = jnp.stack(norms, axis=1)
     peak = jnp.max(stacked, axis=1)
     scaled, exponent = _unit_scale(stacked, peak)

@@ -203,6 +203,25 @@ def test_cnn_matches_torch_reference(name, reference_cls, side, channels, flat_s
     np.testing.assert_allclose(ours_logits, logits.numpy(), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("side,stride", [(13, 1), (12, 1), (32, 2), (9, 2)])
+def test_max_pool_equals_torch_values_and_gradient(side, stride):
+    """The CNNs' 2 x 2 max pool (four shifted slices) gives torch's max_pool2d values and, with
+    no ties (random normal input), its gradient: 1 at each window's argmax, summed over windows."""
+    from finetune.models.cnn import _max_pool
+
+    x = np.random.default_rng(side).standard_normal((2, side, side, 3)).astype(np.float32)
+    weights = np.random.default_rng(1).standard_normal(
+        _max_pool(jnp.asarray(x), stride).shape).astype(np.float32)
+    value, grad = jax.value_and_grad(lambda v: jnp.sum(_max_pool(v, stride) * weights))(
+        jnp.asarray(x))
+    tx = torch.from_numpy(x).permute(0, 3, 1, 2).requires_grad_(True)
+    pooled = torch.nn.functional.max_pool2d(tx, 2, stride)
+    (pooled * torch.from_numpy(weights).permute(0, 3, 1, 2)).sum().backward()
+    np.testing.assert_allclose(float(value), float((pooled * torch.from_numpy(
+        weights).permute(0, 3, 1, 2)).sum()), atol=1e-4)  # sums in other orders
+    np.testing.assert_allclose(grad, tx.grad.permute(0, 2, 3, 1).numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_weight_standardization_closed_form():
     kernel = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (3, 3, 4, 6))
     gain = jnp.arange(1.0, 7.0)

@@ -47,8 +47,14 @@ def _linear(din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 def _max_pool(x: jax.Array, stride: int) -> jax.Array:
-    """2 x 2 max pool, no padding."""
-    return nnx.max_pool(x, window_shape=(2, 2), strides=(stride, stride), padding="VALID")
+    """2 x 2 max pool, no padding: the maximum of the window's four shifted slices, the values
+    of `nnx.max_pool` (`lax.reduce_window`). Its backward is elementwise selects, where
+    reduce_window's is select-and-gather reduce-windows and a scatter, which XLA:CPU runs
+    slowly: the small CNN's batch gradient (28 px, p 256) 1.25-1.4x faster (README)."""
+    oh, ow = (x.shape[1] - 2) // stride + 1, (x.shape[2] - 2) // stride + 1
+    parts = [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
+             for i in (0, 1) for j in (0, 1)]
+    return jnp.maximum(jnp.maximum(parts[0], parts[1]), jnp.maximum(parts[2], parts[3]))
 
 
 class TemperedCNN(nnx.Module):
