@@ -216,9 +216,9 @@ def test_max_pool_equals_torch_values_and_gradient(side, stride):
         jnp.asarray(x))
     tx = torch.from_numpy(x).permute(0, 3, 1, 2).requires_grad_(True)
     pooled = torch.nn.functional.max_pool2d(tx, 2, stride)
-    (pooled * torch.from_numpy(weights).permute(0, 3, 1, 2)).sum().backward()
-    np.testing.assert_allclose(float(value), float((pooled * torch.from_numpy(
-        weights).permute(0, 3, 1, 2)).sum()), atol=1e-4)  # sums in other orders
+    total = (pooled * torch.from_numpy(weights).permute(0, 3, 1, 2)).sum()
+    total.backward()
+    np.testing.assert_allclose(float(value), total.item(), atol=1e-4)  # sums in other orders
     np.testing.assert_allclose(grad, tx.grad.permute(0, 2, 3, 1).numpy(), rtol=1e-6, atol=1e-6)
 
 
