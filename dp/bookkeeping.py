@@ -66,7 +66,9 @@ Formal guarantee:
   each entry by one unit), and each example with mask 0 or a non-finite gradient has the term
   zero. Inside an `x64_jit` program, for zero-out neighbours D, D' (one example's mask 1 in D,
   0 in D', the batch otherwise the same: XLA computes each example's terms the same way
-  whatever the others hold), the two computed float64 sums differ in L2 norm by at most
+  whatever the others hold: always on CPU, on GPU with `--xla_gpu_deterministic_ops=true`),
+  for C >= 2^-100 (a norm that flushes below float32's normal range is below 2^-120), the
+  two computed float64 sums differ in L2 norm by at most
   C (1 + 4 2^-24 + kappa) / (1 + kappa) (1 + 2^-24) <= C (1 + 3.1e-7), for any data (the
   reduction above; the trainers add physical batches in float64, `dp.accumulate`). Outside
   x64 the reduction is float32 and only the per-example term is bounded.
@@ -156,24 +158,44 @@ def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
     return 2.0 * (ghost + inst + rules) * (1.0 + 2.0**-20) + 2.0**-30
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+    """2^k exactly (float32) for integer k in [-126, 127], built from its bits: XLA's exp2 on
+    CPU is not exact at integers (221 of those 254 values are off by up to ~1e-7 relative)."""
+    return jax.lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def mul_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    """x 2^exponent exactly (short of flushing and overflow), |exponent| <= 500, by four
+    powers of two of the same sign, so an intermediate never flushes to zero or overflows
+    unless the result does (scaling by one exponent and then another could: a review found
+    2^-126 A with 2^127 B giving U = 0, an unclipped example)."""
+    quarter = jnp.sign(exponent) * (jnp.abs(exponent) // 4)
+    step = _pow2(quarter)
+    return x * step * step * step * _pow2(exponent - 3 * quarter)
+
+
 def _unit_scale(x: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x / 2^e per example, where peak = m 2^e (m in [0.5, 1)): entries in [-1, 1], exactly
-    (powers of two, applied in two halves: a reciprocal of a peak above ~1e38 is subnormal
-    and XLA flushes it to zero). Returns (scaled x, e)."""
+    (`mul_pow2`: a reciprocal of a peak above ~1e38 would be subnormal and XLA flushes it to
+    zero). Returns (scaled x, e)."""
     _, exponent = jnp.frexp(jnp.where(jnp.isfinite(peak), peak, 0.0))
-    half = exponent // 2
     shape = (-1,) + (1,) * (x.ndim - 1)
-    x = x * jnp.exp2(-half.astype(x.dtype)).reshape(shape)
-    return x * jnp.exp2(-(exponent - half).astype(x.dtype)).reshape(shape), exponent
+    return mul_pow2(x, -exponent.reshape(shape)), exponent
 
 
 def _unscale(value: jax.Array, exponent: jax.Array, peak: jax.Array) -> jax.Array:
-    """value 2^e (in two halves, so only a true overflow gives inf); NaN/inf where the peak
-    was not finite."""
-    half = exponent // 2
-    value = value * jnp.exp2(half.astype(value.dtype)) * jnp.exp2(
-        (exponent - half).astype(value.dtype))
-    return jnp.where(jnp.isfinite(peak), value, peak)
+    """value 2^e (`mul_pow2`, so only a true overflow gives inf); NaN/inf where the peak was
+    not finite."""
+    return jnp.where(jnp.isfinite(peak), mul_pow2(value, exponent), peak)
+
+
+def unscale_pair(value: jax.Array, a_exp: jax.Array, a_peak: jax.Array, b_exp: jax.Array,
+                 b_peak: jax.Array) -> jax.Array:
+    """value 2^(e_a + e_b) in one `mul_pow2` (unscaling by e_a and then by e_b could flush in
+    between); NaN/inf where a peak was not finite."""
+    value = mul_pow2(value, a_exp + b_exp)
+    finite = jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
+    return jnp.where(finite, value, jnp.where(jnp.isfinite(a_peak), b_peak, a_peak))
 
 
 def _scaled_norm(g: jax.Array) -> jax.Array:
@@ -192,7 +214,7 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
     """Upper bound of |A_i^T B_i| plus the einsum's rounding of c A_i^T B_i (module docstring),
     from a (n, T, d) and b (n, T, p), without forming A_i^T B_i."""
     bound, charge, a_exp, a_peak, b_exp, b_peak = ghost_scaled(a, b)
-    return _unscale(_unscale(bound + charge, a_exp, a_peak), b_exp, b_peak)
+    return unscale_pair(bound + charge, a_exp, a_peak, b_exp, b_peak)
 
 
 def ghost_scaled(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
@@ -334,7 +356,9 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                   for kind, *data in parts.values() if kind == "ghost" for a, b in [data]]
         rules = sum(rule_for(modules[path]).ghost.slack(n, parts[name][1])
                     for path, name in names.items() if parts[name][0] == "rule")
-        clip_norm = clip_norm / (1.0 + reduction_slack(n, ghosts, leaves, rules))
+        # (1 + kappa) (1 + 2^-22): still >= 1 + kappa once rounded to float32.
+        clip_norm = clip_norm / ((1.0 + reduction_slack(n, ghosts, leaves, rules))
+                                 * (1.0 + 2.0**-22))
     stacked = jnp.stack(norms, axis=1)
     peak = jnp.max(stacked, axis=1)
     scaled, exponent = _unit_scale(stacked, peak)

@@ -72,3 +72,48 @@ def test_a_float32_reduction_breaks_the_bound():
     for wide, clip_fn in ((False, jax.jit(clipper)), (True, x64_jit(clipper))):
         worst = max(_moves(clip_fn, params, _batch(None, p, n), p) for p in (0, n // 2))
         assert (worst <= 1.0 + 1e-6) == wide, (wide, worst)
+
+
+def _leave_one_out(clipper, params, batch):
+    fn = x64_jit(clipper)
+    mask = jnp.ones(batch[0].shape[0])
+    full = fn(params, batch, jnp.float32(CLIP), mask).grads
+    less = fn(params, batch, jnp.float32(CLIP), mask.at[0].set(0.0)).grads
+    return float(np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64))**2)
+                             for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(less),
+                                             strict=True))))
+
+
+TINY, HUGE = float(np.float32(2.0**-126)), float(np.float32(1.5 * 2.0**127))
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("a,b", [(TINY, HUGE), (HUGE, TINY), (2.0**-120, 2.0**126)])
+@pytest.mark.parametrize("dims", [(1, 1, 1), (8, 8, 4)])
+def test_a_tiny_input_times_a_huge_output_gradient_is_clipped(ghost, a, b, dims):
+    """|A| near float32's smallest normal and |B| near its largest: unscaling the norm by
+    one exponent and then the other flushed it to 0 in between, so the example (|A^T B| ~ 3)
+    went unclipped (a review's reproducer: 3 C); one combined unscaling keeps it."""
+    d, p, tokens = dims
+    layer = nnx.Linear(d, p, use_bias=False, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    clipper = dp.bookkeeping_clipper(lambda m, e, x, v: jnp.sum(m(x) * v), graphdef, rest,
+                                     ghost=ghost)
+    x, v = np.zeros((4, tokens, d), np.float32), np.zeros((4, tokens, p), np.float32)
+    x[0, :, 0], v[0, :, 0] = a, b
+    assert _leave_one_out(clipper, params, (jnp.asarray(x), jnp.asarray(v))) <= CLIP * (1 + 1e-6)
+
+
+def test_the_weight_standardization_rule_clips_a_tiny_input_times_a_huge_gradient():
+    from finetune.models import WSConv
+
+    conv = WSConv(2, 2, 1, 1, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(conv, lambda path, x: path[-1] in ("kernel", "gain"),
+                                       ...)
+    clipper = dp.bookkeeping_clipper(lambda m, e, xi, wi: jnp.sum(m(xi[None]) * wi[None]),
+                                     graphdef, rest, ghost=True)
+    for a, b in [(TINY, HUGE), (1.9 * 2.0**-126, 1.9 * 2.0**127), (2.0**-126, 2.0**126)]:
+        x, w = np.zeros((4, 1, 1, 2), np.float32), np.zeros((4, 1, 1, 2), np.float32)
+        x[0, 0, 0, 0], w[0, 0, 0, :] = a, (b, 0.0)
+        moved = _leave_one_out(clipper, params, (jnp.asarray(x), jnp.asarray(w)))
+        assert moved <= CLIP * (1 + 1e-6), (a, b, moved)

@@ -41,7 +41,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dp.bookkeeping import _HIGHEST, _SMALL, _gamma, _unit_scale, _unscale, ghost_scaled
+from dp.bookkeeping import (
+    _HIGHEST,
+    _SMALL,
+    _gamma,
+    _unit_scale,
+    ghost_scaled,
+    mul_pow2,
+    unscale_pair,
+)
 from finetune.models.wrn import WS_EPS
 
 __all__ = ["WS_GHOST"]
@@ -100,21 +108,17 @@ class _WSGhost:
         gains = jnp.sum(jnp.square(q), axis=1) * (1.0 + _gamma(filters + 2)) + filters * _TINY
         # The ghost bound in units of 2^(a_exp + b_exp): a_c's scaling is the same in both,
         # so only b's exponents differ; a flush of the power-of-two product loses < 2^-126.
-        shift = bsc_exp - b_exp
-        half = shift // 2
-        ghost = bound * jnp.exp2(half.astype(bound.dtype)) * jnp.exp2(
-            (shift - half).astype(bound.dtype)) + 2.0 * _TINY
+        ghost = mul_pow2(bound, bsc_exp - b_exp) + 2.0 * _TINY
         # Positive terms first, then one subtraction: each rounds relative to its result.
         positive = (jnp.square(ghost) * (1.0 + _gamma(2)) + gains + 2.0**-100) * (
             1.0 + _gamma(4))
         total = (positive - drop) * (1.0 + _gamma(2))
         scaled = jnp.sqrt(jnp.maximum(total, 0.0)) * (1.0 + _gamma(2))
-        norm = _unscale(_unscale(scaled, a_exp, a_peak), b_exp, b_peak)
-        ghost_charge = _unscale(_unscale(charge, a_exp, a_peak), bsc_exp, bsc_peak)
+        norm = unscale_pair(scaled, a_exp, a_peak, b_exp, b_peak)
+        ghost_charge = unscale_pair(charge, a_exp, a_peak, bsc_exp, bsc_peak)
         finite = jnp.isfinite(bsc_peak) & jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
         norm = jnp.where(finite, (norm + ghost_charge) * (1.0 + _gamma(2)), jnp.nan)
-        q = _unscale(_unscale(q, a_exp[:, None], a_peak[:, None]), b_exp[:, None],
-                     b_peak[:, None])
+        q = unscale_pair(q, a_exp[:, None], a_peak[:, None], b_exp[:, None], b_peak[:, None])
         return norm, (a_c, b_sc, q, w0, sc, f)
 
     @staticmethod
