@@ -6,7 +6,8 @@ float32 (also what jax_privacy's `noise_addition` draws) inverts a 23-bit unifor
 never leave [-5.42, 5.22] and each endpoint has mass 2^-23. A coordinate at an endpoint rules
 out a neighbouring dataset; with k coordinates per step that happens with probability ~k 2^-23,
 far above delta for a probe of 1280 x 1000 weights. `gaussian_noise` inverts a 53-bit uniform
-in float64 instead (support about +-8.3, endpoint mass 2^-53), then rounds to float32.
+in float64 instead (support about +-8.3, endpoint mass 2^-53), then rounds to float32, or
+keeps float64 for a sum held in float64 (`add_noise`).
 
 Formal guarantee:
   Noise keys come from the operating system's entropy (`os.urandom`), never from
@@ -43,12 +44,13 @@ def make_keys(count: int) -> jax.Array:
     return jax.random.wrap_key_data(data)  # from NumPy: no device program to compile
 
 
-def gaussian_noise(key: jax.Array, size: int) -> jax.Array:
-    """`size` standard normal draws, float32, from 53-bit uniforms inverted in float64."""
+def gaussian_noise(key: jax.Array, size: int, dtype: Any = jnp.float32) -> jax.Array:
+    """`size` standard normal draws from 53-bit uniforms inverted in float64, returned in
+    `dtype` (float32, or float64 inside an x64 program: `add_noise` of a float64 sum)."""
     bits = jax.random.bits(key, (2, size), jnp.uint32)
     with jax.enable_x64(True):
         words = (bits[0].astype(jnp.uint64) << 32) | bits[1].astype(jnp.uint64)
-        return _normal_from_words(words).astype(jnp.float32)
+        return _normal_from_words(words).astype(dtype)
 
 
 def _normal_from_words(words: jax.Array) -> jax.Array:
@@ -72,12 +74,14 @@ def add_noise(tree: Any, stddev: jax.Array, key: jax.Array) -> Any:
     """`tree` + N(0, stddev^2 I) over all of its coordinates, one draw of
     `gaussian_noise(key, size)` for the whole tree (it compiles faster than one per leaf).
 
-    A float64 tree (a clipped sum accumulated in float64, `dp.accumulate`) gets its noise
-    added in float64 and is then rounded to float32: the rounding is post-processing, so the
-    sum's sensitivity is the float64 sum's; float32 leaves stay float32."""
+    A float64 tree (a clipped sum accumulated in float64, `dp.accumulate`) gets float64 draws
+    (not rounded to float32 first: a float32 draw's grid is as coarse as the float32 result's
+    near |z| >> |sum|, so the result's probabilities could depend on where the sum falls
+    between grid points, the floating-point attack of Mironov 2012) added in float64, and is
+    then rounded to float32: post-processing, so the sum's sensitivity is the float64 sum's;
+    float32 leaves stay float32."""
     flat, unravel = ravel_pytree(tree)
-    noisy = flat + jnp.asarray(stddev, flat.dtype) * gaussian_noise(key, flat.size).astype(
-        flat.dtype)
+    noisy = flat + jnp.asarray(stddev, flat.dtype) * gaussian_noise(key, flat.size, flat.dtype)
     if flat.dtype == jnp.float64:
         return jax.tree.map(lambda leaf: leaf.astype(jnp.float32), unravel(noisy))
     return unravel(noisy)

@@ -137,7 +137,7 @@ def private_standardizer(features, *, noise_multiplier: float, clip_norm: float,
             block_mask = mask[start:start + block_rows]
             total.add(clipped_row_sum(transform(rows(start)), bound, block_mask))
         total = np.asarray(total.value(), np.float64)
-        noise = np.asarray(gaussian_noise(jax.random.fold_in(key, index), dim), np.float64)
+        noise = np.asarray(gaussian_noise(jax.random.fold_in(key, index), dim, np.float64))
         return (total + noise_multiplier * bound * noise) / num_examples
 
     # The mean is rounded to float32 (as released) before anything else is computed from it,

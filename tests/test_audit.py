@@ -242,7 +242,7 @@ def broken(monkeypatch):
 def test_halved_noise_is_caught(broken):
     original = dp.noise.gaussian_noise
     broken.setattr(dp.noise, "gaussian_noise",
-                   lambda key, size: 0.5 * original(key, size))
+                   lambda key, size, *dtype: 0.5 * original(key, size, *dtype))
     rng = np.random.default_rng(9)
     features, labels = _rows(rng)
     spec = probe.ProbeSpec(num_classes=3, optimizer="sgd")

@@ -127,7 +127,8 @@ def recompiled():
 @pytest.mark.usefixtures("recompiled")
 def test_halved_noise_is_refuted(monkeypatch):
     original = dp.noise.gaussian_noise
-    monkeypatch.setattr(dp.noise, "gaussian_noise", lambda key, size: 0.5 * original(key, size))
+    monkeypatch.setattr(dp.noise, "gaussian_noise",
+                        lambda key, size, *dtype: 0.5 * original(key, size, *dtype))
     audit = _audited(_plan(2.0))[1]
     assert audit.refuted, audit
 
