@@ -88,6 +88,7 @@ from flax import nnx
 
 from dp.accumulate import FLOAT64_SUMS
 from dp.clipping import ClippedSum, Clipper
+from dp.scaling import unit_scale, unscale, unscale_pair
 from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
 
 __all__ = ["bookkeeping_clipper", "layer_plan", "reduction_slack"]
@@ -158,55 +159,15 @@ def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
     return 2.0 * (ghost + inst + rules) * (1.0 + 2.0**-20) + 2.0**-30
 
 
-def _pow2(k: jax.Array) -> jax.Array:
-    """2^k exactly (float32) for integer k in [-126, 127], built from its bits: XLA's exp2 on
-    CPU is not exact at integers (221 of those 254 values are off by up to ~1e-7 relative)."""
-    return jax.lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
-def mul_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
-    """x 2^exponent exactly (short of flushing and overflow), |exponent| <= 500, by four
-    powers of two of the same sign, so an intermediate never flushes to zero or overflows
-    unless the result does (scaling by one exponent and then another could: a review found
-    2^-126 A with 2^127 B giving U = 0, an unclipped example)."""
-    quarter = jnp.sign(exponent) * (jnp.abs(exponent) // 4)
-    step = _pow2(quarter)
-    return x * step * step * step * _pow2(exponent - 3 * quarter)
-
-
-def _unit_scale(x: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x / 2^e per example, where peak = m 2^e (m in [0.5, 1)): entries in [-1, 1], exactly
-    (`mul_pow2`: a reciprocal of a peak above ~1e38 would be subnormal and XLA flushes it to
-    zero). Returns (scaled x, e)."""
-    _, exponent = jnp.frexp(jnp.where(jnp.isfinite(peak), peak, 0.0))
-    shape = (-1,) + (1,) * (x.ndim - 1)
-    return mul_pow2(x, -exponent.reshape(shape)), exponent
-
-
-def _unscale(value: jax.Array, exponent: jax.Array, peak: jax.Array) -> jax.Array:
-    """value 2^e (`mul_pow2`, so only a true overflow gives inf); NaN/inf where the peak was
-    not finite."""
-    return jnp.where(jnp.isfinite(peak), mul_pow2(value, exponent), peak)
-
-
-def unscale_pair(value: jax.Array, a_exp: jax.Array, a_peak: jax.Array, b_exp: jax.Array,
-                 b_peak: jax.Array) -> jax.Array:
-    """value 2^(e_a + e_b) in one `mul_pow2` (unscaling by e_a and then by e_b could flush in
-    between); NaN/inf where a peak was not finite."""
-    value = mul_pow2(value, a_exp + b_exp)
-    finite = jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
-    return jnp.where(finite, value, jnp.where(jnp.isfinite(a_peak), b_peak, a_peak))
-
-
 def _scaled_norm(g: jax.Array) -> jax.Array:
     """Upper bound of each example's L2 norm of g (n, ...), safe from underflow and overflow:
     scaled by the example's largest entry, squares summed by `_blocked_sum`; the scaling, the
     squares and the sum round within gamma_(terms + 4) relative, the square root by u."""
     flat = g.reshape(g.shape[0], -1)
     peak = jnp.max(jnp.abs(flat), axis=1)
-    scaled, exponent = _unit_scale(flat, peak)
+    scaled, exponent = unit_scale(flat, peak)
     sq, terms = _blocked_sum(jnp.square(scaled))
-    return _unscale(jnp.sqrt(sq * (1.0 + _gamma(terms + 4))) * (1.0 + _gamma(2)), exponent,
+    return unscale(jnp.sqrt(sq * (1.0 + _gamma(terms + 4))) * (1.0 + _gamma(2)), exponent,
                     peak)
 
 
@@ -220,12 +181,12 @@ def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
 def ghost_scaled(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
     """`_ghost_norm`'s two terms before unscaling: (the bound of |A_i^T B_i|, the einsum's
     rounding charge gamma_(T+8) tau), both in units of 2^(e_a + e_b), and a's and b's
-    exponents and peaks (`_unit_scale`)."""
+    exponents and peaks (`dp.scaling.unit_scale`)."""
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     a_peak = jnp.max(jnp.abs(a), axis=(1, 2))
     b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
-    a_s, a_exp = _unit_scale(a, a_peak)
-    b_s, b_exp = _unit_scale(b, b_peak)
+    a_s, a_exp = unit_scale(a, a_peak)
+    b_s, b_exp = unit_scale(b, b_peak)
     a_gram = jnp.einsum("ntd,nsd->nts", a_s, a_s, precision=_HIGHEST)
     b_gram = jnp.einsum("ntp,nsp->nts", b_s, b_s, precision=_HIGHEST)
     # Flushes: scaled entries are in [-1, 1], so a product or Gram entry that XLA flushes to
@@ -361,8 +322,8 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                                  * (1.0 + 2.0**-22))
     stacked = jnp.stack(norms, axis=1)
     peak = jnp.max(stacked, axis=1)
-    scaled, exponent = _unit_scale(stacked, peak)
-    total = _unscale(jnp.sqrt(jnp.sum(jnp.square(scaled), axis=1)
+    scaled, exponent = unit_scale(stacked, peak)
+    total = unscale(jnp.sqrt(jnp.sum(jnp.square(scaled), axis=1)
                               * (1.0 + _gamma(len(norms) + 8))) * (1.0 + _gamma(2)),
                      exponent, peak)
     factor = jnp.minimum(1.0, clip_norm / total)

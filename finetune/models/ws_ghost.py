@@ -41,15 +41,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dp.bookkeeping import (
-    _HIGHEST,
-    _SMALL,
-    _gamma,
-    _unit_scale,
-    ghost_scaled,
-    mul_pow2,
-    unscale_pair,
-)
+from dp.bookkeeping import _HIGHEST, _SMALL, _gamma, ghost_scaled
+from dp.scaling import mul_pow2, unit_scale, unscale_pair
 from finetune.models.wrn import WS_EPS
 
 __all__ = ["WS_GHOST"]
@@ -91,8 +84,8 @@ class _WSGhost:
         bound, charge, _, _, bsc_exp, bsc_peak = ghost_scaled(a_c, b_sc)
         a_peak = jnp.max(jnp.abs(a_c), axis=(1, 2))
         b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
-        a_s, a_exp = _unit_scale(a_c, a_peak)
-        b_s, b_exp = _unit_scale(b, b_peak)
+        a_s, a_exp = unit_scale(a_c, a_peak)
+        b_s, b_exp = unit_scale(b, b_peak)
         z = jnp.einsum("ntm,mp->ntp", a_s, w0, precision=_HIGHEST)
         q = jnp.sum(z * b_s, axis=1)  # (n, p), in units of 2^(a_exp + b_exp)
         rows = jnp.sqrt(jnp.sum(jnp.square(a_s), axis=2) + fan_in * _TINY) * (
