@@ -168,7 +168,7 @@ def bugs(features, labels, runs: int) -> list[dict]:
 
     broken = {
         "noise halved": (dp.noise, "gaussian_noise",
-                         lambda key, size: 0.5 * original_noise(key, size)),
+                         lambda key, size, *dtype: 0.5 * original_noise(key, size, *dtype)),
         "canary unclipped": (probe.train, "clipped_grad_sum", skips_the_last_row),
     }
     rows = []

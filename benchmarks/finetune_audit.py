@@ -38,7 +38,7 @@ def halved_noise():
 
     original = dp.noise.gaussian_noise
     jax.clear_caches()
-    dp.noise.gaussian_noise = lambda key, size: 0.5 * original(key, size)
+    dp.noise.gaussian_noise = lambda key, size, *dtype: 0.5 * original(key, size, *dtype)
     try:
         yield
     finally:

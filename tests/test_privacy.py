@@ -309,3 +309,17 @@ def test_gaussian_noise_reaches_past_the_float32_support():
                                                            jnp.uint64)))
     assert extremes[0] > 8.2 and extremes[1] < -8.2
     assert abs(extremes[2]) < 1e-12 and abs(extremes[3]) < 1e-12
+
+
+def test_gaussian_noise_from_any_key_kind():
+    """Threefry keys (`dp.make_keys`) take one block per 64-bit word; other key kinds go through
+    `jax.random.bits`: both give standard normal draws, different for different keys."""
+    for key in (dp.make_keys(2)[1], jax.random.key(5, impl="rbg")):
+        with jax.enable_x64(True):  # float64 draws: float32 ones would collide by chance
+            draws = np.asarray(dp.gaussian_noise(key, 200_000, jnp.float64))
+        assert abs(draws.mean()) < 6 / math.sqrt(2e5) and abs(draws.std() - 1) < 0.01
+        assert np.unique(draws).size == draws.size
+    first, second = dp.make_keys(2)
+    assert not np.array_equal(dp.gaussian_noise(first, 10), dp.gaussian_noise(second, 10))
+    with pytest.raises(ValueError, match="2\\^31"):
+        jax.eval_shape(lambda: dp.gaussian_noise(first, 2**31))
