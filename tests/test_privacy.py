@@ -321,5 +321,8 @@ def test_gaussian_noise_from_any_key_kind():
         assert np.unique(draws).size == draws.size
     first, second = dp.make_keys(2)
     assert not np.array_equal(dp.gaussian_noise(first, 10), dp.gaussian_noise(second, 10))
+    tree = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}  # dtypes kept
+    assert {k: v.dtype for k, v in dp.add_noise(tree, 1.0, first).items()} == {
+        "a": jnp.bfloat16, "b": jnp.float32}
     with pytest.raises(ValueError, match="2\\^31"):
         jax.eval_shape(lambda: dp.gaussian_noise(first, 2**31))
