@@ -332,20 +332,13 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     factor, keep = _materialized(factor, keep)
 
     def weighted(g):
-        g = jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0)
-        # A multiply and a sum, not a dot: XLA fuses the widening into the reduction (a
-        # float64 dot would first write a float64 copy of every example's gradient).
-        c = factor.astype(acc).reshape((-1,) + (1,) * (g.ndim - 1))
-        return jnp.sum(g.astype(acc) * c, axis=0)
+        return weighted_sum(g, factor, keep, acc)
 
     sums = {}
     for path, name in names.items():
         kind, *data = parts[name]
         if kind == "ghost":
-            a, b = data
-            a = jnp.where(keep[:, None, None], a, 0.0)
-            b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
-            g = jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST, preferred_element_type=acc)
+            g = ghost_sum(*data, factor, keep, acc)
             param = rule_for(modules[path]).params[0]
             sums[(*path, param)] = g.reshape(getattr(modules[path], param).shape)
         elif kind == "rule":
@@ -362,6 +355,24 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     if extra is not None:
         grads = (grads, jax.tree.map(weighted, ex_off))
     return ClippedSum(grads, total)
+
+
+def weighted_sum(g: jax.Array, factor: jax.Array, keep: jax.Array, acc) -> jax.Array:
+    """sum_i c_i g_i over the leading (example) axis in dtype acc, rows not kept exactly zero.
+    A multiply and a sum, not a dot: XLA fuses the widening into the reduction (a float64 dot
+    would first write a float64 copy of every example's gradient)."""
+    shape = (-1,) + (1,) * (g.ndim - 1)
+    g = jnp.where(keep.reshape(shape), g, 0.0)
+    return jnp.sum(g.astype(acc) * factor.astype(acc).reshape(shape), axis=0)
+
+
+def ghost_sum(a: jax.Array, b: jax.Array, factor: jax.Array, keep: jax.Array,
+              acc) -> jax.Array:
+    """sum_i c_i A_i^T B_i from a (n, T, d) and b (n, T, p), one einsum reduced in dtype acc,
+    rows not kept exactly zero."""
+    a = jnp.where(keep[:, None, None], a, 0.0)
+    b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
+    return jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST, preferred_element_type=acc)
 
 
 def _materialized(*arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -41,7 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dp.bookkeeping import _HIGHEST, _SMALL, _gamma, ghost_scaled
+from dp.bookkeeping import _HIGHEST, _SMALL, _gamma, ghost_scaled, ghost_sum, weighted_sum
 from dp.scaling import mul_pow2, unit_scale, unscale_pair
 from finetune.models.wrn import WS_EPS
 
@@ -133,12 +133,8 @@ class _WSGhost:
         """The clipped sums of the kernel and the gain (module docstring), reduced over the
         batch in `acc` (float64 inside an `x64_jit` program, `dp.bookkeeping`)."""
         a_c, b_sc, q, w0, sc, f = data
-        a_c = jnp.where(keep[:, None, None], a_c, 0.0)
-        b_sc = jnp.where(keep[:, None, None], b_sc * factor[:, None, None], 0.0)
-        gains = jnp.einsum("np,n->p", jnp.where(keep[:, None], q, 0.0), factor,
-                           precision=_HIGHEST, preferred_element_type=acc)
-        kernel = jnp.einsum("ntm,ntp->mp", a_c, b_sc, precision=_HIGHEST,
-                            preferred_element_type=acc)
+        gains = weighted_sum(q, factor, keep, acc)
+        kernel = ghost_sum(a_c, b_sc, factor, keep, acc)
         kernel = kernel - (jnp.where(f, sc, 0.0) * w0).astype(acc) * gains
         return {"kernel": kernel.reshape(module.kernel.shape),
                 "gain": gains.reshape(module.gain.shape)}
