@@ -12,7 +12,8 @@ same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest m
                      by Opacus with Poisson sampling (expected batch p), in its fastest mode:
                      ghost clipping where every layer supports it, per-sample hooks otherwise,
                      functorch for layers hooks do not know (the table says which)
-  PyTorch            the same PyTorch model without Opacus
+  PyTorch            the same PyTorch model without Opacus (on the GPU when PyTorch sees one;
+                     the loader's batches are copied there, the clock waits for the GPU)
 
 Models: the small CNN (28 x 28 x 1), WRN-16-4 with GroupNorm and weight standardization
 (28 x 28 x 1), ViT-tiny/16 at 32 px (3 channels). Medians over repeats; the machine is shared.
@@ -23,6 +24,8 @@ per mode, DP-SGD of that mode against the non-private reference of the same mode
 `train_finetune`, the same model, images and physical batches (LoRA rank `--lora-rank`).
 Run: .venv/bin/python benchmarks/finetune.py [--repeats 3 --steps 3 --models cnn,wrn16_4,vit]
      [--train all,bias,lora] [--vit-px 224 --batch 16]
+On a GPU, let JAX leave room for PyTorch: XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 (the README's
+H200 table ran so).
 """
 
 from __future__ import annotations
@@ -136,10 +139,12 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     images, labels = _data(side, channels, 4 * p)
     x = (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
     y = torch.from_numpy(labels).long()
-    dataset = torch.utils.data.TensorDataset(x, y)
+    dataset = torch.utils.data.TensorDataset(x, y)  # on the host, as a real loader's batches
+    x, y = x.to(device), y.to(device)
 
     def timed(loop):
         loop(1)
@@ -147,10 +152,12 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
         for _ in range(repeats):
             start = time.perf_counter()
             seen = loop(steps)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the GPU runs behind the host
             times.append((time.perf_counter() - start) / seen)
         return 1.0 / statistics.median(times)
 
-    model = _torch_model(name, side, channels)
+    model = _torch_model(name, side, channels).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     criterion = torch.nn.CrossEntropyLoss()
 
@@ -167,7 +174,7 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
     torch_rate = timed(plain)
 
     def private_rate(mode):
-        model = _torch_model(name, side, channels)
+        model = _torch_model(name, side, channels).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = torch.utils.data.DataLoader(dataset, batch_size=p)
         private = PrivacyEngine(accountant="prv").make_private(
@@ -184,6 +191,7 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
             seen, done = 0, 0
             while done < t:
                 for xb, yb in loader:
+                    xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
                     opt.zero_grad()
                     criterion(model(xb), yb).backward()
                     opt.step()
@@ -210,6 +218,24 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
     return rates[mode], mode, torch_rate
 
 
+def _print_devices(skip_torch):
+    """One line naming where each framework runs (JAX: its default device; PyTorch: CUDA when
+    it sees a GPU) and the float32 matmul settings that differ between them on a GPU."""
+    import jax
+
+    line = f"JAX {jax.__version__} on {jax.devices()[0].device_kind}"
+    if not skip_torch:
+        import torch
+
+        gpu = torch.cuda.is_available()
+        where = torch.cuda.get_device_name() if gpu else "CPU"
+        line += f"; PyTorch {torch.__version__} on {where}"
+        if gpu:
+            line += (f" (TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, "
+                     f"cuDNN {torch.backends.cudnn.allow_tf32})")
+    print(line, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,wrn16_4,vit")
@@ -227,6 +253,7 @@ def main():
     for key, (name, side, channels, p) in MODELS.items():
         MODELS[key] = (name, args.vit_px if key == "vit" else side, channels, args.batch or p)
     modes = args.train.split(",")
+    _print_devices(args.skip_opacus)
     header = (f"{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
               f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
     print(header, flush=True)
