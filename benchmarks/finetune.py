@@ -1,10 +1,12 @@
 """Full-finetuning throughput side by side, in one run: DP-SGD vs non-private training of the
 same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest mode per model.
 
-  dpprobe DP-SGD     `finetune.train_finetune` (public API), full batch over N = 4 p examples
-                     (4 physical batches of p per step, book-keeping clipped sums added, one
-                     noise draw and update per step): images per second over T steps after a
-                     compiling run
+  dpprobe DP-SGD     `finetune.train_finetune` (public API), full batch over N = k p examples
+                     (k physical batches of p per step, `--batches-per-step`, default 4,
+                     book-keeping clipped sums added, one noise draw and update per step):
+                     images per second over T steps after a compiling run. k = 4 draws the
+                     noise four times as often per image as a real run: the default recipe's
+                     B = 2048 at p 64 is k = 32
   non-private        the same trainer, model and images with `DpPlan(0, T, 1, inf)` (what
                      `dpprobe finetune --non-private` runs: the plain batch gradient, no
                      noise), timed in turn with DP-SGD (ABAB) so that load hits both alike
@@ -78,9 +80,9 @@ def _jax_model(name, side, channels):
                                         rngs=nnx.Rngs(0))
 
 
-def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=8):
+def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=8, k=4):
     """(DP img/s, non-private img/s) of `finetune.train_finetune` training `mode`'s parameters
-    (`finetune.modes`), full batch over 4 p examples: DP-SGD (book-keeping clipping, noise)
+    (`finetune.modes`), full batch over k p examples: DP-SGD (book-keeping clipping, noise)
     and the non-private reference (`DpPlan(0, T, 1, inf)`: the plain batch gradient, no
     noise, what `dpprobe finetune --non-private` runs). Both compiled first, then timed in
     turn (DP, non-private, DP, ...) so that the shared machine's load hits both alike; medians
@@ -90,7 +92,7 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
     import accounting
     import finetune
 
-    images, labels = _data(side, channels, 4 * p)
+    images, labels = _data(side, channels, k * p)
     spec = finetune.FinetuneSpec(CLASSES, optimizer="sgd", learning_rate=0.1, ema_decay=None,
                                  mean=(0.5,) * channels, std=(0.5,) * channels, train=mode)
     flags = finetune.FinetuneFlags(physical_batch_size=p)
@@ -115,7 +117,7 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
             start = time.perf_counter()
             run(steps)
             spent.append(time.perf_counter() - start)
-    return tuple(4 * p * steps / statistics.median(spent) for spent in times)
+    return tuple(k * p * steps / statistics.median(spent) for spent in times)
 
 
 def _torch_model(name, side, channels):
@@ -247,6 +249,9 @@ def main():
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--vit-px", type=int, default=32, help="ViT-tiny's image side "
                         "(a multiple of 16; 224: the pretrained resolution, T = 197 tokens)")
+    parser.add_argument("--batches-per-step", type=int, default=4, help="k: physical batches "
+                        "per DP step of ours (N = k p, full batch; Opacus keeps its one batch "
+                        "of p per step)")
     parser.add_argument("--batch", type=int, default=None, help="physical batch p of every "
                         "model (default: the model's own, table MODELS)")
     args = parser.parse_args()
@@ -259,7 +264,8 @@ def main():
     print(header, flush=True)
     for key in args.models.split(",") if "all" in modes else ():  # each row once measured
         name, side, channels, p = MODELS[key]
-        dp, plain = dpprobe_pair(name, side, channels, p, args.steps, args.repeats)
+        dp, plain = dpprobe_pair(name, side, channels, p, args.steps, args.repeats,
+                                 k=args.batches_per_step)
         opacus, mode, torch_rate = (None, "-", None) if args.skip_opacus else opacus_and_torch(
             name, side, channels, p, args.steps * 4, args.repeats)
         ratio = f"{dp / opacus:11.2f}" if opacus else f"{'-':>11}"
@@ -275,7 +281,7 @@ def main():
     name, side, channels, p = MODELS["vit"]
     for mode in partial:
         dp, plain = dpprobe_pair(name, side, channels, p, args.steps, args.repeats, mode,
-                                 args.lora_rank)
+                                 args.lora_rank, args.batches_per_step)
         label = f"lora r{args.lora_rank}" if mode == "lora" else mode
         print(f"{label:9} {'vit':9} {side:3d} {p:4d} {_rate(dp)} {_rate(plain)} {dp / plain:6.2f}",
               flush=True)

@@ -86,7 +86,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dp.accumulate import FLOAT64_SUMS
+from dp.accumulate import FLOAT64_SUMS, weighted_rows_sum
 from dp.clipping import ClippedSum, Clipper
 from dp.scaling import unit_scale, unscale, unscale_pair
 from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
@@ -359,11 +359,10 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
 
 def weighted_sum(g: jax.Array, factor: jax.Array, keep: jax.Array, acc) -> jax.Array:
     """sum_i c_i g_i over the leading (example) axis in dtype acc, rows not kept exactly zero.
-    A multiply and a sum, not a dot: XLA fuses the widening into the reduction (a float64 dot
-    would first write a float64 copy of every example's gradient)."""
-    shape = (-1,) + (1,) * (g.ndim - 1)
-    g = jnp.where(keep.reshape(shape), g, 0.0)
-    return jnp.sum(g.astype(acc) * factor.astype(acc).reshape(shape), axis=0)
+    Products and adds, not a dot (`dp.accumulate.weighted_rows_sum`): a float64 dot would
+    first write a float64 copy of every example's gradient."""
+    g = jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0)
+    return weighted_rows_sum(g, factor, acc)
 
 
 def ghost_sum(a: jax.Array, b: jax.Array, factor: jax.Array, keep: jax.Array,

@@ -165,3 +165,27 @@ def test_row_block_sum_is_the_float64_sum_over_every_row_once(rows):
     assert sums["xw"].dtype == np.float64
     np.testing.assert_allclose(np.asarray(sums["xw"]), x64.T @ w64, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(np.asarray(sums["w"]), w64.sum(0), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("rows,shape", [(1, (130, 128)), (31, (130, 128)), (32, (130, 128)),
+                                        (65, (130, 128)), (100, (130, 128)), (70, (4, 5))])
+def test_weighted_rows_sum_is_each_row_once_within_gamma_n(rows, shape):
+    """The float64 weighted sum over examples (unrolled blocks of 32 rows in a loop above 2^14
+    entries per row, a plain reduction below) counts every row once, with its weight, and rounds
+    within gamma_n sum |w_i x_i| of the exact sum (80-bit reference); a row weighted 0 adds
+    nothing, whatever it holds."""
+    from dp.accumulate import weighted_rows_sum, x64_jit
+
+    rng = np.random.default_rng(rows)
+    x = (rng.normal(size=(rows, *shape)) * 2.0 ** rng.integers(-30, 30, (rows, 1, 1))).astype(
+        np.float32)
+    w = rng.random(rows).astype(np.float32)
+    w[rows // 2] = 0.0
+    x[rows // 2] = np.float32(3e38)  # weighted 0: must add exactly nothing
+    got = x64_jit(lambda x, w: weighted_rows_sum(x, w, jnp.float64))(x, w)
+    assert got.dtype == np.float64
+    terms = x.astype(np.longdouble) * w.astype(np.longdouble)[:, None, None]
+    exact = terms.sum(axis=0)
+    gamma = rows * 2.0**-53 / (1 - rows * 2.0**-53)
+    bound = gamma * np.abs(terms).sum(axis=0)
+    assert np.all(np.abs(np.asarray(got).astype(np.longdouble) - exact) <= bound)
