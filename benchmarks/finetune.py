@@ -220,12 +220,13 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
     return rates[mode], mode, torch_rate
 
 
-def _print_devices(skip_torch):
+def _print_devices(skip_torch, k):
     """One line naming where each framework runs (JAX: its default device; PyTorch: CUDA when
-    it sees a GPU) and the float32 matmul settings that differ between them on a GPU."""
+    it sees a GPU), the float32 matmul settings that differ between them on a GPU, and k (our
+    physical batches per DP step), which the table's rows depend on."""
     import jax
 
-    line = f"JAX {jax.__version__} on {jax.devices()[0].device_kind}"
+    line = f"JAX {jax.__version__} on {jax.devices()[0].device_kind}, k = {k}"
     if not skip_torch:
         import torch
 
@@ -258,7 +259,7 @@ def main():
     for key, (name, side, channels, p) in MODELS.items():
         MODELS[key] = (name, args.vit_px if key == "vit" else side, channels, args.batch or p)
     modes = args.train.split(",")
-    _print_devices(args.skip_opacus)
+    _print_devices(args.skip_opacus, args.batches_per_step)
     header = (f"{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
               f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
     print(header, flush=True)
