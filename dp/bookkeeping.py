@@ -88,36 +88,11 @@ from flax import nnx
 
 from dp.accumulate import FLOAT64_SUMS, weighted_rows_sum
 from dp.clipping import ClippedSum, Clipper
-from dp.scaling import unit_scale, unscale, unscale_pair
+from dp.norm_bounds import HIGHEST, gamma, ghost_norm, scaled_norm
+from dp.scaling import unit_scale, unscale
 from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
 
 __all__ = ["bookkeeping_clipper", "layer_plan", "reduction_slack"]
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-_U = 2.0**-24
-
-
-def _gamma(m: int) -> float:
-    """Higham's gamma_m = m u / (1 - m u) for float32 (u = 2^-24): the relative error bound of
-    a sum or dot product of m terms in any order."""
-    return (m * _U) / (1.0 - m * _U)
-
-
-_BLOCK = 16
-
-
-def _blocked_sum(x: jax.Array) -> tuple[jax.Array, int]:
-    """Row sums of x (n, m) by levels of at most 16 terms, and the number of terms k of their
-    rounding bound: |computed - exact| <= gamma_k sum |x|, with k = the levels' sizes summed
-    (about 16 log16(m), not m as for a sum in unknown order)."""
-    terms = 0
-    while x.shape[1] > 1:
-        width = min(_BLOCK, x.shape[1])
-        pad = -x.shape[1] % width
-        x = jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], -1, width).sum(axis=2)
-        terms += width
-    return x[:, 0], terms
-
 
 def _leaf_path(key_path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
@@ -157,56 +132,6 @@ def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
     ghost = sum(n2 * t * 2.0**-41 / math.sqrt(d + p + 2) for t, d, p in ghost_layers)
     inst = n2 * math.sqrt(max(leaves, 1)) * 2.0**-53
     return 2.0 * (ghost + inst + rules) * (1.0 + 2.0**-20) + 2.0**-30
-
-
-def _scaled_norm(g: jax.Array) -> jax.Array:
-    """Upper bound of each example's L2 norm of g (n, ...), safe from underflow and overflow:
-    scaled by the example's largest entry, squares summed by `_blocked_sum`; the scaling, the
-    squares and the sum round within gamma_(terms + 4) relative, the square root by u."""
-    flat = g.reshape(g.shape[0], -1)
-    peak = jnp.max(jnp.abs(flat), axis=1)
-    scaled, exponent = unit_scale(flat, peak)
-    sq, terms = _blocked_sum(jnp.square(scaled))
-    return unscale(jnp.sqrt(sq * (1.0 + _gamma(terms + 4))) * (1.0 + _gamma(2)), exponent,
-                    peak)
-
-
-def _ghost_norm(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Upper bound of |A_i^T B_i| plus the einsum's rounding of c A_i^T B_i (module docstring),
-    from a (n, T, d) and b (n, T, p), without forming A_i^T B_i."""
-    bound, charge, a_exp, a_peak, b_exp, b_peak = ghost_scaled(a, b)
-    return unscale_pair(bound + charge, a_exp, a_peak, b_exp, b_peak)
-
-
-def ghost_scaled(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
-    """`_ghost_norm`'s two terms before unscaling: (the bound of |A_i^T B_i|, the einsum's
-    rounding charge gamma_(T+8) tau), both in units of 2^(e_a + e_b), and a's and b's
-    exponents and peaks (`dp.scaling.unit_scale`)."""
-    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
-    a_peak = jnp.max(jnp.abs(a), axis=(1, 2))
-    b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
-    a_s, a_exp = unit_scale(a, a_peak)
-    b_s, b_exp = unit_scale(b, b_peak)
-    a_gram = jnp.einsum("ntd,nsd->nts", a_s, a_s, precision=_HIGHEST)
-    b_gram = jnp.einsum("ntp,nsp->nts", b_s, b_s, precision=_HIGHEST)
-    # Flushes: scaled entries are in [-1, 1], so a product or Gram entry that XLA flushes to
-    # zero (below 2^-126) loses less than d 2^-126 (a's) or p 2^-126 (b's) absolutely: with
-    # the diagonals raised by that much, tau bounds sum_t |a_t| |b_t| however small a token
-    # is next to the example's peak; the Gram form's absolute loss is within
-    # T^2 (2 d p + 1) 2^-125.
-    tiny = 2.0**-125
-    a_diag = jnp.diagonal(a_gram, axis1=1, axis2=2) + d * tiny
-    b_diag = jnp.diagonal(b_gram, axis1=1, axis2=2) + p * tiny
-    sq, sq_terms = _blocked_sum((a_gram * b_gram).reshape(a.shape[0], -1))
-    tau, tau_terms = _blocked_sum(jnp.sqrt(a_diag) * jnp.sqrt(b_diag))
-    # Each Gram entry is within gamma_d (gamma_p) of |a_t| |a_s| (|b_t| |b_s|) of its exact
-    # value, products round by u, the blocked sum adds gamma_(sq_terms) of the sum of
-    # |terms| <= tau^2; tau itself is computed low by at most gamma_(d + p + tau_terms + 4).
-    tau = tau * (1.0 + _gamma(d + p + tau_terms + 4))
-    slack = _gamma(d + 1) + _gamma(p + 1) + _gamma(sq_terms + 2)
-    flushed = tokens * tokens * (2.0 * d * p + 1.0) * tiny
-    bound = jnp.sqrt((jnp.maximum(sq, 0.0) + slack * tau**2 + flushed) * (1.0 + _gamma(2)))
-    return bound, _gamma(tokens + 8) * tau, a_exp, a_peak, b_exp, b_peak
 
 
 def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
@@ -286,7 +211,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         if rule.row_grads is not None:
             grads = rule.row_grads(module, a, b)
             parts[name] = ("inst", grads)
-            norms += [_scaled_norm(v) for v in grads.values()]
+            norms += [scaled_norm(v) for v in grads.values()]
             continue
         if rule.ghost is not None and (rule.ghost.prefer(n, a.shape[1], a.shape[2], b.shape[2])
                                        if ghost is None else ghost):
@@ -298,19 +223,19 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             "ghost" if ghost else "instantiate")
         if rule.grads is None and plan == "ghost":
             parts[name] = ("ghost", a, b)
-            norms.append(_ghost_norm(a, b))
+            norms.append(ghost_norm(a, b))
             continue
-        g = jnp.einsum("ntd,ntp->ndp", a, b, precision=_HIGHEST)
+        g = jnp.einsum("ntd,ntp->ndp", a, b, precision=HIGHEST)
         if rule.grads is None:
             grads = {rule.params[0]: g.reshape(n, *getattr(module, rule.params[0]).shape)}
         else:
             grads = jax.vmap(lambda gi, m=module, r=rule: r.grads(m, gi))(g)
         parts[name] = ("inst", grads)
-        norms += [_scaled_norm(v) for v in grads.values()]
+        norms += [scaled_norm(v) for v in grads.values()]
     small = [g.reshape(n, -1) for g in jax.tree.leaves(off_grads) if g is not None]
     leaves = len(norms) + len(small)  # kappa counts every leaf, as if normed one by one
     if small:  # one norm of them all (exact concatenation): a few large reductions, not ~100
-        norms.append(_scaled_norm(jnp.concatenate(small, axis=1)))
+        norms.append(scaled_norm(jnp.concatenate(small, axis=1)))
     acc = jax.dtypes.canonicalize_dtype(FLOAT64_SUMS)  # float64 inside an `x64_jit` program
     if acc == jnp.float64:  # room for the float64 reduction's rounding (module docstring)
         ghosts = [(a.shape[1], a.shape[2], b.shape[2])
@@ -324,7 +249,7 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     peak = jnp.max(stacked, axis=1)
     scaled, exponent = unit_scale(stacked, peak)
     total = unscale(jnp.sqrt(jnp.sum(jnp.square(scaled), axis=1)
-                              * (1.0 + _gamma(len(norms) + 8))) * (1.0 + _gamma(2)),
+                              * (1.0 + gamma(len(norms) + 8))) * (1.0 + gamma(2)),
                      exponent, peak)
     factor = jnp.minimum(1.0, clip_norm / total)
     factor = jnp.where(jnp.isfinite(total) & (mask > 0), factor, 0.0)
@@ -371,7 +296,7 @@ def ghost_sum(a: jax.Array, b: jax.Array, factor: jax.Array, keep: jax.Array,
     rows not kept exactly zero."""
     a = jnp.where(keep[:, None, None], a, 0.0)
     b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
-    return jnp.einsum("ntd,ntp->dp", a, b, precision=_HIGHEST, preferred_element_type=acc)
+    return jnp.einsum("ntd,ntp->dp", a, b, precision=HIGHEST, preferred_element_type=acc)
 
 
 def _materialized(*arrays: jax.Array) -> tuple[jax.Array, ...]:

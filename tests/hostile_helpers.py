@@ -129,7 +129,7 @@ def run_case(case, world: Path, capsys) -> tuple[int, str, dict, dict]:
     """A CLI case in `world`: its setup, then `dpprobe` in process; (exit code, stderr, the
     folder's files before, after)."""
     from pipelines import cli
-    from tests.test_hostile import snapshot
+    from tests.hostile_world import snapshot
 
     if case.setup is not None:
         case.setup(world)
@@ -141,7 +141,7 @@ def run_case(case, world: Path, capsys) -> tuple[int, str, dict, dict]:
 
 def assert_refused_untouched(err: str, code: int, expect, before: dict, after: dict) -> None:
     """One line naming the culprit (`expect.match`, exit `expect.code`), no file changed."""
-    from tests.test_hostile import assert_one_line_error
+    from tests.hostile_world import assert_one_line_error
 
     assert_one_line_error(err, code, expect)
     assert after == before, sorted(k for k in set(before) | set(after)

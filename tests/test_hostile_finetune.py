@@ -33,7 +33,7 @@ from tests.hostile_helpers import (
     one_line,
     run_case,
 )
-from tests.test_hostile import _png, assert_one_line_error, snapshot, write
+from tests.hostile_world import assert_one_line_error, png, snapshot, write
 
 CLASSES = ["ant", "bee", "cat"]
 FT = ["finetune", "--model", "cnn", "--batch-size", "16", "--steps", "2",
@@ -55,7 +55,7 @@ def base(tmp_path_factory) -> Path:
     for split, count in (("train", 4), ("test", 2)):
         for name in CLASSES:
             for i in range(count):
-                _png(root / "imgs" / split / name / f"{i}.png", rng)
+                png(root / "imgs" / split / name / f"{i}.png", rng)
     for name, rows in (("train.npz", 40), ("test.npz", 6)):  # RGB, as the folder: one compile
         np.savez(root / name, images=rng.integers(0, 256, (rows, 16, 16, 3), np.uint8),
                  labels=np.arange(rows) % 3, class_names=np.array(CLASSES))

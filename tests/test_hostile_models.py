@@ -34,7 +34,7 @@ from tests.hostile_helpers import (
     one_line,
     run_case,
 )
-from tests.test_hostile import _extract_npz, _png, snapshot, write
+from tests.hostile_world import extract_npz_split, png, snapshot, write
 
 CLASSES = ["ant", "bee", "cat"]
 PROBE = "models/eps1.safetensors"
@@ -52,7 +52,7 @@ def base(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     for name in CLASSES:
         for i in range(2):
-            _png(root / "imgs/test" / name / f"{i}.png", rng)
+            png(root / "imgs/test" / name / f"{i}.png", rng)
     good = (root / "imgs/test/ant/0.png").read_bytes()
     for name, data in odd_images(rng).items():
         write(root / ("wide" if name == "wide.png" else "odd") / name, data)
@@ -64,7 +64,7 @@ def base(tmp_path_factory) -> Path:
     os.chdir(root)
     try:
         for split in ("train", "test"):
-            assert _extract_npz("npz:emb.npz", "emb.zarr", split) == 0
+            assert extract_npz_split("npz:emb.npz", "emb.zarr", split) == 0
         assert cli.main(["probe", "emb.zarr", "--epsilons", "1", "--seeds", "1", "--steps", "3",
                          "--save-model", "models", "--quiet"]) == 0
     finally:
@@ -150,7 +150,7 @@ def _one_class_store(world):
     np.savez(world / "one.npz", features=np.ones((20, 8), np.float32), labels=np.zeros(20, int),
              class_names=np.array(["ant"]))
     for split in ("train", "test"):
-        assert _extract_npz("npz:one.npz", "one.zarr", split) == 0
+        assert extract_npz_split("npz:one.npz", "one.zarr", split) == 0
 
 
 ODD = sorted(n for n in odd_images(np.random.default_rng(0)) if n != "wide.png")

@@ -41,7 +41,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dp.bookkeeping import _HIGHEST, _SMALL, _gamma, ghost_scaled, ghost_sum, weighted_sum
+from dp.bookkeeping import _SMALL, ghost_sum, weighted_sum
+from dp.norm_bounds import HIGHEST, gamma, ghost_scaled
 from dp.scaling import mul_pow2, unit_scale, unscale_pair
 from finetune.models.wrn import WS_EPS
 
@@ -58,7 +59,7 @@ def _ws_map(kernel: jax.Array, gain: jax.Array, eps: float):
     spread = fan_in * w.var(axis=(0, 1, 2), keepdims=True)
     rs = jax.lax.rsqrt(jnp.maximum(spread, eps))
     w0 = ((w - mean) * rs).reshape(fan_in, -1)
-    e = jnp.sum(jnp.square(w0), axis=0) * (1.0 + _gamma(fan_in + 2)) + fan_in * _TINY
+    e = jnp.sum(jnp.square(w0), axis=0) * (1.0 + gamma(fan_in + 2)) + fan_in * _TINY
     return w0, rs.reshape(-1) * gain.astype(jnp.float32), (spread > eps).reshape(-1), e
 
 
@@ -86,31 +87,31 @@ class _WSGhost:
         b_peak = jnp.max(jnp.abs(b), axis=(1, 2))
         a_s, a_exp = unit_scale(a_c, a_peak)
         b_s, b_exp = unit_scale(b, b_peak)
-        z = jnp.einsum("ntm,mp->ntp", a_s, w0, precision=_HIGHEST)
+        z = jnp.einsum("ntm,mp->ntp", a_s, w0, precision=HIGHEST)
         q = jnp.sum(z * b_s, axis=1)  # (n, p), in units of 2^(a_exp + b_exp)
         rows = jnp.sqrt(jnp.sum(jnp.square(a_s), axis=2) + fan_in * _TINY) * (
-            1.0 + _gamma(fan_in + 2))
-        tau = jnp.einsum("nt,ntp->np", rows, jnp.abs(b_s), precision=_HIGHEST) * (
-            1.0 + _gamma(tokens + 4))
-        err = _gamma(fan_in + tokens + 2) * tau * jnp.sqrt(e) + (fan_in + 2) * tokens * _TINY
+            1.0 + gamma(fan_in + 2))
+        tau = jnp.einsum("nt,ntp->np", rows, jnp.abs(b_s), precision=HIGHEST) * (
+            1.0 + gamma(tokens + 4))
+        err = gamma(fan_in + tokens + 2) * tau * jnp.sqrt(e) + (fan_in + 2) * tokens * _TINY
         weight = jnp.where(f, jnp.square(sc), 0.0)
         lower = weight * (jnp.square(q) * (2.0 - e) - 2.0 * jnp.abs(q) * err)
         spread = weight * (jnp.square(q) * jnp.abs(2.0 - e) + 2.0 * jnp.abs(q) * err)
-        drop = (jnp.sum(lower, axis=1) - 2.0 * _gamma(filters + 8) * jnp.sum(spread, axis=1)
+        drop = (jnp.sum(lower, axis=1) - 2.0 * gamma(filters + 8) * jnp.sum(spread, axis=1)
                 - filters * 4 * _TINY)
-        gains = jnp.sum(jnp.square(q), axis=1) * (1.0 + _gamma(filters + 2)) + filters * _TINY
+        gains = jnp.sum(jnp.square(q), axis=1) * (1.0 + gamma(filters + 2)) + filters * _TINY
         # The ghost bound in units of 2^(a_exp + b_exp): a_c's scaling is the same in both,
         # so only b's exponents differ; a flush of the power-of-two product loses < 2^-126.
         ghost = mul_pow2(bound, bsc_exp - b_exp) + 2.0 * _TINY
         # Positive terms first, then one subtraction: each rounds relative to its result.
-        positive = (jnp.square(ghost) * (1.0 + _gamma(2)) + gains + 2.0**-100) * (
-            1.0 + _gamma(4))
-        total = (positive - drop) * (1.0 + _gamma(2))
-        scaled = jnp.sqrt(jnp.maximum(total, 0.0)) * (1.0 + _gamma(2))
+        positive = (jnp.square(ghost) * (1.0 + gamma(2)) + gains + 2.0**-100) * (
+            1.0 + gamma(4))
+        total = (positive - drop) * (1.0 + gamma(2))
+        scaled = jnp.sqrt(jnp.maximum(total, 0.0)) * (1.0 + gamma(2))
         norm = unscale_pair(scaled, a_exp, a_peak, b_exp, b_peak)
         ghost_charge = unscale_pair(charge, a_exp, a_peak, bsc_exp, bsc_peak)
         finite = jnp.isfinite(bsc_peak) & jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
-        norm = jnp.where(finite, (norm + ghost_charge) * (1.0 + _gamma(2)), jnp.nan)
+        norm = jnp.where(finite, (norm + ghost_charge) * (1.0 + gamma(2)), jnp.nan)
         q = unscale_pair(q, a_exp[:, None], a_peak[:, None], b_exp[:, None], b_peak[:, None])
         return norm, (a_c, b_sc, q, w0, sc, f)
 
