@@ -60,6 +60,7 @@ from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
 from finetune.augment import views_of
 from finetune.evaluation import normalize_images
+from finetune.models._conv import im2col_convolutions
 from finetune.modes import count_params, trained_filter
 from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
 from finetune.timing import StepClock
@@ -156,7 +157,9 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
     clipper = per_example_clipper(
         _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
         microbatch_size=flags.microbatch_size)
-    return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip, mask * valid).grads
+    with im2col_convolutions():  # vmapped kernel gradients as batched matmuls (models._conv)
+        return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip,
+                       mask * valid).grads
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))

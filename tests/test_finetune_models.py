@@ -2,6 +2,9 @@
 CNNs written here in torch), the zero head, the BatchNorm refusal, per-example gradients with no
 cross-example mixing, bfloat16."""
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,7 @@ import torch
 from flax import nnx
 
 import finetune.models as fm
-from finetune.models._conv import conv2d
+from finetune.models._conv import conv2d, im2col_convolutions
 from tests.torch_models import TorchCifarCNN, TorchTemperedCNN, TorchWRN
 
 # Golden tolerance: float32 reductions in a different order (torch vs XLA).
@@ -79,13 +82,32 @@ def load_torch_state_dict(model: nnx.Module, state_dict: dict, chw_linear: dict)
 # Golden outputs.
 
 
-@pytest.mark.parametrize("k,stride,pad,side", [(3, 2, 1, 7)])
-def test_conv2d_equals_lax_convolution(k, stride, pad, side):
+@pytest.mark.parametrize("k,stride,pad,side", [(3, 2, 1, 7), (3, 1, 1, 6), (1, 2, 0, 7)])
+@pytest.mark.parametrize("form", ["lax", "im2col"])
+def test_conv2d_equals_lax_convolution(k, stride, pad, side, form):
+    """Both forms of `conv2d` (XLA's convolution; im2col inside `im2col_convolutions()`, as
+    the per-example clipper traces it) give lax's values and vmapped per-example gradients."""
     x = jax.random.normal(jax.random.key(0), (2, side, side, 3))
     kernel = jax.random.normal(jax.random.key(1), (k, k, 3, 5))
-    expected = jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((pad, pad),) * 2,
+
+    def reference(x, kernel):
+        return jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((pad, pad),) * 2,
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    np.testing.assert_allclose(conv2d(x, kernel, stride, pad), expected, rtol=1e-5, atol=1e-5)
+
+    def per_example_grads(conv):
+        def loss(kernel, xi):
+            return jnp.sum(jnp.sin(conv(xi[None], kernel)))
+        return jax.vmap(jax.grad(loss), in_axes=(None, 0))(kernel, x)
+
+    ours = functools.partial(conv2d, stride=stride, padding=pad)
+    context = im2col_convolutions() if form == "im2col" else contextlib.nullcontext()
+    with context:
+        got, got_grads = conv2d(x, kernel, stride, pad), per_example_grads(ours)
+        traced = str(jax.make_jaxpr(ours)(x, kernel))
+    assert ("conv_general_dilated" in traced) == (form == "lax")
+    np.testing.assert_allclose(got, reference(x, kernel), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_grads, per_example_grads(reference), rtol=1e-5, atol=1e-5)
+    assert got_grads.shape == (2, *kernel.shape)
 
 
 def _timm_vit(name=None, seed=0, **kwargs):

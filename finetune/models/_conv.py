@@ -1,25 +1,38 @@
-"""NHWC convolution as an explicit patch matrix times the kernel (im2col), for fast per-example
-gradients.
+"""NHWC convolution: `jax.lax.conv_general_dilated`, or as an explicit patch matrix times the
+kernel (im2col) while tracing vmapped per-example gradients.
 
-Under `vmap(grad)` the per-example kernel gradient of `patches @ kernel` is a batched matmul
-(patches_i^T @ cotangent_i). With `jax.lax.conv_general_dilated`, JAX batches that gradient as
-a grouped convolution with one group per example, which XLA:CPU runs slowly. Measured once
-(2 shared CPU cores, jaxlib 0.10.2, batch 64, per-example clipped sum vs lax): cnn 28x28 x1.8,
-cnn_cifar 32x32 x1.1, wrn16_4 28x28 x1.4 faster; the plain batch gradient is about as fast for
-cnn and wrn16_4 and half as fast for cnn_cifar; XLA compiles these programs about 1.6x
-slower. The result equals `lax.conv_general_dilated` up to float rounding (tested directly and
-through every golden test against torch in tests/test_finetune_models.py).
+The two compute the same cross-correlation up to float rounding (tested directly and through
+every golden test against torch in tests/test_finetune_models.py). Which is faster depends on
+how the gradient is taken (2 CPU cores, jaxlib 0.10.2, ms per physical batch, medians of 5-7,
+alternated in one process):
+
+  program                                        CNN 28 px, p 256    WRN-16-4 28 px, p 32
+                                                 lax      im2col     lax      im2col
+  batch gradient (the non-private step)          21       34         591      667
+  book-keeping clipped sum (the DP default)      27       40         764      815
+  per-example clipped sum (jax_privacy, vmapped) 69       68         1953     1431
+
+The book-keeping clipper never differentiates a kernel through the convolution (its taps form
+the im2col patches A themselves, `finetune.models.taps`), so XLA's convolutions serve the
+forward and the input gradients. Under `vmap(grad)` the per-example kernel gradient of
+`patches @ kernel` is a batched matmul, while JAX batches lax's as a grouped convolution with
+one group per example, which XLA:CPU runs slowly; `finetune.train.clipped_sum` therefore traces
+the per-example clipper inside `im2col_convolutions()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "conv2d", "im2col"]
+__all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions"]
+
+_IM2COL = contextvars.ContextVar("im2col_convolutions", default=False)
 
 
 def im2col(x: jax.Array, size: int, stride: int, padding: int) -> jax.Array:
@@ -34,13 +47,33 @@ def im2col(x: jax.Array, size: int, stride: int, padding: int) -> jax.Array:
     return jnp.concatenate(cols, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))  # one dispatch when called eagerly
+@contextlib.contextmanager
+def im2col_convolutions():
+    """Within this context (while tracing), `conv2d` computes patches @ kernel (im2col)."""
+    token = _IM2COL.set(True)
+    try:
+        yield
+    finally:
+        _IM2COL.reset(token)
+
+
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
     """Cross-correlation of NHWC `x` with HWIO `kernel`, `padding` zeros on each side.
 
-    Output side (side + 2 padding - k) // stride + 1, as `lax.conv_general_dilated` (and
-    torch's Conv2d) with symmetric padding.
+    Output side (side + 2 padding - k) // stride + 1, as torch's Conv2d with symmetric padding.
+    `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()`.
     """
+    return (_im2col_conv2d if _IM2COL.get() else _lax_conv2d)(x, kernel, stride, padding)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one dispatch when called eagerly
+def _lax_conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, kernel, (stride, stride), [(padding, padding)] * 2,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _im2col_conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
     patches = im2col(x, kernel.shape[0], stride, padding)
     return jnp.einsum("nhwk,ko->nhwo", patches, kernel.reshape(-1, kernel.shape[-1]))
 
