@@ -206,7 +206,9 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     for path, name in names.items():
         module = modules[path]
         rule = rule_for(module)
-        a, b = promote_float32(inputs[name], outs[name])
+        x, b = promote_float32(inputs[name], outs[name])
+        a = x if rule.example_grads is None else jax.vmap(  # (an unused A: XLA drops it)
+            lambda xi, m=module, r=rule: r.inputs(m, xi))(x)
         a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
         if rule.row_grads is not None:
             grads = rule.row_grads(module, a, b)
@@ -225,7 +227,9 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
             parts[name] = ("ghost", a, b)
             norms.append(ghost_norm(a, b))
             continue
-        g = jnp.einsum("ntd,ntp->ndp", a, b, precision=HIGHEST)
+        g = None if rule.example_grads is None else rule.example_grads(module, x, b)
+        if g is None:
+            g = jnp.einsum("ntd,ntp->ndp", a, b, precision=HIGHEST)
         if rule.grads is None:
             grads = {rule.params[0]: g.reshape(n, *getattr(module, rule.params[0]).shape)}
         else:

@@ -48,6 +48,10 @@ class Rule(NamedTuple):
       `sums(module, data, factor, keep, acc) -> {name: clipped sum}` (reduced over the batch
       in dtype acc) and `slack(n, data)` (its reduction's bound relative to C,
       `dp.bookkeeping.reduction_slack`); None: `grads` only.
+    example_grads(module, x, b) -> (n, d, p) or None: every example's A^T B from the input x
+      (n, ...) as the layer received it and b (n, T, p), where the rule has a faster way than
+      forming A (None: form A); the tap then records x, and A = inputs(module, x) is formed
+      only where it is used.
     """
 
     inputs: Callable[[Any, jax.Array], jax.Array]
@@ -55,6 +59,7 @@ class Rule(NamedTuple):
     grads: Callable[[Any, jax.Array], dict[str, jax.Array]] | None = None
     row_grads: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]] | None = None
     ghost: Any = None
+    example_grads: Callable[[Any, jax.Array, jax.Array], jax.Array | None] | None = None
 
 
 _RULES: dict[type, Rule] = {}
@@ -100,8 +105,12 @@ class Taps:
             raise ValueError(f"book-keeping clipping taps each layer once per forward pass, but "
                              f"{name} is called more than once; use "
                              f"FinetuneFlags(clipping='per_example') for this model")
-        rows = rule_for(module).inputs(module, x)
-        self.inputs[name] = rows.reshape(-1, rows.shape[-1])
+        rule = rule_for(module)
+        if rule.example_grads is not None:  # A is formed later, where it is used
+            self.inputs[name] = x
+        else:
+            rows = rule.inputs(module, x)
+            self.inputs[name] = rows.reshape(-1, rows.shape[-1])
         if self.perturbations is None:
             self.output_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
             return y

@@ -167,3 +167,31 @@ def test_a_token_tiny_next_to_the_peak_still_counts(ghost):
             w[0, token, :] = 0.0 if b is None else b / np.sqrt(p)
         result = ours(params, (jnp.asarray(x), jnp.asarray(w)), 1.0, jnp.array([1.0, 0.0]))
         assert np.linalg.norm(_flat(result.grads)) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("side,k,stride,pad,views", [(28, 8, 2, 3, 1), (28, 8, 2, 3, 3),
+                                                     (12, 3, 1, 1, 2), (9, 4, 3, 0, 1)])
+def test_a_one_channel_convolutions_gradients_without_patches(side, k, stride, pad, views):
+    """The conv rule's `example_grads` (one convolution grouped by example, for one input
+    channel) is every example's A^T B over its views, rows in im2col's order, each example's
+    from its own rows only; None (the patches' einsum) for more channels."""
+    from finetune.models._conv import Conv, im2col
+    from finetune.models.taps import _conv_example_grads
+
+    n, out = 5, 4
+    conv = Conv(1, out, k, stride, pad, kernel_init=nnx.initializers.lecun_normal(),
+                rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (n, views, side, side, 1))
+    tokens = views * ((side + 2 * pad - k) // stride + 1) ** 2
+    b = jax.random.normal(jax.random.key(2), (n, tokens, out))
+    a = jax.vmap(lambda xi: im2col(xi, k, stride, pad))(x).reshape(n, tokens, k * k)
+    expected = jnp.einsum("ntd,ntp->ndp", a, b, precision=jax.lax.Precision.HIGHEST)
+    atol = 1e-5 * float(jnp.max(jnp.abs(expected)))
+    np.testing.assert_allclose(_conv_example_grads(conv, x, b), expected, rtol=1e-5, atol=atol)
+    assert _conv_example_grads(conv, jnp.concatenate([x, x], axis=-1), b) is None
+    # Groups share nothing: an example near float32's max and one with a NaN leave the
+    # others' gradients as they were.
+    hostile = _conv_example_grads(conv, x.at[1].set(3e38).at[2, 0, 3, 3, 0].set(jnp.nan), b)
+    assert not np.all(np.isfinite(hostile[2]))
+    np.testing.assert_allclose(hostile[np.array([0, 3, 4])], expected[np.array([0, 3, 4])],
+                               rtol=1e-5, atol=atol)

@@ -13,6 +13,7 @@ norm through the standardization's (linear) chain rule where it has few
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dp.taps import Rule, register_rule
 from finetune.models._conv import Conv, im2col
@@ -25,6 +26,29 @@ __all__: list[str] = []
 
 def _conv_rows(module, x):
     return im2col(x, module.kernel.shape[0], module.stride, module.padding)
+
+
+def _conv_example_grads(module, x, b):
+    """Every example's A^T B, (n, k k c_in, c_out), rows ordered (kh, kw, c_in) as `im2col`'s,
+    for a layer of one input channel (None otherwise: the patches' einsum is faster there):
+    one convolution grouped by example, b its kernel dilated by the stride, from x
+    (n, K, H, W, 1) (K views) and b (n, K OH OW, c_out), never forming the k^2-wide patches."""
+    if x.shape[-1] != 1:
+        return None
+    size, stride, pad = module.kernel.shape[0], module.stride, module.padding
+    n, p = x.shape[0], b.shape[-1]
+    x = x.reshape(n, -1, *x.shape[-3:-1])  # (n, K, H, W)
+    x = jnp.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    views, height, width = x.shape[1:]
+    oh, ow = (height - size) // stride + 1, (width - size) // stride + 1
+    lhs = x.transpose(2, 3, 0, 1).reshape(1, height, width, n * views)  # channel i K + v
+    kernel = b.reshape(n, views, oh, ow, p).transpose(2, 3, 1, 0, 4).reshape(
+        oh, ow, views, n * p)  # output channel i p + o
+    out = jax.lax.conv_general_dilated(  # group i: example i's views against its b
+        lhs, kernel, (1, 1), "VALID", rhs_dilation=(stride, stride),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=n,
+        precision=jax.lax.Precision.HIGHEST)
+    return out[0, :size, :size].reshape(size * size, n, p).transpose(1, 0, 2)
 
 
 def _standardized_grads(module, g):
@@ -42,7 +66,8 @@ def _patch_rows(module, x):
     return patches.transpose(0, 1, 3, 2, 4, 5).reshape(n, gh * gw, ph * pw * c)
 
 
-register_rule(Conv, Rule(inputs=_conv_rows))
+register_rule(Conv, Rule(inputs=_conv_rows, example_grads=_conv_example_grads))
 register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
-                           grads=_standardized_grads, ghost=WS_GHOST))
+                           grads=_standardized_grads, ghost=WS_GHOST,
+                           example_grads=_conv_example_grads))
 register_rule(PatchEmbed, Rule(inputs=_patch_rows))
