@@ -157,42 +157,49 @@ def row_block_sum(block_sum, inputs: jax.Array, weights: jax.Array,
     return jax.tree.map(jnp.add, total, compensation)
 
 
-# Rows added per unrolled block of `weighted_rows_sum`, and the row size below which it keeps a
-# plain reduction (unrolled blocks would only lengthen the program).
+# Rows added per unrolled block of `weighted_rows_sum`, and the number of entries (all rows)
+# below which it keeps a plain reduction (unrolled blocks would only lengthen the program; the
+# plain one's materialized products stay under 2 MiB).
 _UNROLLED_ROWS = 32
-_UNROLLED_MIN_SIZE = 2**14
+_UNROLLED_MIN_SIZE = 2**18
 
 
-def weighted_rows_sum(rows: jax.Array, weights: jax.Array, acc) -> jax.Array:
+def weighted_rows_sum(rows: jax.Array, weights: jax.Array, acc,
+                      keep: jax.Array | None = None) -> jax.Array:
     """sum_i weights_i rows_i over the leading axis in dtype `acc`, each product formed in
     `acc` (exact for float32 operands in float64) and the n products added in some order, so
     within gamma_n sum_i |weights_i rows_i| (Higham, any order), as `jnp.sum` of the products.
 
     Written as adds of row slices (blocks of `_UNROLLED_ROWS` unrolled, in a loop over
-    blocks) for rows of `_UNROLLED_MIN_SIZE` entries or more, because XLA:CPU (jaxlib 0.10)
+    blocks) for `_UNROLLED_MIN_SIZE` entries or more in all, because XLA:CPU (jaxlib 0.10)
     hands `jnp.sum` over the leading axis to YNNPACK, which materializes the broadcast weights
-    in `acc` and reduced 13x slower (32 x 147,456: 44 ms against 3.4 ms; WRN-16-4's clipped
-    sum per batch of 32, x64: 982-1043 -> 772-809 ms)."""
-    weights = weights.astype(acc)
-    if rows[0].size < _UNROLLED_MIN_SIZE:
-        shape = (-1,) + (1,) * (rows.ndim - 1)
-        return jnp.sum(rows.astype(acc) * weights.reshape(shape), axis=0)
+    and the products in `acc` and reduced 13x slower (32 x 147,456: 44 ms against 3.4 ms;
+    WRN-16-4's clipped sum per batch of 32, x64: 982-1043 -> 772-809 ms); the small CNN's
+    256 x 8,192 second convolution's products in float64 (16 MiB) were its clipped sum's peak.
 
-    def block(r, w, count):
-        terms = [r[i].astype(acc) * w[i] for i in range(count)]
+    `keep` (n,) bool: a row not kept adds exactly zero, whatever it holds (NaN included),
+    selected inside the sum's loop rather than in a zeroed copy of every row first."""
+    weights = weights.astype(acc)
+    keep = jnp.ones(rows.shape[:1], bool) if keep is None else keep
+    if rows.size < _UNROLLED_MIN_SIZE:
+        shape = (-1,) + (1,) * (rows.ndim - 1)
+        return jnp.sum(jnp.where(keep.reshape(shape), rows.astype(acc) * weights.reshape(shape),
+                                 0.0), axis=0)
+
+    def block(r, w, k, count):
+        terms = [jnp.where(k[i], r[i].astype(acc) * w[i], 0.0) for i in range(count)]
         return functools.reduce(operator.add, terms) if terms else jnp.zeros(r.shape[1:], acc)
 
     n = rows.shape[0]
     full, tail = divmod(n, _UNROLLED_ROWS)
     if full <= 1:
-        return block(rows, weights, n)
-    tail_sum = block(rows[n - tail:], weights[n - tail:], tail)
+        return block(rows, weights, keep, n)
+    tail_sum = block(rows[n - tail:], weights[n - tail:], keep[n - tail:], tail)
 
     def body(index, total):
         start = index * _UNROLLED_ROWS
-        return total + block(jax.lax.dynamic_slice_in_dim(rows, start, _UNROLLED_ROWS),
-                             jax.lax.dynamic_slice_in_dim(weights, start, _UNROLLED_ROWS),
-                             _UNROLLED_ROWS)
+        return total + block(*(jax.lax.dynamic_slice_in_dim(v, start, _UNROLLED_ROWS)
+                               for v in (rows, weights, keep)), _UNROLLED_ROWS)
 
     return jax.lax.fori_loop(0, full, body, tail_sum)
 

@@ -92,7 +92,7 @@ from dp.norm_bounds import HIGHEST, gamma, ghost_norm, scaled_norm
 from dp.scaling import unit_scale, unscale
 from dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
 
-__all__ = ["bookkeeping_clipper", "layer_plan", "reduction_slack"]
+__all__ = ["after", "bookkeeping_clipper", "layer_plan", "reduction_slack"]
 
 def _leaf_path(key_path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
@@ -106,18 +106,21 @@ _LARGE = 2**26
 def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
     """"ghost" or "instantiate" for a layer of T tokens and a (d, p) kernel, by time and space.
 
-    Time (Bu et al. 2023, Table 2): the ghost norm costs T^2 (d + p) multiply-adds per
-    example, forming the gradient T d p (which the clipped sum then reuses: the ghost form
-    spends those on its einsum instead), so ghost saves time when T (d + p) < d p. Space:
-    instantiation holds n d p floats, ghost 2 n T^2 (ghost saves space when 2 T^2 < p d).
-    Ghost when it saves space and either time too (few tokens: a ViT at 32 px, T = 5) or the
-    gradients would exceed 2^26 floats; instantiation when they are small (n d p <= 2^20) or
-    time favours it (a ViT at 224 px, T = 197: the Gram products would cost 1.3x the
-    layer's forward; its clipped sum measured 1.2x faster there than with ghost norms)."""
+    Time, multiply-adds per example (Bu et al. 2023, Table 2): the ghost norm's Gram forms cost
+    T^2 (d + p) and its clipped sum (one einsum of A and the c-scaled B) T d p; instantiation
+    forms g for T d p, then its norm and the c-weighted sum read g (2 d p). Both pay T d p,
+    so ghost saves time when T^2 (d + p) < d p. Space: instantiation holds n d p floats,
+    ghost 2 n T^2 (ghost saves space when 2 T^2 < p d). Ghost when it saves space and either
+    time too (few tokens: a ViT at 32 px, T = 5, measured 216 ms per batch against 1,211 with
+    every layer instantiated) or the gradients would exceed 2^26 floats; instantiation when
+    they are small (n d p <= 2^20) or time favours it (a ViT at 224 px, T = 197; the small
+    CNN's second convolution, T = 25, d = 256, p = 32: its clipped sum 22.2 -> 20.5 ms per
+    batch of 256). (The rule before compared T (d + p) with d p, charging the Gram forms
+    against forming g and forgetting the ghost's own einsum.)"""
     gradients = examples * in_dim * out_dim
     if gradients <= _SMALL or 2 * tokens * tokens >= in_dim * out_dim:
         return "instantiate"
-    if tokens * (in_dim + out_dim) < in_dim * out_dim or gradients > _LARGE:
+    if tokens * tokens * (in_dim + out_dim) < in_dim * out_dim or gradients > _LARGE:
         return "ghost"
     return "instantiate"
 
@@ -207,6 +210,8 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         module = modules[path]
         rule = rule_for(module)
         x, b = promote_float32(inputs[name], outs[name])
+        if rule.example_grads is not None:  # A (patches) formed late, not all at once
+            x = after(x, b)
         a = x if rule.example_grads is None else jax.vmap(  # (an unused A: XLA drops it)
             lambda xi, m=module, r=rule: r.inputs(m, xi))(x)
         a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
@@ -290,8 +295,7 @@ def weighted_sum(g: jax.Array, factor: jax.Array, keep: jax.Array, acc) -> jax.A
     """sum_i c_i g_i over the leading (example) axis in dtype acc, rows not kept exactly zero.
     Products and adds, not a dot (`dp.accumulate.weighted_rows_sum`): a float64 dot would
     first write a float64 copy of every example's gradient."""
-    g = jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0)
-    return weighted_rows_sum(g, factor, acc)
+    return weighted_rows_sum(g, factor, acc, keep)
 
 
 def ghost_sum(a: jax.Array, b: jax.Array, factor: jax.Array, keep: jax.Array,
@@ -301,6 +305,20 @@ def ghost_sum(a: jax.Array, b: jax.Array, factor: jax.Array, keep: jax.Array,
     a = jnp.where(keep[:, None, None], a, 0.0)
     b = jnp.where(keep[:, None, None], b * factor[:, None, None], 0.0)
     return jnp.einsum("ntd,ntp->dp", a, b, precision=HIGHEST, preferred_element_type=acc)
+
+
+def after(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x (n, ...) unchanged, but computed from y (n, ...) too: what is built from x is formed
+    only once y exists. XLA:CPU's scheduler otherwise forms early what depends only on
+    early values: all three of WRN-16-4's stage-1 patches (58 MB each) before the backward
+    pass reached their layers (x a layer's input, y its output gradient b: the clipped sum's
+    temporary memory 484 -> 249 MiB per batch of 32), or all nine shifted windows of one
+    (y the previous window's gradients, `finetune.models.taps`: 249 -> 233 MiB).
+    Each example's x plus 0 times its first entry of y: x itself, or NaN where that entry is
+    not finite; y is then part of what makes the example's gradient (B's first row, or part
+    of its gradient), so that gradient is not finite either and its factor is 0 as before."""
+    first = y.reshape(y.shape[0], -1)[:, 0]
+    return x + (0.0 * first).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
 
 
 def _materialized(*arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -169,29 +169,57 @@ def test_a_token_tiny_next_to_the_peak_still_counts(ghost):
         assert np.linalg.norm(_flat(result.grads)) <= 1.0 + 1e-6
 
 
-@pytest.mark.parametrize("side,k,stride,pad,views", [(28, 8, 2, 3, 1), (28, 8, 2, 3, 3),
-                                                     (12, 3, 1, 1, 2), (9, 4, 3, 0, 1)])
-def test_a_one_channel_convolutions_gradients_without_patches(side, k, stride, pad, views):
-    """The conv rule's `example_grads` (one convolution grouped by example, for one input
-    channel) is every example's A^T B over its views, rows in im2col's order, each example's
-    from its own rows only; None (the patches' einsum) for more channels."""
+@pytest.mark.parametrize("side,k,stride,pad,views,channels", [
+    (28, 8, 2, 3, 1, 1), (28, 8, 2, 3, 3, 1), (12, 3, 1, 1, 2, 1), (9, 4, 3, 0, 1, 1),
+    (12, 3, 1, 1, 2, 3), (7, 1, 1, 0, 1, 4), (10, 3, 1, 0, 2, 2), (12, 4, 2, 0, 1, 3),
+    (13, 3, 2, 1, 2, 2)])
+def test_convolution_gradients_without_patches(side, k, stride, pad, views, channels):
+    """The conv rule's `example_grads` (one batched matmul per kernel offset) is every
+    example's A^T B over its views, rows in im2col's order, at any stride, padding and
+    channels, each example's from its own rows only."""
     from finetune.models._conv import Conv, im2col
     from finetune.models.taps import _conv_example_grads
 
     n, out = 5, 4
-    conv = Conv(1, out, k, stride, pad, kernel_init=nnx.initializers.lecun_normal(),
+    conv = Conv(channels, out, k, stride, pad, kernel_init=nnx.initializers.lecun_normal(),
                 rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (n, views, side, side, 1))
+    x = jax.random.normal(jax.random.key(1), (n, views, side, side, channels))
     tokens = views * ((side + 2 * pad - k) // stride + 1) ** 2
     b = jax.random.normal(jax.random.key(2), (n, tokens, out))
-    a = jax.vmap(lambda xi: im2col(xi, k, stride, pad))(x).reshape(n, tokens, k * k)
+    a = jax.vmap(lambda xi: im2col(xi, k, stride, pad))(x).reshape(n, tokens, k * k * channels)
     expected = jnp.einsum("ntd,ntp->ndp", a, b, precision=jax.lax.Precision.HIGHEST)
     atol = 1e-5 * float(jnp.max(jnp.abs(expected)))
     np.testing.assert_allclose(_conv_example_grads(conv, x, b), expected, rtol=1e-5, atol=atol)
-    assert _conv_example_grads(conv, jnp.concatenate([x, x], axis=-1), b) is None
-    # Groups share nothing: an example near float32's max and one with a NaN leave the
-    # others' gradients as they were.
+    # Examples share nothing: one near float32's max and one with a NaN leave the others'
+    # gradients as they were.
     hostile = _conv_example_grads(conv, x.at[1].set(3e38).at[2, 0, 3, 3, 0].set(jnp.nan), b)
     assert not np.all(np.isfinite(hostile[2]))
     np.testing.assert_allclose(hostile[np.array([0, 3, 4])], expected[np.array([0, 3, 4])],
                                rtol=1e-5, atol=atol)
+
+
+def test_patches_wait_for_the_output_gradient():
+    """`after` leaves x as it is where b's first entry is finite and makes the example NaN
+    (and only it) where it is not, compiled: XLA keeps x's dependence on b."""
+    from dp.bookkeeping import after
+
+    x = jax.random.normal(jax.random.key(0), (3, 2, 4, 4, 2))
+    b = jax.random.normal(jax.random.key(1), (3, 8, 5)).at[1, 0, 0].set(jnp.inf)
+    y = jax.jit(after)(x, b)
+    np.testing.assert_array_equal(y[np.array([0, 2])], x[np.array([0, 2])])
+    assert np.all(np.isnan(y[1]))
+
+
+@pytest.mark.parametrize("n,tokens,d,p,plan", [
+    (64, 5, 192, 576, "ghost"),  # ViT-tiny at 32 px: Gram forms 19k << d p = 111k
+    (16, 197, 192, 576, "instantiate"),  # ViT-tiny at 224 px: T^2 (d + p) = 30M
+    (256, 25, 256, 32, "instantiate"),  # the CNN's conv2: T^2 (d + p) = 180k > d p = 8k
+    (256, 1, 512, 32, "ghost"),  # the CNN's fc1: one token
+    (4, 1, 512, 32, "instantiate"),  # small gradients (n d p <= 2^20)
+    (64, 40, 2048, 2048, "ghost"),  # time favours instantiation, but n d p > 2^26 floats
+    (1024, 64, 64, 64, "instantiate"),  # 2 T^2 >= d p: the Grams would outgrow the gradients
+])
+def test_layer_plan_charges_both_forms_their_whole_cost(n, tokens, d, p, plan):
+    """Ghost iff it saves space and either time, T^2 (d + p) < d p (its Gram forms against
+    the norm and sum of formed gradients; both pay T d p), or 2^26 floats of gradients."""
+    assert dp.bookkeeping.layer_plan(n, tokens, d, p) == plan
