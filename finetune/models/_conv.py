@@ -12,9 +12,10 @@ alternated in one process):
   book-keeping clipped sum (the DP default)      27       40         764      815
   per-example clipped sum (jax_privacy, vmapped) 69       68         1953     1431
 
-The book-keeping clipper never differentiates a kernel through the convolution (its taps form
-the im2col patches A themselves, `finetune.models.taps`), so XLA's convolutions serve the
-forward and the input gradients. Under `vmap(grad)` the per-example kernel gradient of
+The book-keeping clipper never differentiates a kernel through the convolution (its rule forms
+each example's kernel gradient from the input's shifted windows, or the im2col patches A where
+a ghost norm needs them, `finetune.models.taps`), so XLA's convolutions serve the forward and
+the input gradients. Under `vmap(grad)` the per-example kernel gradient of
 `patches @ kernel` is a batched matmul, while JAX batches lax's as a grouped convolution with
 one group per example, which XLA:CPU runs slowly; `finetune.train.clipped_sum` therefore traces
 the per-example clipper inside `im2col_convolutions()`.
@@ -30,21 +31,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions"]
+__all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions", "shifted_windows"]
 
 _IM2COL = contextvars.ContextVar("im2col_convolutions", default=False)
+
+
+def shifted_windows(x: jax.Array, size: int, stride: int, padding: int) -> list[jax.Array]:
+    """The inputs that a `size` x `size` kernel's offsets (i, j) see in NHWC `x`, padded:
+    size^2 arrays (N, OH, OW, C) in (kh, kw) order, the columns of `im2col`."""
+    _, h, w, _ = x.shape
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    oh = (h + 2 * padding - size) // stride + 1
+    ow = (w + 2 * padding - size) // stride + 1
+    return [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
+            for i in range(size) for j in range(size)]
 
 
 def im2col(x: jax.Array, size: int, stride: int, padding: int) -> jax.Array:
     """The patches of NHWC `x` under a `size` x `size` kernel: (N, OH, OW, size * size * C),
     features ordered (kh, kw, c_in) as an HWIO kernel flattens."""
-    _, h, w, _ = x.shape
-    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    oh = (h + 2 * padding - size) // stride + 1
-    ow = (w + 2 * padding - size) // stride + 1
-    cols = [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
-            for i in range(size) for j in range(size)]
-    return jnp.concatenate(cols, axis=-1)
+    return jnp.concatenate(shifted_windows(x, size, stride, padding), axis=-1)
 
 
 @contextlib.contextmanager
