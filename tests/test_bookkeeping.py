@@ -173,12 +173,19 @@ def test_a_token_tiny_next_to_the_peak_still_counts(ghost):
     (28, 8, 2, 3, 1, 1), (28, 8, 2, 3, 3, 1), (12, 3, 1, 1, 2, 1), (9, 4, 3, 0, 1, 1),
     (12, 3, 1, 1, 2, 3), (7, 1, 1, 0, 1, 4), (10, 3, 1, 0, 2, 2), (12, 4, 2, 0, 1, 3),
     (13, 3, 2, 1, 2, 2)])
-def test_convolution_gradients_without_patches(side, k, stride, pad, views, channels):
-    """The conv rule's `example_grads` (one batched matmul per kernel offset) is every
-    example's A^T B over its views, rows in im2col's order, at any stride, padding and
-    channels, each example's from its own rows only."""
+@pytest.mark.parametrize("form", ["windows", "positions"])
+def test_convolution_gradients_without_patches(side, k, stride, pad, views, channels, form,
+                                               monkeypatch):
+    """The conv rule's `example_grads`, in both of its forms (one batched matmul per kernel
+    offset; multiply-adds over the output positions), is every example's A^T B over its
+    views, rows in im2col's order, at any stride, padding and channels, each example's from
+    its own rows only."""
+    from finetune.models import taps
     from finetune.models._conv import Conv, im2col
     from finetune.models.taps import _conv_example_grads
+
+    monkeypatch.setattr(taps, "_POSITIONS_MAX", 0 if form == "windows" else 10**9)
+    monkeypatch.setattr(taps, "_GRADIENT_MAX", 10**9)
 
     n, out = 5, 4
     conv = Conv(channels, out, k, stride, pad, kernel_init=nnx.initializers.lecun_normal(),

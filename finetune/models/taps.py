@@ -33,15 +33,18 @@ def _conv_rows(module, x):
 def _conv_example_grads(module, x, b):
     """Every example's A^T B, (n, k k c_in, c_out), rows ordered (kh, kw, c_in) as `im2col`'s,
     from x (n, K, H, W, c_in) (K views) and b (n, K OH OW, c_out), never forming the k^2-wide
-    patches: for each kernel offset (i, j), the input's window shifted by it, (n, K OH OW,
-    c_in), against b, one batched matmul per offset, the windows formed one at a time
-    (`dp.bookkeeping.after`; the scheduler formed all nine of a WRN layer's at once, 45 MB).
-    The patches' one einsum held the patches and, while forming them, their k^2 slices (13 MB
-    of the CNN's 26 MiB peak, with the patches formed late); with the windows the clipped
-    sum's temporary memory per batch is 18.9 MiB for the CNN (p 256) and 225.0 MiB for
-    WRN-16-4 (p 32), 1.14x and 1.41x the plain gradient's, at the same speed or faster
-    (README, "Measured performance")."""
+    patches. Few output positions and a small gradient (the CNN's two layers): multiply-adds
+    over the positions (`_position_sums`). Otherwise (WRN-16-4's layers): for each kernel
+    offset (i, j), the input's window shifted by it, (n, K OH OW, c_in), against b, one
+    batched matmul per offset, the windows formed one at a time (`dp.bookkeeping.after`; the
+    scheduler formed all nine of a WRN layer's at once, 45 MB). The patches' one einsum held
+    the patches and, while forming them, their k^2 slices (13 MB of the CNN's 26 MiB peak).
+    The clipped sum's temporary memory per batch is now 16.4 MiB for the CNN (p 256) and
+    213.7 MiB for WRN-16-4 (p 32), 0.99x and 1.34x the plain gradient's (README, "Measured
+    performance")."""
     size, n, channels = module.kernel.shape[0], x.shape[0], x.shape[-1]
+    if b.shape[1] <= _POSITIONS_MAX and size * size * channels * b.shape[-1] <= _GRADIENT_MAX:
+        return _position_sums(module, x, b)
     windows = shifted_windows(x.reshape(-1, *x.shape[-3:]),  # views as more images
                               size, module.stride, module.padding)
     # One channel: a window would make a matrix-vector product; a kernel row's windows side
@@ -57,6 +60,40 @@ def _conv_example_grads(module, x, b):
             window = after(window, grads[-1])
         grads.append(jnp.einsum("ntc,ntp->ncp", window, b, precision=HIGHEST))
     return jnp.concatenate(grads, axis=1)
+
+
+# Measured on XLA:CPU, the layers alone (ms, windows' matmuls -> position sums): the CNN's
+# conv2 (25 positions, 16 x 16 x 32 per example, p 256) 4.9 -> 1.4, conv1 (169 positions,
+# 64 x 16) 4.8 -> 3.3; and the other way round where the gradient is large, WRN-16-4's
+# stage 3 shape (49 positions, 9 x 128 x 256) 35 -> 43, or the positions many, its stage 1
+# (784, 9 x 64 x 64) 52 -> 299 and its stem (784, 9 x 1 x 16) 0.4 -> 1.3. One batch's clipped
+# sum in the trainer, the CNN at p 256: 20.6 -> 15.0 ms (the plain gradient 15.0).
+_POSITIONS_MAX, _GRADIENT_MAX, _CHUNK = 256, 8192, 4
+
+
+def _position_sums(module, x, b):
+    """Every example's A^T B as in `_conv_example_grads`, summed over the output positions:
+    the input's k x k patch at each position times that position's row of b, elementwise
+    multiply-adds that XLA fuses, `_CHUNK` positions per fusion, patches sliced from the
+    padded input inside it. For a gradient of a few thousand entries per example the batched
+    matmuls of the windows cost more in dispatch than in arithmetic (thousands of matmuls of
+    16 x 25 by 25 x 32 for the CNN's second convolution at p 256)."""
+    size, stride, pad = module.kernel.shape[0], module.stride, module.padding
+    n, (height, width, channels), out = x.shape[0], x.shape[-3:], b.shape[-1]
+    x = jnp.pad(x.reshape(n, -1, height, width, channels),
+                ((0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)))
+    oh, ow = (height + 2 * pad - size) // stride + 1, (width + 2 * pad - size) // stride + 1
+    b = b.reshape(n, x.shape[1], oh, ow, out)
+    positions = [(v, i, j) for v in range(x.shape[1]) for i in range(oh) for j in range(ow)]
+    total = None
+    for start in range(0, len(positions), _CHUNK):
+        part = None
+        for v, i, j in positions[start:start + _CHUNK]:
+            patch = x[:, v, stride * i:stride * i + size, stride * j:stride * j + size]
+            term = patch[..., None] * b[:, v, i, j, None, None, None, :]
+            part = term if part is None else part + term
+        total = part if total is None else total + part
+    return total.reshape(n, size * size * channels, out)
 
 
 def _standardized_grads(module, g):
