@@ -185,7 +185,8 @@ def test_convolution_gradients_without_patches(side, k, stride, pad, views, chan
     from finetune.models.taps import _conv_example_grads
 
     monkeypatch.setattr(taps, "_POSITIONS_MAX", 0 if form == "windows" else 10**9)
-    monkeypatch.setattr(taps, "_GRADIENT_MAX", 10**9)
+    monkeypatch.setattr(taps, "_MATMULS_MIN", 0)
+    monkeypatch.setattr(taps, "_MATMUL_MAX", 10**9)
 
     n, out = 5, 4
     conv = Conv(channels, out, k, stride, pad, kernel_init=nnx.initializers.lecun_normal(),

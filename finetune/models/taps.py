@@ -43,15 +43,16 @@ def _conv_example_grads(module, x, b):
     213.7 MiB for WRN-16-4 (p 32), 0.99x and 1.34x the plain gradient's (README, "Measured
     performance")."""
     size, n, channels = module.kernel.shape[0], x.shape[0], x.shape[-1]
-    if b.shape[1] <= _POSITIONS_MAX and size * size * channels * b.shape[-1] <= _GRADIENT_MAX:
-        return _position_sums(module, x, b)
-    windows = shifted_windows(x.reshape(-1, *x.shape[-3:]),  # views as more images
-                              size, module.stride, module.padding)
     # One channel: a window would make a matrix-vector product; a kernel row's windows side
     # by side make one matmul (the CNN's clipped sum, whose first layer is 8 x 8 of one
     # channel: 30.0 -> 26.9 ms and 20.9 -> 19.0 MiB; rows of its 16-channel second layer too:
     # 30.0 MiB).
     group = size if channels == 1 else 1
+    matmuls, each = n * size * size // group, group * channels * b.shape[1] * b.shape[-1]
+    if b.shape[1] <= _POSITIONS_MAX and matmuls >= _MATMULS_MIN and each <= _MATMUL_MAX:
+        return _position_sums(module, x, b)
+    windows = shifted_windows(x.reshape(-1, *x.shape[-3:]),  # views as more images
+                              size, module.stride, module.padding)
     grads = []
     for start in range(0, size * size, group):
         window = jnp.concatenate(windows[start:start + group], axis=-1).reshape(
@@ -62,13 +63,17 @@ def _conv_example_grads(module, x, b):
     return jnp.concatenate(grads, axis=1)
 
 
-# Measured on XLA:CPU, the layers alone (ms, windows' matmuls -> position sums): the CNN's
-# conv2 (25 positions, 16 x 16 x 32 per example, p 256) 4.9 -> 1.4, conv1 (169 positions,
-# 64 x 16) 4.8 -> 3.3; and the other way round where the gradient is large, WRN-16-4's
-# stage 3 shape (49 positions, 9 x 128 x 256) 35 -> 43, or the positions many, its stage 1
-# (784, 9 x 64 x 64) 52 -> 299 and its stem (784, 9 x 1 x 16) 0.4 -> 1.3. One batch's clipped
-# sum in the trainer, the CNN at p 256: 20.6 -> 15.0 ms (the plain gradient 15.0).
-_POSITIONS_MAX, _GRADIENT_MAX, _CHUNK = 256, 8192, 4
+# Position sums where the windows would make many small matmuls: at most 256 positions (the
+# unrolled sums' compile time), at least 512 matmuls of at most 2^16 multiply-adds each.
+# Measured on XLA:CPU, the layers alone (ms, windows' matmuls -> position sums; n examples,
+# positions, rows x columns of the gradient per matmul, matmuls): the CNN's conv2 (256, 25,
+# 16 x 32, 4,096) 4.9 -> 1.4 and conv1 (256, 169, 8 x 16, 2,048) 4.8 -> 3.3; (64, 100,
+# 16 x 32, 576) 1.38 -> 1.04. The other way round: few matmuls, a WRN stem at 16 px (32, 256,
+# 3 x 16, 288) 0.4 -> 1.3, WRN-16-4's stage-2 1 x 1 shortcut (32, 196, 64 x 128, 32) 1.2 ->
+# 4.7; large ones, its stage 3 (32, 49, 128 x 256, 288) 35 -> 43; many positions, its stage 1
+# (32, 784, 64 x 64, 288) 52 -> 299. One batch's clipped sum in the trainer, the CNN at p 256:
+# 20.6 -> 15.0 ms (the plain gradient 15.0).
+_POSITIONS_MAX, _MATMULS_MIN, _MATMUL_MAX, _CHUNK = 256, 512, 2**16, 4
 
 
 def _position_sums(module, x, b):
