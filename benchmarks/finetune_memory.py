@@ -41,7 +41,7 @@ def main():
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     loss = optax.softmax_cross_entropy_with_integer_labels
     print(f"{'model':22} {'px':>3} {'p':>4} {'non-private MiB':>15} {'book-keeping':>13} "
-          f"{'ratio':>6} {'per-example':>12} {'ratio':>6}")
+          f"{'ratio':>6}" + ("" if args.skip_per_example else f" {'per-example':>12} {'ratio':>6}"))
     for name, side, channels, p in cases:
         model = finetune.models.create_model(name, 10, image_size=side, in_channels=channels,
                                              rngs=nnx.Rngs(0))

@@ -175,7 +175,7 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
             model = tap_model(nnx.merge(graphdef, st, rest), names)
             with Taps(names, perturbations) as taps:
                 value = loss(model, ex, *example)
-            called[:] = list(taps.inputs)  # the forward's order (pytrees sort their keys)
+            called[:] = list(taps.inputs)[:1]  # the forward's first (pytrees sort their keys)
             return value, (taps.inputs, taps.output_shapes)
 
         called: list[str] = []
@@ -199,7 +199,7 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         (off_grads, outs), inputs = jax.grad(total, argnums=(0, 1), has_aux=True)(
             (st_off, ex_off), perturb)
         return _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm,
-                             mask, ghost, called[:1])
+                             mask, ghost, called[0] if called else None)
 
     return clip
 
@@ -207,7 +207,7 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
 def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm, mask,
                   ghost, first):
     """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B;
-    `first`: [the name of the tapped layer the forward pass called first], or []."""
+    `first`: the name of the tapped layer the forward pass called first (None: no layer)."""
     n = mask.shape[0]
     parts, norms = {}, []  # tap name -> ("ghost", a, b), ("rule", data), ("inst", {param: g})
     # A rule's per-example gradients are formed once the backward pass is over (the b of the
@@ -215,13 +215,13 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     # g): formed as soon as their own b existed, the CNN's second layer's (8 MiB) were live
     # beside the backward's buffers of the first (XLA's temporary memory per batch 23.9 ->
     # 16.4 MiB; WRN-16-4 225.0 -> 213.7 MiB).
-    end, previous = (outs[first[0]] if first else None), None
+    previous = None
     for path, name in names.items():
         module = modules[path]
         rule = rule_for(module)
         x, b = promote_float32(inputs[name], outs[name])
         if rule.example_grads is not None:  # A (patches) formed late, not all at once
-            x = after(after(x, b), b if end is None else end)
+            x = after(x, outs[first])  # after this layer's b too: the backward's last
             x = x if previous is None else after(x, previous)
         a = x if rule.example_grads is None else jax.vmap(  # (an unused A: XLA drops it)
             lambda xi, m=module, r=rule: r.inputs(m, xi))(x)

@@ -87,7 +87,7 @@ def _position_sums(module, x, b):
     n, (height, width, channels), out = x.shape[0], x.shape[-3:], b.shape[-1]
     x = jnp.pad(x.reshape(n, -1, height, width, channels),
                 ((0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)))
-    oh, ow = (height + 2 * pad - size) // stride + 1, (width + 2 * pad - size) // stride + 1
+    oh, ow = ((side - size) // stride + 1 for side in x.shape[2:4])
     b = b.reshape(n, x.shape[1], oh, ow, out)
     positions = [(v, i, j) for v in range(x.shape[1]) for i in range(oh) for j in range(ow)]
     total = None
