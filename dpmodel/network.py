@@ -1,4 +1,5 @@
-"""Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, timm ViTs) in a model file:
+"""Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, scatternet_cnn, timm ViTs) in
+a model file:
 their parameters keyed by module path, the architecture to rebuild them, and the image
 transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean and std).
 
@@ -38,6 +39,8 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                          "timm_architecture": timm_architecture}
     else:
         architecture["family"] = name
+    if name == "scatternet_cnn":
+        architecture["scatternet"] = _scatternet()
     return {
         "kind": "network",
         "architecture": architecture,
@@ -51,6 +54,14 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
             {"op": "normalize_channels", "mean": list(mean), "std": list(std)},
         ],
     }
+
+
+def _scatternet() -> dict:
+    """The fixed front of a scatternet_cnn (`finetune.models.scatter`), recorded in its file."""
+    from finetune.models import scatter
+
+    return {"library": "kymatio", "J": scatter.SCATTER_J, "L": scatter.SCATTER_L,
+            "groupnorm_groups": scatter.GROUPS}
 
 
 def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
@@ -70,6 +81,9 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
         config = models.ViTConfig(**config)
         model = nnx.eval_shape(lambda: models.VisionTransformer(config, classes,
                                                                 rngs=nnx.Rngs(0)))
+    elif arch["family"] == "scatternet_cnn" and arch.get("scatternet") != _scatternet():
+        raise ModelFileError(f"{path}: its ScatterNet {arch.get('scatternet')} is not this "
+                             f"version's {_scatternet()}")
     elif arch["family"] in models.MODEL_NAMES:
         model = nnx.eval_shape(lambda: models.create_model(
             arch["family"], classes, image_size=side, in_channels=channels, rngs=nnx.Rngs(0)))

@@ -5,8 +5,9 @@ Every exported module takes float32 NCHW images in [0, 1] at the model's input s
 model's resize, crop and channel transforms give; `dpprobe predict` applies those itself) and
 returns the logits: a probe on features is its backbone (timm's module or ScatterNet), timm's
 mean/std normalization, the per-example normalization and the linear head; a fine-tuned network
-is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar and
-wrn16_4; timm's own VisionTransformer, filled by `finetune.models.timm_weights.copy_to_timm`).
+is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
+wrn16_4 and scatternet_cnn; timm's own VisionTransformer, filled by
+`finetune.models.timm_weights.copy_to_timm`).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
 Features computed from images are float32 here; the store held them as float16 (rounding
@@ -159,6 +160,9 @@ def _torch_cnn(model) -> torch.nn.Module:
         flat["fc1"] = (128, side // 8, side // 8)
     elif arch["family"] == "wrn16_4":
         net = torch_models.TorchWRN(classes, depth=16, width=4, in_channels=channels)
+    elif arch["family"] == "scatternet_cnn":
+        net = torch_models.TorchScatterCNN(classes, channels, side)
+        flat["fc1"] = (32, (side // 4 + 1) // 2, (side // 4 + 1) // 2)
     else:
         raise ValueError(f"{model.path}: no PyTorch counterpart for {arch['family']!r}")
     names = {"kernel": "weight", "scale": "weight", "bias": "bias", "gain": "gain"}
@@ -178,7 +182,14 @@ def _torch_cnn(model) -> torch.nn.Module:
             else:
                 tensor = tensor.T
         state[f"{module}.{names[parts[-1]]}"] = torch.from_numpy(np.ascontiguousarray(tensor))
-    net.load_state_dict(state, strict=True)
+    if arch["family"] != "scatternet_cnn":
+        net.load_state_dict(state, strict=True)
+        return net
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("scattering.")]  # ScatterNet's filters
+    if missing or unexpected:
+        raise ValueError(f"{model.path}: the PyTorch scatternet_cnn lacks {unexpected[:3]} or "
+                         f"needs {missing[:3]}")
     return net
 
 

@@ -1,11 +1,11 @@
 """PyTorch counterparts of `finetune.models`' from-scratch models: what `dpprobe export` turns a
-fine-tuned cnn, cnn_cifar or wrn16_4 into; the golden tests compare logits with them,
-`benchmarks/finetune.py` trains them with Opacus. NCHW input, already normalized."""
+fine-tuned cnn, cnn_cifar, wrn16_4 or scatternet_cnn into; the golden tests compare logits with
+them, `benchmarks/finetune.py` trains them with Opacus. NCHW input, already normalized."""
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TorchCifarCNN", "TorchTemperedCNN", "TorchWRN", "TorchWSConv"]
+__all__ = ["TorchCifarCNN", "TorchScatterCNN", "TorchTemperedCNN", "TorchWRN", "TorchWSConv"]
 
 
 class TorchWSConv(torch.nn.Conv2d):
@@ -100,6 +100,33 @@ class TorchCifarCNN(torch.nn.Module):
             x = torch.tanh(conv(x))
             if i % 2:
                 x = F.max_pool2d(x, 2, 2)
+        return torch.tanh(self.fc1(x.flatten(1)))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class TorchScatterCNN(torch.nn.Module):
+    """Tramer & Boneh's ScatterNet + CNN (ftramer/Handcrafted-DP models.py, `MNIST_CNN` on
+    scattering), `finetune.models.ScatterCNN` on NCHW images in [0, 1]: ScatterNet (kymatio's
+    torch Scattering2D, J = 2, L = 8; its filters are buffers, not parameters), GroupNorm(27)
+    without affine, then the CNN."""
+
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        from kymatio.torch import Scattering2D
+
+        self.scattering = Scattering2D(J=2, shape=(image_size, image_size), L=8)
+        side = (image_size // 4 + 1) // 2
+        self.conv1 = torch.nn.Conv2d(81 * in_channels, 16, 3, stride=2, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = torch.nn.Linear(32 * side * side, 32)
+        self.head = torch.nn.Linear(32, num_classes)
+
+    def features(self, x):
+        s = self.scattering(x.contiguous())
+        s = F.group_norm(s.reshape(s.shape[0], -1, s.shape[-2], s.shape[-1]), 27, eps=1e-5)
+        x = torch.tanh(self.conv2(torch.tanh(self.conv1(s))))
         return torch.tanh(self.fc1(x.flatten(1)))
 
     def forward(self, x):

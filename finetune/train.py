@@ -16,6 +16,9 @@ Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
      an optax chain; the optimizer is post-processing);
   4. EMA of the parameters (De et al., App. C), itself post-processing.
 
+A model with a fixed front (`finetune.fronts`: scatternet_cnn's ScatterNet) trains its body on
+the front's output, computed once per training image when no augmentation is drawn.
+
 Which parameters: those `spec.train` names (`finetune.modes`: all, the head, biases, LoRA
 adapters); the model is split into them and the rest, a constant of the run, so the clipped
 sums, the noise (its dimension), the optimizer and the EMA see only the trained ones.
@@ -60,6 +63,7 @@ from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
 from finetune.augment import views_of
 from finetune.evaluation import normalize_images
+from finetune.fronts import cached_front
 from finetune.models._conv import im2col_convolutions
 from finetune.modes import count_params, trained_filter
 from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
@@ -307,6 +311,7 @@ def train_finetune(
     if stop - first != len(labels) or (rows is not None and canaries is not None):
         raise ValueError(f"rows={rows} needs {stop - first} labels (got {len(labels)}) and no "
                          "canaries")
+    model, images, spec, wrap = cached_front(model, images, spec)  # a fixed front: once
     p = flags.physical_batch_size
     count = 0 if canaries is None else canaries.count
     num_examples = num_real + count
@@ -337,7 +342,7 @@ def train_finetune(
                                          stop + count, p):  # this process's rows
             own = index - first
             part = batch_sum(graphdef, params, rest,
-                             *place(images[np.minimum(own, len(images) - 1)], labels[own],
+                             *place(_rows(images, own), labels[own],
                                     mask, index.astype(np.int32)),
                              clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
             sums = add_float64(sums, part)  # float64 across physical batches (dp.accumulate)
@@ -358,10 +363,19 @@ def train_finetune(
     if count:  # the tap's record (opt_state[1]: right after the privatizer), then the model's
         projections = np.asarray(opt_state[1].projections)
         params, ema = params[0], None if ema is None else ema[0]
-    trained = nnx.merge(graphdef, params, rest)
-    ema_model = None if ema is None else nnx.merge(graphdef, ema, rest)
+    trained = wrap(nnx.merge(graphdef, params, rest))
+    ema_model = None if ema is None else wrap(nnx.merge(graphdef, ema, rest))
     return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections,
                           clock.compile_seconds, clock.images_per_second(float(denominator)))
+
+
+def _rows(images: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """The images of a physical batch's rows; a row past the real ones (a gradient canary's)
+    reads a zero image, a public constant: its loss ignores it, and a real record's image
+    (were it non-finite, it would null the canary rows) must not decide it."""
+    picked = images[np.minimum(own, len(images) - 1)]
+    picked[own >= len(images)] = 0
+    return picked
 
 
 def _placement(flags: FinetuneFlags):

@@ -27,8 +27,6 @@ from pipelines.reporting import log
 
 __all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
 
-# Inputs of models trained from scratch are scaled to [-1, 1] (public constants).
-_FROM_SCRATCH_MEAN_STD = (0.5, 0.5)
 # What --non-private says wherever it is recorded.
 NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
                "accounting) on the same Poisson batches as DP-SGD; this model and its results "
@@ -334,10 +332,11 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
         model = finetune.models.create_model(config.model, num_classes, image_size=image_size,
                                              in_channels=channels, rngs=rngs,
                                              head_bias_init=config.head_bias_init)
-        mean, std = _FROM_SCRATCH_MEAN_STD
+        mean, std = finetune.models.input_mean_std(config.model)
+        low, high = (0.0 - mean) / std + 0.0, (1.0 - mean) / std  # + 0.0: no "-0"
         return model, (mean,) * channels, (std,) * channels, {
             "name": config.model, "weights": "random init (from scratch)",
-            "input": f"{image_size} px, scaled to [-1, 1]"}
+            "input": f"{image_size} px, scaled to [{low:g}, {high:g}]"}
     import extract
 
     backbone = extract.create_backbone(config.model, weights=config.weights,

@@ -164,3 +164,24 @@ def test_a_misreported_sampling_rate_is_refuted():
     audit = _audited(plan, claim)[1]
     assert audit.refuted, audit
     assert audit.fitted["sampling_probability"] > 5 * claim.sampling_probability
+
+
+@pytest.mark.parametrize("clipping", ["bookkeeping", "per_example"])
+def test_the_canaries_do_not_read_a_real_records_image(clipping):
+    """A canary row's image is a public zero image: the last real record's image being NaN (a
+    null record either way) leaves every step's canary sums as they are (it once nulled them
+    all: their rows borrowed that image)."""
+    images, labels = _data()
+    canaries = GradientCanaries.draw(12, np.random.default_rng(3))
+    plan = accounting.DpPlan(0.0, 4, 0.5, 0.25)
+    spec = finetune.FinetuneSpec(3, learning_rate=0.1, ema_decay=None)
+    flags = finetune.FinetuneFlags(physical_batch_size=32, clipping=clipping)
+    projections = []
+    for last in (np.zeros_like(images[-1]), np.full_like(images[-1], np.nan)):
+        images[-1] = last
+        result = finetune.train_finetune(Tiny(nnx.Rngs(0)), images, labels.copy(), plan, spec,
+                                         canaries=canaries, rng=np.random.default_rng(11),
+                                         keys=fixed_keys(2, 0), flags=flags)
+        projections.append(result.canary_projections)
+    assert projections[0].sum() >= 4  # canaries were sampled and counted
+    np.testing.assert_array_equal(projections[0], projections[1])

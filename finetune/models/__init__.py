@@ -6,7 +6,8 @@ are well defined), keeps all weights as `nnx.Param`, and has a zero-initialized 
 (`finetune.models.common` states the contract).
 
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
-    2022, GroupNorm + weight standardization), or a timm ViT name at random init;
+    2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
+    fixed ScatterNet), or a timm ViT name at random init;
   * `vit_from_timm(timm_model, ...)`: a timm VisionTransformer (pretrained or not) as NNX;
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
@@ -14,7 +15,7 @@ are well defined), keeps all weights as `nnx.Param`, and has a zero-initialized 
 from finetune.models import taps as _taps  # noqa: F401 - registers the book-keeping rules
 from finetune.models.cnn import CifarCNN, TemperedCNN
 from finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
-from finetune.models.factory import MODEL_NAMES, create_model
+from finetune.models.factory import MODEL_NAMES, create_model, input_mean_std
 from finetune.models.vit import VisionTransformer, ViTConfig, vit_config_from_timm, vit_from_timm
 from finetune.models.wrn import WideResNet, WSConv, standardize_weight
 
@@ -29,6 +30,7 @@ __all__ = [
     "WideResNet",
     "check_no_batchnorm",
     "create_model",
+    "input_mean_std",
     "standardize_weight",
     "vit_config_from_timm",
     "vit_from_timm",

@@ -9,17 +9,28 @@ from flax import nnx
 
 from finetune.models.cnn import CifarCNN, TemperedCNN
 from finetune.models.common import check_no_batchnorm
+from finetune.models.scatter import ScatterCNN
 from finetune.models.vit import vit_from_timm
 from finetune.models.wrn import WideResNet
 
-__all__ = ["MODEL_NAMES", "create_model"]
+__all__ = ["MODEL_NAMES", "create_model", "input_mean_std"]
 
 _CONSTRUCTORS = {
     "cnn": TemperedCNN,
     "cnn_cifar": CifarCNN,
     "wrn16_4": functools.partial(WideResNet, depth=16, width=4),
+    "scatternet_cnn": ScatterCNN,
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_CONSTRUCTORS)
+# The input's per-channel (mean, std) after scaling to [0, 1]: [-1, 1] for the models trained
+# from scratch, [0, 1] (Tramer & Boneh's ScatterNet input) for scatternet_cnn.
+_MEAN_STD = {"scatternet_cnn": (0.0, 1.0)}
+
+
+def input_mean_std(name: str) -> tuple[float, float]:
+    """The (mean, std) of every channel a from-scratch model `name` reads its images with
+    (public constants, never data statistics)."""
+    return _MEAN_STD.get(name, (0.5, 0.5))
 
 
 def create_model(name: str, num_classes: int, *, image_size: int, in_channels: int,
@@ -28,7 +39,8 @@ def create_model(name: str, num_classes: int, *, image_size: int, in_channels: i
 
     Args:
       name: one of `MODEL_NAMES` ("cnn": Tramer & Boneh's MNIST CNN, "cnn_cifar": their CIFAR-10
-        CNN, "wrn16_4": De et al.'s WRN-16-4 with GroupNorm and weight standardization), or a
+        CNN, "wrn16_4": De et al.'s WRN-16-4 with GroupNorm and weight standardization,
+        "scatternet_cnn": their CNN on a fixed ScatterNet), or a
         timm VisionTransformer name (vit_*_patch*_*, deit_*, deit3_*): its architecture at
         `image_size` built by timm at random init (timm's ViT init, seeded from `rngs`), then
         converted by `vit_from_timm`.
