@@ -124,3 +124,12 @@ def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
                             num_examples=n, image_size=16, num_classes=10)
     assert (given.batch_size, given.epochs, given.learning_rate) == (64, None, 0.3)
     assert set(given.chosen) == {"clip_norm"}
+
+
+def test_scatternet_cnn_takes_tramer_and_bonehs_40_epochs():
+    config = FinetuneConfig(epsilon=3.0, model="scatternet_cnn")
+    chosen = finetune_recipe(config, num_examples=60_000, image_size=28, num_classes=10)
+    assert (chosen.batch_size, chosen.epochs, chosen.learning_rate) == (2048, 40.0, 4.0)
+    assert chosen.chosen["epochs"] == "at least 40 and at least 300 steps"
+    digits = finetune_recipe(config, num_examples=1438, image_size=8, num_classes=10)
+    assert digits.epochs == 54.0  # the 300 steps decide
