@@ -1,6 +1,5 @@
 """Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, scatternet_cnn, timm ViTs) in
-a model file:
-their parameters keyed by module path, the architecture to rebuild them, and the image
+a model file: their parameters keyed by module path, the architecture to rebuild them, and the image
 transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean and std).
 
 A loaded network computes its logits with `finetune.iter_logits`, the function the finetune

@@ -16,8 +16,8 @@ Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
      an optax chain; the optimizer is post-processing);
   4. EMA of the parameters (De et al., App. C), itself post-processing.
 
-A model with a fixed front (`finetune.fronts`: scatternet_cnn's ScatterNet) trains its body on
-the front's output, computed once per training image when no augmentation is drawn.
+A model with a fixed front (`finetune.fronts`: scatternet_cnn's ScatterNet) trains on the
+front's output, computed once per training image, when no augmentation is drawn.
 
 Which parameters: those `spec.train` names (`finetune.modes`: all, the head, biases, LoRA
 adapters); the model is split into them and the rest, a constant of the run, so the clipped
