@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dp.sampling import pad_rows
 from finetune.evaluation import normalize_images
 from finetune.specs import FinetuneSpec
 
@@ -51,15 +52,14 @@ def _front_batch(images, *, front, mean, std):
 def front_features(front: Callable, images: np.ndarray, spec: FinetuneSpec, *,
                    batch_size: int = FRONT_BATCH) -> np.ndarray:
     """float32 `front(normalize_images(images))`, `batch_size` images per call (the last
-    batch padded with copies of its first image, and cut)."""
+    batch padded with zero images, `dp.sampling.pad_rows`, and cut)."""
     mean, std = tuple(map(float, spec.mean)), tuple(map(float, spec.std))
     shape = jax.eval_shape(front, jax.ShapeDtypeStruct((1, *images.shape[1:]), np.float32))
     features = np.empty((len(images), *shape.shape[1:]), np.float32)
     for start in range(0, len(images), batch_size):
-        batch = images[start:start + batch_size]
-        padded = np.concatenate([batch, np.repeat(batch[:1], batch_size - len(batch), 0)])
-        out = _front_batch(padded, front=front, mean=mean, std=std)
-        features[start:start + len(batch)] = np.asarray(out, np.float32)[:len(batch)]
+        padded, mask = pad_rows(images[start:start + batch_size], rows=batch_size)
+        out = np.asarray(_front_batch(padded, front=front, mean=mean, std=std), np.float32)
+        features[start:start + int(mask.sum())] = out[:int(mask.sum())]
     return features
 
 

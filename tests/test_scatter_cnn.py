@@ -1,7 +1,7 @@
 """`scatternet_cnn` (Tramer & Boneh's ScatterNet + CNN): its front is kymatio's torch
-ScatterNet and torch's GroupNorm; book-keeping equals per-example clipping on it and bounds
-each example by C on hostile rows; training on the front's features computed once is
-training on the images; the job trains, records, predicts and exports it."""
+ScatterNet and torch's GroupNorm; training on the front's features computed once is training
+on the images; the job trains, records, predicts and exports it. (Book-keeping on it, against
+per-example clipping and on hostile rows: tests/test_bookkeeping.py.)"""
 
 from __future__ import annotations
 
@@ -11,19 +11,18 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import torch
 from flax import nnx
 
 import accounting
-import dp
 import finetune
 import finetune.fronts
 import finetune.train
 from finetune.models import create_model
 from finetune.models.scatter import ScatterCNN, scatter_groupnorm, scattering
 from pipelines import cli
+from tests.test_bookkeeping import _flat
 from tests.test_finetune_job import CLASSES, _images, _write
 
 SIDE, CHANNELS, NUM_CLASSES = 16, 2, 4
@@ -55,52 +54,6 @@ def test_front_is_kymatio_torch_scatternet_channel_major_then_torch_groupnorm():
                                atol=1e-4)
     with pytest.raises(ValueError, match="multiple of 4"):
         create_model("scatternet_cnn", 3, image_size=18, in_channels=1, rngs=nnx.Rngs(0))
-
-
-def _loss(logits, label):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), jnp.broadcast_to(label, logits.shape[:1])).mean()
-
-
-def _clippers(model):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def per_example(p, x, y):
-        return _loss(nnx.merge(graphdef, p, rest)(x[0]), y[0])
-
-    def bookkeeping(m, extra, x, y):
-        return _loss(m(x), y)
-
-    return (params, jax.jit(dp.bookkeeping_clipper(bookkeeping, graphdef, rest)),
-            jax.jit(dp.per_example_clipper(per_example)))
-
-
-def _flat(grads) -> np.ndarray:
-    return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
-
-
-def test_bookkeeping_equals_per_example_clipping_and_bounds_each_example():
-    """K = 2 views and padding rows: the clipped sums agree within 1e-5 relative; on hostile
-    rows (huge pixels, pixels near float32's max that overflow the ScatterNet, cancelling
-    views) removing any one example moves the float32 sum by at most C (1 + 1e-6)."""
-    params, ours, reference = _clippers(_model())
-    rng = np.random.default_rng(0)
-    x = rng.random((8, 2, SIDE, SIDE, CHANNELS)).astype(np.float32)
-    y, mask = np.arange(8) % NUM_CLASSES, (np.arange(8) < 6).astype(np.float32)
-    for clip in (jnp.inf, 0.05):
-        mine, theirs = ours(params, (x, y), clip, mask), reference(params, (x, y), clip, mask)
-        a, b = _flat(mine.grads), _flat(theirs.grads)
-        assert np.linalg.norm(b) > 0 and np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
-    hostile = np.concatenate([x, x[:3]])
-    hostile[8] *= 1e6
-    hostile[9] = np.sign(hostile[9] - 0.5) * 3e37
-    hostile[10, 1] = -hostile[10, 0] * (1 + 1e-3) * 1e4
-    labels, clip = np.arange(11) % NUM_CLASSES, 0.5
-    full = _flat(ours(params, (hostile, labels), clip, jnp.ones(11)).grads)
-    assert np.isfinite(full).all()
-    for row in [0, 8, 9, 10]:
-        without = _flat(ours(params, (hostile, labels), clip, jnp.ones(11).at[row].set(0)).grads)
-        assert np.linalg.norm(full - without) <= clip * (1 + 1e-6), row
 
 
 def _train(model, images, labels, spec, steps=3):
