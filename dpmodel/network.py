@@ -1,6 +1,7 @@
-"""Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, scatternet_cnn, timm ViTs) in
-a model file: their parameters keyed by module path, the architecture to rebuild them, and the image
-transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean and std).
+"""Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, the ScatterNet models, timm
+ViTs) in a model file: their parameters keyed by module path, the architecture to rebuild them,
+and the image transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean
+and std).
 
 A loaded network computes its logits with `finetune.iter_logits`, the function the finetune
 job's evaluation uses, so that it predicts the classes its job scored.
@@ -12,9 +13,11 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["PARAMS_PREFIX", "network_arrays", "network_document", "rebuild_network"]
+__all__ = ["PARAMS_PREFIX", "SCATTERNET_FAMILIES", "network_arrays", "network_document",
+           "rebuild_network"]
 
 PARAMS_PREFIX = "params/"
+SCATTERNET_FAMILIES = ("scatternet_cnn", "scatternet_cnn_linear")  # a fixed kymatio front
 
 
 def network_arrays(model) -> dict[str, np.ndarray]:
@@ -38,7 +41,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                          "timm_architecture": timm_architecture}
     else:
         architecture["family"] = name
-    if name == "scatternet_cnn":
+    if name in SCATTERNET_FAMILIES:
         architecture["scatternet"] = _scatternet()
     return {
         "kind": "network",
@@ -56,7 +59,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
 
 
 def _scatternet() -> dict:
-    """The fixed front of a scatternet_cnn (`finetune.models.scatter`), recorded in its file."""
+    """The fixed front of a ScatterNet model (`finetune.models.scatter`), recorded in its file."""
     from finetune.models import scatter
 
     return {"library": "kymatio", "J": scatter.SCATTER_J, "L": scatter.SCATTER_L,
@@ -80,7 +83,7 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
         config = models.ViTConfig(**config)
         model = nnx.eval_shape(lambda: models.VisionTransformer(config, classes,
                                                                 rngs=nnx.Rngs(0)))
-    elif arch["family"] == "scatternet_cnn" and arch.get("scatternet") != _scatternet():
+    elif arch["family"] in SCATTERNET_FAMILIES and arch.get("scatternet") != _scatternet():
         raise ModelFileError(f"{path}: its ScatterNet {arch.get('scatternet')} is not this "
                              f"version's {_scatternet()}")
     elif arch["family"] in models.MODEL_NAMES:

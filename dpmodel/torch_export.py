@@ -6,7 +6,7 @@ model's resize, crop and channel transforms give; `dpprobe predict` applies thos
 returns the logits: a probe on features is its backbone (timm's module or ScatterNet), timm's
 mean/std normalization, the per-example normalization and the linear head; a fine-tuned network
 is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
-wrn16_4 and scatternet_cnn; timm's own VisionTransformer, filled by
+wrn16_4 and the ScatterNet models; timm's own VisionTransformer, filled by
 `finetune.models.timm_weights.copy_to_timm`).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
@@ -147,6 +147,7 @@ def _describe(model) -> str:
 def _torch_cnn(model) -> torch.nn.Module:
     """A from-scratch model as its `dpmodel.torch_models` counterpart, weights converted."""
     from dpmodel import torch_models
+    from dpmodel.network import SCATTERNET_FAMILIES
 
     arch = model.document["architecture"]
     classes, side, channels = arch["num_classes"], arch["image_size"], arch["in_channels"]
@@ -160,8 +161,9 @@ def _torch_cnn(model) -> torch.nn.Module:
         flat["fc1"] = (128, side // 8, side // 8)
     elif arch["family"] == "wrn16_4":
         net = torch_models.TorchWRN(classes, depth=16, width=4, in_channels=channels)
-    elif arch["family"] == "scatternet_cnn":
-        net = torch_models.TorchScatterCNN(classes, channels, side)
+    elif arch["family"] in SCATTERNET_FAMILIES:
+        net = torch_models.TorchScatterCNN(classes, channels, side,
+                                           linear=arch["family"] == "scatternet_cnn_linear")
         flat["fc1"] = (32, (side // 4 + 1) // 2, (side // 4 + 1) // 2)
     else:
         raise ValueError(f"{model.path}: no PyTorch counterpart for {arch['family']!r}")
@@ -182,13 +184,13 @@ def _torch_cnn(model) -> torch.nn.Module:
             else:
                 tensor = tensor.T
         state[f"{module}.{names[parts[-1]]}"] = torch.from_numpy(np.ascontiguousarray(tensor))
-    if arch["family"] != "scatternet_cnn":
+    if arch["family"] not in SCATTERNET_FAMILIES:
         net.load_state_dict(state, strict=True)
         return net
     missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("scattering.")]  # ScatterNet's filters
     if missing or unexpected:
-        raise ValueError(f"{model.path}: the PyTorch scatternet_cnn lacks {unexpected[:3]} or "
+        raise ValueError(f"{model.path}: the PyTorch {arch['family']} lacks {unexpected[:3]} or "
                          f"needs {missing[:3]}")
     return net
 

@@ -1,5 +1,5 @@
 """PyTorch counterparts of `finetune.models`' from-scratch models: what `dpprobe export` turns a
-fine-tuned cnn, cnn_cifar, wrn16_4 or scatternet_cnn into; the golden tests compare logits with
+fine-tuned cnn, cnn_cifar, wrn16_4 or ScatterNet model into; the golden tests compare logits with
 them, `benchmarks/finetune.py` trains them with Opacus. NCHW input, already normalized."""
 
 import torch
@@ -110,24 +110,30 @@ class TorchScatterCNN(torch.nn.Module):
     """Tramer & Boneh's ScatterNet + CNN (ftramer/Handcrafted-DP models.py, `MNIST_CNN` on
     scattering), `finetune.models.ScatterCNN` on NCHW images in [0, 1]: ScatterNet (kymatio's
     torch Scattering2D, J = 2, L = 8; its filters are buffers, not parameters), GroupNorm(27)
-    without affine, then the CNN."""
+    without affine, then the CNN; with `linear` (scatternet_cnn_linear) the head also reads
+    the normalized ScatterNet output, flattened in NHWC order as dpprobe's."""
 
-    def __init__(self, num_classes, in_channels, image_size):
+    def __init__(self, num_classes, in_channels, image_size, linear=False):
         super().__init__()
         from kymatio.torch import Scattering2D
 
         self.scattering = Scattering2D(J=2, shape=(image_size, image_size), L=8)
         side = (image_size // 4 + 1) // 2
+        self.linear = linear
         self.conv1 = torch.nn.Conv2d(81 * in_channels, 16, 3, stride=2, padding=1)
         self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
         self.fc1 = torch.nn.Linear(32 * side * side, 32)
-        self.head = torch.nn.Linear(32, num_classes)
+        linear_inputs = 81 * in_channels * (image_size // 4) ** 2 if linear else 0
+        self.head = torch.nn.Linear(32 + linear_inputs, num_classes)
 
     def features(self, x):
         s = self.scattering(x.contiguous())
         s = F.group_norm(s.reshape(s.shape[0], -1, s.shape[-2], s.shape[-1]), 27, eps=1e-5)
         x = torch.tanh(self.conv2(torch.tanh(self.conv1(s))))
-        return torch.tanh(self.fc1(x.flatten(1)))
+        x = torch.tanh(self.fc1(x.flatten(1)))
+        if self.linear:
+            x = torch.cat([x, s.permute(0, 2, 3, 1).flatten(1)], dim=1)
+        return x
 
     def forward(self, x):
         return self.head(self.features(x))

@@ -33,8 +33,8 @@ class FinetuneConfig:
       data: a data spec as for `extract` (fashion-mnist, digits, npz:, imagefolder:, cifar10:).
       test_data: the test split's spec, for sources of one split (npz:, imagefolder:); the
         test split is public (the accuracy on it is published).
-      model: "cnn", "cnn_cifar", "scatternet_cnn", "wrn16_4" or a timm ViT name
-        (`finetune.models`).
+      model: "cnn", "cnn_cifar", "scatternet_cnn", "scatternet_cnn_linear", "wrn16_4" or a
+        timm ViT name (`finetune.models`).
       weights, random_init: a timm model's local weights file, or random init; the hub
         otherwise. Models trained from scratch (`finetune.models.MODEL_NAMES`) take neither.
       resize, crop: resize each image's short side to `resize`, then center-crop `crop` x
@@ -79,9 +79,10 @@ class FinetuneConfig:
     data_dir: str | None = option(None, help="directory of Fashion-MNIST's gzipped IDX files")
     num_classes: int | None = num_classes_option()
     model: str = option(DEFAULT_MODEL, help="cnn (Tramer & Boneh's CNN), scatternet_cnn (their "
-                        "CNN on a fixed ScatterNet), wrn16_4 (WRN-16-4 with GroupNorm + weight "
-                        "standardization), or a timm ViT name (vit_*, deit_*) (default "
-                        "%(default)s)")
+                        "CNN on a fixed ScatterNet), scatternet_cnn_linear (that CNN and a linear "
+                        "model on the ScatterNet: best on small grayscale images), wrn16_4 "
+                        "(WRN-16-4 with GroupNorm + weight standardization), or a timm ViT name "
+                        "(vit_*, deit_*) (default %(default)s)")
     weights: str | None = option(None,
                                  help="local .safetensors/.pth weights of the timm model")
     random_init: bool = option(False, action="store_true", help="a timm model with random "

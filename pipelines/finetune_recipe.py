@@ -10,7 +10,7 @@ reaches 68-70% at epsilon 8, while B = 256 for 60 epochs at lr 2 reaches 96%. So
 * **B = the largest power of two <= N / 5, at most 2048** (q = B / N <= 0.2: the Poisson
   sampling still amplifies privacy, and there are at least 5 batches per epoch). N >= 10,240
   gives Tramer & Boneh's 2048; digits gets 256.
-* **Epochs: 30 (40 for scatternet_cnn, Tramer & Boneh's), or more so that T = epochs x N / B
+* **Epochs: 30 (40 for the ScatterNet models, Tramer & Boneh's), or more so that T = epochs x N / B
   >= 300 steps** (digits: 53 epochs): with few steps the model barely trains, whatever the
   noise.
 * **lr = 4 sqrt(B / 2048)**, the square-root scaling of the learning rate with the batch size:
@@ -37,7 +37,7 @@ MAX_BATCH = 2048  # Tramer & Boneh's batch for Fashion-MNIST
 MIN_BATCHES_PER_EPOCH = 5
 MIN_EPOCHS = 30.0
 # Tramer & Boneh's epochs where they differ (ScatterNet + CNN on Fashion-MNIST: 40).
-MODEL_EPOCHS = {"scatternet_cnn": 40.0}
+MODEL_EPOCHS = {"scatternet_cnn": 40.0, "scatternet_cnn_linear": 40.0}
 MIN_STEPS = 300
 BASE_LEARNING_RATE = 4.0  # at MAX_BATCH
 CLIP_NORM = 0.1

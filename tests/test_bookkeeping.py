@@ -27,8 +27,9 @@ def _model(name: str):
     if name == "wrn":
         return WideResNet(CLASSES, depth=10, width=1, image_size=8, in_channels=1,
                           rngs=rngs), (8, 1)
-    if name == "scatter":  # its ScatterNet overflows on the hostile rows: null records
-        return ScatterCNN(CLASSES, image_size=16, in_channels=2, rngs=rngs), (16, 2)
+    if name.startswith("scatter"):  # its ScatterNet overflows on the hostile rows: null records
+        return ScatterCNN(CLASSES, image_size=16, in_channels=2, rngs=rngs,
+                          linear=name == "scatter_linear"), (16, 2)
     return VisionTransformer(SMALL_VIT, CLASSES, rngs=rngs), (16, 3)
 
 
@@ -60,7 +61,8 @@ def _flat(grads) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name,ghost", [("cnn", None), ("wrn", None), ("wrn", True),
-                                        ("vit", None), ("vit", True), ("scatter", None)])
+                                        ("vit", None), ("vit", True), ("scatter", None),
+                                        ("scatter_linear", None)])
 def test_equals_per_example_clipping_with_views_and_padding(name, ghost):
     """K = 2 views, two padding rows: the clipped sums agree within 1e-5 relative unclipped;
     clipped, the book-keeping norms are upper bounds within 1e-5 (instantiated) or 1e-3
@@ -94,7 +96,8 @@ def _adversarial(shape, rng):
 
 @pytest.mark.parametrize("name,ghost,dtype", [("cnn", None, None), ("wrn", True, None),
                                               ("vit", True, jnp.bfloat16),
-                                              ("scatter", None, None)])
+                                              ("scatter", None, None),
+                                              ("scatter_linear", None, None)])
 def test_each_example_moves_the_sum_by_at_most_c(name, ghost, dtype):
     """Removing any one example (its mask to 0) moves the computed float32 sum by at most
     C (1 + 1e-6), measured in float64, on rows built to break clipping, with a float32 or a

@@ -126,8 +126,9 @@ def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
     assert set(given.chosen) == {"clip_norm"}
 
 
-def test_scatternet_cnn_takes_tramer_and_bonehs_40_epochs():
-    config = FinetuneConfig(epsilon=3.0, model="scatternet_cnn")
+@pytest.mark.parametrize("model", ["scatternet_cnn", "scatternet_cnn_linear"])
+def test_scatternet_models_take_tramer_and_bonehs_40_epochs(model):
+    config = FinetuneConfig(epsilon=3.0, model=model)
     chosen = finetune_recipe(config, num_examples=60_000, image_size=28, num_classes=10)
     assert (chosen.batch_size, chosen.epochs, chosen.learning_rate) == (2048, 40.0, 4.0)
     assert chosen.chosen["epochs"] == "at least 40 and at least 300 steps"

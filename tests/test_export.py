@@ -47,7 +47,8 @@ def _compare(model_path, images, tmp_path, formats=("torch", "onnx")) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,side,channels", [("cnn", 28, 1), ("wrn16_4", 8, 3),
-                                                  ("scatternet_cnn", 16, 2)])
+                                                  ("scatternet_cnn", 16, 2),
+                                                  ("scatternet_cnn_linear", 12, 1)])
 def test_from_scratch_networks_export_to_torch_and_onnx(family, side, channels, tmp_path):
     model = fm.create_model(family, len(CLASSES), image_size=side, in_channels=channels,
                             rngs=nnx.Rngs(0))

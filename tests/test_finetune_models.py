@@ -270,8 +270,8 @@ SMALL_MODELS = {
     "wrn": lambda rngs: fm.WideResNet(4, depth=10, width=4, image_size=8, in_channels=1,
                                       rngs=rngs),
     "vit": lambda rngs: fm.vit_from_timm(_timm_vit(**_TINY_VIT), 4, rngs=rngs),
-    "scatter": lambda rngs: fm.create_model("scatternet_cnn", 4, image_size=16, in_channels=2,
-                                            rngs=rngs),
+    "scatter": lambda rngs: fm.create_model("scatternet_cnn_linear", 4, image_size=16,
+                                            in_channels=2, rngs=rngs),  # scatternet_cnn + head
 }
 _SIDE = {"cnn": 16, "wrn": 8, "vit": 16, "scatter": 16}
 _CHANNELS = {"cnn": 1, "wrn": 1, "vit": 3, "scatter": 2}

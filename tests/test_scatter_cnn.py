@@ -1,7 +1,8 @@
-"""`scatternet_cnn` (Tramer & Boneh's ScatterNet + CNN): its front is kymatio's torch
-ScatterNet and torch's GroupNorm; training on the front's features computed once is training
-on the images; the job trains, records, predicts and exports it. (Book-keeping on it, against
-per-example clipping and on hostile rows: tests/test_bookkeeping.py.)"""
+"""`scatternet_cnn` (Tramer & Boneh's ScatterNet + CNN) and `scatternet_cnn_linear`: their
+front is kymatio's torch ScatterNet and torch's GroupNorm; training on the front's features
+computed once is training on the images; the job trains, records, predicts and exports them.
+(Book-keeping on them, against per-example clipping and on hostile rows:
+tests/test_bookkeeping.py.)"""
 
 from __future__ import annotations
 
@@ -91,18 +92,20 @@ def test_training_on_the_fronts_features_is_training_on_the_images(monkeypatch):
     assert finetune.fronts.cached_front(model, images, spec)[0] is model  # too large to hold
 
 
-def test_the_job_trains_records_predicts_and_exports_scatternet_cnn(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["scatternet_cnn", "scatternet_cnn_linear"])
+def test_the_job_trains_records_predicts_and_exports_the_scatternet_models(name, tmp_path,
+                                                                          monkeypatch):
     import dpmodel
 
     rng = np.random.default_rng(0)
     _write(tmp_path, _images(rng, 80, side=SIDE), _images(rng, 30, side=SIDE))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["finetune", "--data", "npz:train.npz", "--test-data", "npz:test.npz",
-                     "--model", "scatternet_cnn", "--batch-size", "32", "--steps", "3",
+                     "--model", name, "--batch-size", "32", "--steps", "3",
                      "--physical-batch-size", "16", "--epsilon", "4", "--out", "run",
                      "--quiet"]) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["model"]["name"] == "scatternet_cnn"
+    assert results["model"]["name"] == name
     assert results["model"]["input"] == f"{SIDE} px, scaled to [0, 1]"
     assert results["trained"]["parameters"] == results["trained"]["of"] > 0
     model = dpmodel.load_model(tmp_path / "run" / "model.safetensors")

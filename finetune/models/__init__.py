@@ -7,7 +7,8 @@ are well defined), keeps all weights as `nnx.Param`, and has a zero-initialized 
 
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
     2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
-    fixed ScatterNet), or a timm ViT name at random init;
+    fixed ScatterNet), "scatternet_cnn_linear" (that CNN and a linear model on the ScatterNet,
+    one head), or a timm ViT name at random init;
   * `vit_from_timm(timm_model, ...)`: a timm VisionTransformer (pretrained or not) as NNX;
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """

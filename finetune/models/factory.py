@@ -20,11 +20,12 @@ _CONSTRUCTORS = {
     "cnn_cifar": CifarCNN,
     "wrn16_4": functools.partial(WideResNet, depth=16, width=4),
     "scatternet_cnn": ScatterCNN,
+    "scatternet_cnn_linear": functools.partial(ScatterCNN, linear=True),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_CONSTRUCTORS)
 # The input's per-channel (mean, std) after scaling to [0, 1]: [-1, 1] for the models trained
-# from scratch, [0, 1] (Tramer & Boneh's ScatterNet input) for scatternet_cnn.
-_MEAN_STD = {"scatternet_cnn": (0.0, 1.0)}
+# from scratch, [0, 1] (Tramer & Boneh's ScatterNet input) for the ScatterNet models.
+_MEAN_STD = {"scatternet_cnn": (0.0, 1.0), "scatternet_cnn_linear": (0.0, 1.0)}
 
 
 def input_mean_std(name: str) -> tuple[float, float]:
@@ -40,7 +41,8 @@ def create_model(name: str, num_classes: int, *, image_size: int, in_channels: i
     Args:
       name: one of `MODEL_NAMES` ("cnn": Tramer & Boneh's MNIST CNN, "cnn_cifar": their CIFAR-10
         CNN, "wrn16_4": De et al.'s WRN-16-4 with GroupNorm and weight standardization,
-        "scatternet_cnn": their CNN on a fixed ScatterNet), or a
+        "scatternet_cnn": their CNN on a fixed ScatterNet, "scatternet_cnn_linear": that CNN
+        and a linear model on the ScatterNet, one head over both), or a
         timm VisionTransformer name (vit_*_patch*_*, deit_*, deit3_*): its architecture at
         `image_size` built by timm at random init (timm's ViT init, seeded from `rngs`), then
         converted by `vit_from_timm`.

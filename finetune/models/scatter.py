@@ -20,6 +20,12 @@ JAX frontend (`kymatio.jax.Scattering2D`, the same filters as the torch ScatterN
 when no augmentation changes the images between steps (here ~0.4 ms per image on CPU, more
 than the CNN's step).
 
+`scatternet_cnn_linear` (ours, `linear=True`) adds Tramer & Boneh's other model, ScatterNet +
+linear, beside the CNN: its head reads the CNN's 32 features and the front's output flattened
+(3,969 at 28 px), so the logits are the CNN's plus a linear model's on the ScatterNet features,
+both trained together (one head, zero-initialized, clipped with the rest). On Fashion-MNIST at
+(3, 1e-5) it beats both (README: `benchmarks/finetune_fmnist.py`).
+
 Input: images scaled to [0, 1] (mean 0, std 1; Tramer & Boneh's input), any side divisible by
 4, any channel count (81 coefficients per channel, channel-major, as `extract`'s ScatterNet).
 Initialization: torch's default for the kernels, zero biases, the zero-initialized head.
@@ -73,12 +79,13 @@ def scatter_groupnorm(x: jax.Array, groups: int = GROUPS, epsilon: float = 1e-5)
 
 
 class ScatterCNN(nnx.Module):
-    """`scatternet_cnn`: the CNN on `front(x)` (module docstring). With `on_features` set
+    """`scatternet_cnn`: the CNN on `front(x)`; with `linear`, `scatternet_cnn_linear`: the
+    head also reads `front(x)` flattened (module docstring). With `on_features` set
     (`finetune.fronts`, training on precomputed features) it reads the front's output instead
     of images; the parameters are the same."""
 
     def __init__(self, num_classes: int, *, image_size: int, in_channels: int, rngs: nnx.Rngs,
-                 head_bias_init: float = 0.0):
+                 head_bias_init: float = 0.0, linear: bool = False):
         if image_size < 8 or image_size % 4:
             raise ValueError("image_size must be a multiple of 4 (ScatterNet's J = 2) and >= 8 "
                              f"for scatternet_cnn, got {image_size}")
@@ -86,7 +93,10 @@ class ScatterCNN(nnx.Module):
         self.conv1 = Conv(channels, 16, 3, 2, 1, kernel_init=_TORCH_KERNEL_INIT, rngs=rngs)
         self.conv2 = Conv(16, 32, 3, 1, 1, kernel_init=_TORCH_KERNEL_INIT, rngs=rngs)
         self.fc1 = nnx.Linear(flat * flat * 32, 32, kernel_init=_TORCH_KERNEL_INIT, rngs=rngs)
-        self.head = zero_head(32, num_classes, head_bias_init=head_bias_init, rngs=rngs)
+        linear_inputs = (image_size // 4) ** 2 * channels if linear else 0
+        self.head = zero_head(32 + linear_inputs, num_classes, head_bias_init=head_bias_init,
+                              rngs=rngs)
+        self.linear = linear
         self.on_features = False
 
     @staticmethod
@@ -96,12 +106,15 @@ class ScatterCNN(nnx.Module):
         return scatter_groupnorm(scattering(x))
 
     def features(self, x: jax.Array) -> jax.Array:
-        """Pre-logits (N, 32) from images (or, `on_features`, from the front's output)."""
-        if not self.on_features:
-            x = self.front(x).astype(x.dtype)
-        x = jnp.tanh(self.conv1(x))
-        x = jnp.tanh(self.conv2(x))
-        return jnp.tanh(self.fc1(x.reshape(x.shape[0], -1)))
+        """Pre-logits (N, 32) from images (or, `on_features`, from the front's output); with
+        `linear`, (N, 32 + S/4 S/4 81 C): then the front's output flattened in NHWC order."""
+        front = x if self.on_features else self.front(x).astype(x.dtype)
+        h = jnp.tanh(self.conv1(front))
+        h = jnp.tanh(self.conv2(h))
+        h = jnp.tanh(self.fc1(h.reshape(h.shape[0], -1)))
+        if self.linear:
+            h = jnp.concatenate([h, front.reshape(front.shape[0], -1)], axis=-1)
+        return h
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Float32 logits (N, num_classes)."""
