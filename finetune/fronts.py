@@ -58,8 +58,9 @@ def front_features(front: Callable, images: np.ndarray, spec: FinetuneSpec, *,
     features = np.empty((len(images), *shape.shape[1:]), np.float32)
     for start in range(0, len(images), batch_size):
         padded, mask = pad_rows(images[start:start + batch_size], rows=batch_size)
+        count = int(mask.sum())
         out = np.asarray(_front_batch(padded, front=front, mean=mean, std=std), np.float32)
-        features[start:start + int(mask.sum())] = out[:int(mask.sum())]
+        features[start:start + count] = out[:count]
     return features
 
 

@@ -88,7 +88,7 @@ class ScatterCNN(nnx.Module):
                  head_bias_init: float = 0.0, linear: bool = False):
         if image_size < 8 or image_size % 4:
             raise ValueError("image_size must be a multiple of 4 (ScatterNet's J = 2) and >= 8 "
-                             f"for scatternet_cnn, got {image_size}")
+                             f"for the ScatterNet models, got {image_size}")
         channels, flat = in_channels * COEFFICIENTS, (image_size // 4 + 1) // 2
         self.conv1 = Conv(channels, 16, 3, 2, 1, kernel_init=_TORCH_KERNEL_INIT, rngs=rngs)
         self.conv2 = Conv(16, 32, 3, 1, 1, kernel_init=_TORCH_KERNEL_INIT, rngs=rngs)
