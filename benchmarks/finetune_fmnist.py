@@ -2,15 +2,15 @@
 `--runs` runs each (each with its own noise), medians, against issue 25's target (>= 90%).
 
 `run_finetune(data="fashion-mnist", model=M, epsilon=3, delta=1e-5, ...)` with the recipe's
-defaults (`pipelines.finetune_recipe`: B = 2048, lr 4, C = 0.1, momentum 0.9, EMA 0.999) and
-`--epochs` (default: the recipe's, 30 or the model's) and `--ema-decay` (default: the
-job's, 0.999; 0.998 gave `scatternet_cnn_linear` its best median, README). Published at
+defaults (`pipelines.finetune_recipe`: B = 2048, lr 4, C = 0.1, momentum 0.9, EMA 0.999 or
+0.998 for `scatternet_cnn_linear`) and `--epochs` (default: the recipe's, 30 or the
+model's) and `--ema-decay` (default: the recipe's). Published at
 (3, 1e-5) (Tramer & Boneh 2021): end-to-end CNN 86.0%, ScatterNet + CNN 89.0%, ScatterNet +
 linear 89.7%. The released model is the EMA.
 
 Run: .venv/bin/python benchmarks/finetune_fmnist.py
          [--models scatternet_cnn_linear,scatternet_cnn,cnn] [--runs 3]
-         [--epochs 40] [--ema-decay 0.999] [--physical-batch-size 512]
+         [--epochs 40] [--ema-decay D] [--physical-batch-size 512]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
 
     print(f"Fashion-MNIST, (3, 1e-5), {args.runs} runs per model; epochs "
           f"{args.epochs or 'the recipe default'}, EMA decay "
-          f"{args.ema_decay if args.ema_decay is not None else 'the default'}")
+          f"{args.ema_decay if args.ema_decay is not None else 'the recipe default'}")
     # Options left None are not passed: the run then takes the job's own defaults.
     given = {"ema_decay": args.ema_decay} if args.ema_decay is not None else {}
     print(f"{'model':21s} {'run':>3s} {'acc %':>7s} {'EMA %':>7s} {'img/s':>7s} {'s':>6s}  recipe")

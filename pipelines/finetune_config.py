@@ -53,7 +53,8 @@ class FinetuneConfig:
       non_private: NOT private: the plain batch gradient (no clipping, no noise, no
         accounting) on the same Poisson batches, for side-by-side comparisons; `epsilon`,
         `delta`, `accountant` and `clip_norm` are then unused and the results say epsilon inf.
-      ema_decay: EMA of the parameters (0 turns it off).
+      ema_decay: EMA of the parameters (0 turns it off; None: chosen by the recipe, 0.999, or
+        0.998 for `scatternet_cnn_linear`).
       physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
       seed: drives only the model's initialization (never a mechanism).
       out: a folder for results.json and model.safetensors (the released model: the EMA
@@ -133,8 +134,8 @@ class FinetuneConfig:
                                "pixels (default %(default)s)")
     flip: bool = option(False, action="store_true",
                         help="random horizontal flips of the views")
-    ema_decay: float = option(0.999, type=number,
-                              help="EMA of the parameters, 0 for none (default %(default)s)")
+    ema_decay: float | None = option(None, type=number, help="EMA of the parameters, 0 for "
+                                     "none (default 0.999; 0.998 for scatternet_cnn_linear)")
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
         256, type=integer, help="examples per compiled call (default %(default)s)")
@@ -188,7 +189,7 @@ class FinetuneConfig:
             raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
                                   f"{self.audit_kind!r}")
         cfg.check_int("crop_padding", self.crop_padding, 0)
-        if not 0.0 <= self.ema_decay < 1.0:
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         if self.weights is not None and self.random_init:
             raise cfg.ConfigError("weights", "`weights` and `random_init` exclude each other")

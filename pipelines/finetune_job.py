@@ -149,7 +149,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
         momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
         augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
-        ema_decay=config.ema_decay or None, mean=mean, std=std, train=config.train)
+        ema_decay=chosen.ema_decay or None, mean=mean, std=std, train=config.train)
     flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
                                    microbatch_size=config.microbatch_size,
                                    mixed_precision=config.mixed_precision, devices=config.devices)

@@ -123,7 +123,8 @@ def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
     given = finetune_recipe(FinetuneConfig(batch_size=64, learning_rate=0.3, steps=7),
                             num_examples=n, image_size=16, num_classes=10)
     assert (given.batch_size, given.epochs, given.learning_rate) == (64, None, 0.3)
-    assert set(given.chosen) == {"clip_norm"}
+    assert set(given.chosen) == {"clip_norm", "ema_decay"}
+    assert chosen.ema_decay == given.ema_decay == 0.999  # De et al.'s, for the cnn
 
 
 @pytest.mark.parametrize("model", ["scatternet_cnn", "scatternet_cnn_linear"])
@@ -134,3 +135,16 @@ def test_scatternet_models_take_tramer_and_bonehs_40_epochs(model):
     assert chosen.chosen["epochs"] == "at least 40 and at least 300 steps"
     digits = finetune_recipe(config, num_examples=1438, image_size=8, num_classes=10)
     assert digits.epochs == 54.0  # the 300 steps decide
+
+
+@pytest.mark.parametrize(("model", "decay"), [
+    ("scatternet_cnn_linear", 0.998), ("scatternet_cnn", 0.999), ("wrn16_4", 0.999)])
+def test_the_ema_decay_is_chosen_per_model_unless_given(model, decay):
+    chosen = finetune_recipe(FinetuneConfig(epsilon=3.0, model=model), num_examples=60_000,
+                             image_size=28, num_classes=10)
+    assert chosen.ema_decay == decay and "ema_decay" in chosen.chosen
+    assert f"EMA {decay:g} [" in chosen.describe()
+    for given in (0.0, 0.99):  # 0 turns it off; a given decay is kept, not chosen
+        kept = finetune_recipe(FinetuneConfig(epsilon=3.0, model=model, ema_decay=given),
+                               num_examples=60_000, image_size=28, num_classes=10)
+        assert kept.ema_decay == given and "ema_decay" not in kept.chosen

@@ -66,6 +66,7 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert privacy["private"] is True and "claim" not in privacy
     assert results["trained"]["mode"] == "all"
     assert results["trained"]["parameters"] == results["trained"]["of"]
+    assert results["recipe"]["ema_decay"] == 0.999  # the recipe's, De et al.'s
 
 
 # Leaves that may differ between D and D minus one row: DP outputs, times, and what follows
