@@ -33,8 +33,10 @@ data:
 demo: install data
 	$(BIN)/dpprobe demo
 
+# One pytest worker per core (at most 4: each holds its own JAX and torch); `pytest -q` alone
+# runs the same tests in one process.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 lint: install
 	$(BIN)/ruff check .
