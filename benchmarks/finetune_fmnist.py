@@ -37,15 +37,13 @@ def main() -> None:
     print(f"Fashion-MNIST, (3, 1e-5), {args.runs} runs per model; epochs "
           f"{args.epochs or 'the recipe default'}, EMA decay "
           f"{args.ema_decay if args.ema_decay is not None else 'the recipe default'}")
-    # Options left None are not passed: the run then takes the job's own defaults.
-    given = {"ema_decay": args.ema_decay} if args.ema_decay is not None else {}
     print(f"{'model':21s} {'run':>3s} {'acc %':>7s} {'EMA %':>7s} {'img/s':>7s} {'s':>6s}  recipe")
     for model in args.models.split(","):
         accuracies = []
         for index in range(args.runs):
             start = time.perf_counter()
             results = run_finetune(data="fashion-mnist", model=model, epsilon=3.0, delta=1e-5,
-                                   epochs=args.epochs, quiet=True, **given,
+                                   epochs=args.epochs, ema_decay=args.ema_decay, quiet=True,
                                    physical_batch_size=args.physical_batch_size)
             seconds = time.perf_counter() - start
             raw, ema = 100 * results["test_accuracy"], 100 * results["test_accuracy_ema"]
