@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict bench-load \
+.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict bench-export bench-load \
 	data clean
 
 install: $(STAMP)
@@ -58,6 +58,9 @@ bench-audit: install
 
 bench-predict: install
 	$(BIN)/python benchmarks/predict.py
+
+bench-export: install
+	$(BIN)/python benchmarks/export.py
 
 bench-load: install
 	$(BIN)/python benchmarks/probe_load.py

@@ -241,17 +241,22 @@ def export_torch(model) -> tuple[bytes, str]:
 
 def export_onnx(model) -> tuple[bytes, str]:
     """(bytes of an ONNX model, its input): input "images" (or "features"), output "logits",
-    a dynamic batch axis; the privacy claim and class names in its metadata. torch's dynamo
-    exporter (onnxscript) is the one that exports ScatterNet's complex FFTs (as ONNX DFT); its
-    graph optimizer is off (measured: it took 170 s of a 230 s ScatterNet export, and the
-    logits match within 1e-4 without it)."""
+    a dynamic batch axis; the privacy claim and class names in its metadata. A ScatterNet is
+    exported a scale at a time, its Fourier transforms as products with the DFT's matrices
+    (`extract.scattering.batch_scatterings`; kymatio's loop of FFTs became ONNX DFT
+    operators, which onnxruntime ran 15x slower, in an 8x larger file:
+    `benchmarks/export.py`). torch's dynamo exporter (onnxscript), its graph optimizer off
+    (measured: it took 170 s of a 230 s ScatterNet export, and the logits match within 1e-4
+    without it)."""
     import os
     import tempfile
     import warnings
 
     import onnx
 
-    module = to_torch(model)
+    from extract.scattering import batch_scatterings
+
+    module = batch_scatterings(to_torch(model), dft="matrix")
     example = example_input(model)
     name = "features" if model.kind == "linear" and not model.takes_images else "images"
     batch = torch.export.Dim("batch", min=1)

@@ -116,8 +116,8 @@ def test_finetuned_vit_exports_a_timm_state_dict_torch_and_onnx(tmp_path):
 
 @pytest.mark.slow
 def test_scatternet_probe_exports_to_torch_and_onnx(digits_store, tmp_path):
-    """A probe on ScatterNet features (GroupNorm 27) as one module: ScatterNet's FFTs export
-    through torch's dynamo exporter (ONNX DFT)."""
+    """A probe on ScatterNet features (GroupNorm 27) as one module: the ONNX file computes
+    the scattering a scale at a time with matrix DFTs (`extract.scattering`)."""
     from extract import open_source
 
     assert cli.main(["probe", digits_store, "--epsilons", "8", "--seeds", "1", "--steps", "20",
@@ -126,7 +126,7 @@ def test_scatternet_probe_exports_to_torch_and_onnx(digits_store, tmp_path):
                      "--quiet"]) == 0
     images = open_source("digits")["test"].array[:6]
     # --format torch is the same module (`to_torch`, compared here) through torch.export, as
-    # for the other families; ONNX is ScatterNet's own case (its FFTs).
+    # for the other families; ONNX is ScatterNet's own case (its batched matrix DFTs).
     _compare(tmp_path / "models" / "eps8.safetensors", images, tmp_path, formats=("onnx",))
 
 

@@ -98,6 +98,48 @@ def test_scatternet_equals_kymatio_by_hand(rng):
     assert extract.embed_images(backbone, rgb, range(2)).shape == (2, 3 * 81 * 4 * 4)
 
 
+@pytest.mark.parametrize("shape,J,L,channels", [((28, 28), 2, 8, 1), ((12, 12), 2, 8, 2),
+                                                 ((32, 32), 3, 4, 3), ((24, 20), 2, 6, 1)])
+def test_batched_scattering_is_kymatios(rng, shape, J, L, channels):
+    from kymatio.torch import Scattering2D
+
+    from extract.scattering import BatchedScattering2D
+
+    x = torch.from_numpy(rng.normal(size=(3, channels, *shape)).astype(np.float32))
+    x[1] *= 1e6  # large and small inputs, a constant image
+    x[2] = 0.5
+    theirs = Scattering2D(J=J, shape=shape, L=L)
+    expected = theirs(x)
+    scale = expected.abs().amax(dim=(-3, -2, -1), keepdim=True)  # per image and channel
+    ours = BatchedScattering2D(J=J, shape=shape, L=L)
+    fft = ours(x)
+    assert fft.shape == expected.shape  # bit for bit here at J = 2; FFT batching may round
+    assert ((fft - expected).abs() <= 1e-6 * scale).all()
+    ours.dft = "matrix"  # the export's DFTs as matrix products: float32 rounding apart
+    assert ((ours(x) - expected).abs() <= 4e-6 * scale).all()
+    state, reference = ours.state_dict(), theirs.state_dict()
+    assert list(state) == list(reference)
+    assert all(torch.equal(state[k], reference[k]) for k in state)
+    first = BatchedScattering2D(J=J, shape=shape, L=L, max_order=1)  # kymatio's own loop
+    assert torch.equal(first(x), Scattering2D(J=J, shape=shape, L=L, max_order=1)(x))
+    with pytest.raises(RuntimeError, match="spatial size"):
+        ours(x[..., 1:].contiguous())
+
+
+def test_batch_scatterings_swaps_kymatios_module_inside_a_model():
+    from dpmodel.torch_models import TorchScatterCNN
+    from extract.scattering import BatchedScattering2D, batch_scatterings
+
+    torch.manual_seed(0)
+    model = TorchScatterCNN(3, 2, 16, linear=True).eval()
+    x = torch.rand(4, 2, 16, 16)
+    with torch.no_grad():
+        before = model(x)
+        assert batch_scatterings(model) is model
+        assert type(model.scattering) is BatchedScattering2D and model.scattering.dft == "matrix"
+        assert (model(x) - before).abs().max() <= 1e-5 * before.abs().max()
+
+
 class _Exploding(torch.nn.Module):
     """Wraps a backbone's module and fails on the n-th call, like a killed job."""
 
