@@ -16,10 +16,8 @@ from pipelines.options import (
     option,
 )
 
-__all__ = ["AUDIT_KINDS", "DEFAULT_MODEL", "MAX_CANARIES", "FinetuneConfig"]
+__all__ = ["AUDIT_KINDS", "MAX_CANARIES", "FinetuneConfig"]
 
-# Trains well on small grayscale images on a CPU (README, "Finetuning"): Tramer & Boneh's CNN.
-DEFAULT_MODEL = "cnn"
 # Canaries of one audited run (each is an extra training row), and their kinds.
 MAX_CANARIES = 10_000_000
 AUDIT_KINDS = ("gradient", "image")
@@ -34,7 +32,8 @@ class FinetuneConfig:
       test_data: the test split's spec, for sources of one split (npz:, imagefolder:); the
         test split is public (the accuracy on it is published).
       model: "cnn", "cnn_cifar", "scatternet_cnn", "scatternet_cnn_linear", "wrn16_4" or a
-        timm ViT name (`finetune.models`).
+        timm ViT name (`finetune.models`); None: chosen from the input side
+        (`pipelines.finetune_recipe.default_model`).
       weights, random_init: a timm model's local weights file, or random init; the hub
         otherwise. Models trained from scratch (`finetune.models.MODEL_NAMES`) take neither.
       resize, crop: resize each image's short side to `resize`, then center-crop `crop` x
@@ -79,11 +78,12 @@ class FinetuneConfig:
         "imagefolder:PATH); public: its accuracy is published")
     data_dir: str | None = option(None, help="directory of Fashion-MNIST's gzipped IDX files")
     num_classes: int | None = num_classes_option()
-    model: str = option(DEFAULT_MODEL, help="cnn (Tramer & Boneh's CNN), scatternet_cnn (their "
-                        "CNN on a fixed ScatterNet), scatternet_cnn_linear (that CNN and a linear "
-                        "model on the ScatterNet: best on small grayscale images), wrn16_4 "
-                        "(WRN-16-4 with GroupNorm + weight standardization), or a timm ViT name "
-                        "(vit_*, deit_*) (default %(default)s)")
+    model: str | None = option(None, help="cnn (Tramer & Boneh's CNN), scatternet_cnn (their "
+                               "CNN on a fixed ScatterNet), scatternet_cnn_linear (that CNN and "
+                               "a linear model on the ScatterNet: the best measured here), "
+                               "wrn16_4 (WRN-16-4 with GroupNorm + weight standardization), or "
+                               "a timm ViT name (vit_*, deit_*) (default: scatternet_cnn_linear "
+                               "for images of at most 32 px, a side divisible by 4; else cnn)")
     weights: str | None = option(None,
                                  help="local .safetensors/.pth weights of the timm model")
     random_init: bool = option(False, action="store_true", help="a timm model with random "

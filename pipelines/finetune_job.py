@@ -20,12 +20,12 @@ from pathlib import Path
 import accounting
 from pipelines import config as cfg
 from pipelines import files, model_files, preflight, processes, records, reporting, run_folder
-from pipelines.finetune_config import DEFAULT_MODEL, FinetuneConfig
+from pipelines.finetune_config import FinetuneConfig
 from pipelines.finetune_data import DATA_RULE, load_images
-from pipelines.finetune_recipe import finetune_recipe
+from pipelines.finetune_recipe import default_model, finetune_recipe
 from pipelines.reporting import log
 
-__all__ = ["DEFAULT_MODEL", "FinetuneConfig", "run_finetune"]
+__all__ = ["FinetuneConfig", "run_finetune"]
 
 # What --non-private says wherever it is recorded.
 NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
@@ -96,16 +96,19 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
     import finetune
 
-    if config.train == "lora" and config.model in finetune.models.MODEL_NAMES:
+    if config.train == "lora" and (config.model is None
+                                   or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
-                         f"`model={config.model}` has none: train all, head or bias")
+                         f"`model={config.model or 'the default'}` has none: name a timm ViT, "
+                         "or train all, head or bias")
 
     start = time.perf_counter()
     quiet = config.quiet
+    options = _options(config)  # as given (a default model stays None: chosen again on rerun)
 
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
     # by the public per-record rule (a bad record trains as a null record; nothing counts them).
-    model_is_timm = config.model not in finetune.models.MODEL_NAMES
+    model_is_timm = config.model is not None and config.model not in finetune.models.MODEL_NAMES
     train, test, class_names = load_images(config, rgb=model_is_timm)
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
@@ -118,6 +121,11 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         first, stop = process_rows(num_real)
         train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
+    model_choice = None
+    if config.model is None:  # from the public input side (`finetune_recipe.default_model`)
+        config = dataclasses.replace(config, model=default_model(image_size))
+        model_choice = f"the default for {image_size} px images"
+        log(f"model: {config.model} [{model_choice}]", quiet)
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
     # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
@@ -165,7 +173,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     checkpointer = None
     if out is not None and not multi:  # a multi-process run does not checkpoint
         checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
-                                             config=_options(config))
+                                             config=options)
         if checkpointer.latest_step() is not None:
             log(f"resuming from {out / 'checkpoint'} at step {checkpointer.latest_step()}", quiet)
 
@@ -216,7 +224,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         "data": {"spec": config.data, "num_classes": num_classes, "class_names": class_names,
                  "num_train": num_real, "num_test": len(test[1]),
                  "image_size": image_size, "channels": channels},
-        "model": model_info,
+        "model": model_info | ({"chosen": model_choice} if model_choice else {}),
         "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
             "batch_size": chosen.batch_size, "epochs": chosen.epochs,
             "clip_norm": clip, "chosen": chosen.chosen},
@@ -264,7 +272,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
             timm_architecture=model_info.get("architecture"), trained=trained_info)
         results["model_file"] = str(out / model_files.MODEL_FILE)
         # The options before the results: a run killed between the two reruns, not refused.
-        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(_options(config)))
+        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
         reporting.write_json(out / "results.json", results)
         if checkpointer is not None:

@@ -10,8 +10,8 @@ import math
 import pytest
 
 import accounting
-from pipelines import FinetuneConfig, ProbeConfig, cli, recipe, run_probe, search
-from pipelines.finetune_recipe import finetune_recipe
+from pipelines import FinetuneConfig, ProbeConfig, cli, recipe, run_finetune, run_probe, search
+from pipelines.finetune_recipe import default_model, finetune_recipe
 
 
 def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():
@@ -115,12 +115,13 @@ def test_a_clipped_r_is_explained_with_what_to_do():
     (100, 16, 48.0, 4.0 * math.sqrt(16 / 2048)),
 ])
 def test_finetune_recipe_from_public_quantities(n, batch, epochs, lr):
-    chosen = finetune_recipe(FinetuneConfig(epsilon=8.0), num_examples=n, image_size=16,
-                             num_classes=10)
+    chosen = finetune_recipe(FinetuneConfig(epsilon=8.0, model="cnn"), num_examples=n,
+                             image_size=16, num_classes=10)
     assert (chosen.batch_size, chosen.epochs, chosen.clip_norm) == (batch, epochs, 0.1)
     assert chosen.learning_rate == pytest.approx(lr)
     assert batch <= n / 5 and math.ceil(epochs * n / batch) >= 300
-    given = finetune_recipe(FinetuneConfig(batch_size=64, learning_rate=0.3, steps=7),
+    given = finetune_recipe(FinetuneConfig(batch_size=64, learning_rate=0.3, steps=7,
+                                           model="cnn"),
                             num_examples=n, image_size=16, num_classes=10)
     assert (given.batch_size, given.epochs, given.learning_rate) == (64, None, 0.3)
     assert set(given.chosen) == {"clip_norm", "ema_decay"}
@@ -148,3 +149,21 @@ def test_the_ema_decay_is_chosen_per_model_unless_given(model, decay):
         kept = finetune_recipe(FinetuneConfig(epsilon=3.0, model=model, ema_decay=given),
                                num_examples=60_000, image_size=28, num_classes=10)
         assert kept.ema_decay == given and "ema_decay" not in kept.chosen
+
+
+def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):
+    """ScatterNet + CNN + linear up to 32 px (a side divisible by 4), else the CNN; a run that
+    names no model records the choice, keeps None in its options, and its rerun finds it done."""
+    assert [default_model(s) for s in (8, 16, 28, 32)] == ["scatternet_cnn_linear"] * 4
+    assert [default_model(s) for s in (30, 36, 64, 224)] == ["cnn"] * 4
+    options = dict(data="digits", steps=2, batch_size=64, physical_batch_size=64, epsilon=8.0,
+                   out=str(tmp_path / "run"))
+    results = run_finetune(**options)
+    assert results["model"]["name"] == "scatternet_cnn_linear"
+    assert results["model"]["chosen"] == "the default for 8 px images"
+    assert "model: scatternet_cnn_linear [the default for 8 px images]" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / ".dpprobe-finetune-options.json").read_text())[
+        "model"] is None
+    assert run_finetune(**options)["created"] == results["created"]  # done: not refused
+    with pytest.raises(ValueError, match="name a timm ViT"):
+        run_finetune(data="digits", train="lora", steps=1)
