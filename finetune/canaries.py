@@ -50,7 +50,7 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
-from dp.auditing import OneRunAudit, one_run_epsilon_bound
+from dp.auditing import OneRunAudit, empirical_auroc, one_run_epsilon_bound
 from dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gradient_canaries
 from dp.clipping import NULL_LABEL
 from finetune.specs import FinetuneResult, FinetuneSpec
@@ -81,7 +81,8 @@ class CanaryAudit(OneRunAudit):
 
     Attributes:
       ratio: epsilon_lower / claimed_epsilon.
-      auroc: of the scores (in vs out; a point estimate, no confidence).
+      auroc: of the scores (in vs out; `dp.auditing.empirical_auroc`, a point estimate, no
+        confidence).
     """
 
     ratio: float
@@ -173,11 +174,8 @@ def audit_finetune(model: nnx.Module, images, labels, plan: DpPlan, spec: Finetu
                                                  included)
     result = train_finetune(model, train_images, train_labels, plan, spec, **train_options)
     scores = canary_scores(result.model, canary_images, canary_labels, spec)
-    from jax_privacy import auditing
-
     bound = one_run_epsilon_bound(scores, included, delta, 1.0 - confidence)
-    auroc = float(auditing.CanaryScoreAuditor(scores[included], scores[~included])
-                  .attack_auroc())
+    auroc = empirical_auroc(scores[included], scores[~included])
     claimed = plan.epsilon(delta, accountant) if plan.is_private else float("inf")
     audit = CanaryAudit(epsilon_lower=bound, confidence=confidence, delta=delta,
                         canaries=canaries, included=int(included.sum()), claimed_epsilon=claimed,

@@ -314,3 +314,27 @@ def test_dpprobe_audit_end_to_end(digits_store, tmp_path, capsys):
     assert "Gaussian-DP fit: mu >=" in printed and "Clopper-Pearson: epsilon >=" in printed
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert cli.main(["audit", digits_store, "--epsilon", "inf"]) == 2
+
+
+def test_the_auroc_is_the_unbiased_mann_whitney_estimate(rng):
+    """`empirical_auroc` is U / (n_in n_out), ties half, equal to scipy's Mann-Whitney U and to
+    a hand count; its mean over small samples is the true AUROC, where jax-privacy's
+    `attack_auroc` (the ROC's convex hull) is biased high: why the audits report ours."""
+    from jax_privacy import auditing
+
+    assert dp.empirical_auroc([3.0, 1.0], [2.0, 1.0, 0.0]) == (3 + 1.5) / 6  # 1 = 1 ties
+    assert dp.empirical_auroc([5.0], [5.0]) == 0.5
+    x, y = rng.normal(0.3, 1, 400), rng.normal(0, 1, 300)
+    assert dp.empirical_auroc(x, y) == pytest.approx(stats.mannwhitneyu(x, y).statistic / 1.2e5,
+                                                     rel=1e-12)
+    true = stats.norm.cdf(0.5 / math.sqrt(2))  # N(0.5, 1) vs N(0, 1): 0.638
+    ours, hull = [], []
+    for _ in range(300):
+        x, y = rng.normal(0.5, 1, 20), rng.normal(0, 1, 20)
+        ours.append(dp.empirical_auroc(x, y))
+        hull.append(float(auditing.CanaryScoreAuditor(x, y).attack_auroc()))
+    # standard error of the mean of 300: about 0.09 / sqrt(300) = 0.005
+    assert abs(np.mean(ours) - true) < 0.02
+    assert np.mean(hull) - true > 0.04
+    with pytest.raises(ValueError, match="finite"):
+        dp.empirical_auroc([1.0, np.nan], [0.0])
