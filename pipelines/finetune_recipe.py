@@ -30,7 +30,7 @@ reaches 68-70% at epsilon 8, while B = 256 for 60 epochs at lr 2 reaches 96%. So
 
 * **The model, when none is given: `scatternet_cnn_linear` for images of at most 32 px whose
   side is a multiple of 4, else `cnn`** (`default_model`). On Fashion-MNIST at (3, 1e-5) it
-  reached 89.99% (median of 5, EMA) against `cnn`'s 86.1-86.7%, in about 3x the CPU time
+  reached 89.96% (median of 6, EMA) against `cnn`'s 86.1-86.7%, in about 3x the CPU time
   (380 vs 130 s); on digits it trains at the native 8 px (`cnn` needs 16), measured in the
   README. Tramer & Boneh's CIFAR-10 results point the same way (ScatterNet + CNN 69.3%,
   end-to-end CNN 59.2% at epsilon 3; not measured here: no CIFAR offline). Above 32 px the
