@@ -253,8 +253,9 @@ def audit_bounds(in_scores, out_scores, *, delta: float, gdp_threshold: float,
 def empirical_auroc(in_scores, out_scores) -> float:
     """The area under the empirical ROC curve of "in scores higher": the fraction of (in, out)
     pairs where the in score is higher, ties counting half (the Mann-Whitney U statistic over
-    n_in n_out), an unbiased estimate of P(in > out) + P(in = out) / 2. From ranks: O(n log n)
-    time, O(n) memory."""
+    n_in n_out), an unbiased estimate of P(in > out) + P(in = out) / 2; below 0.5 when the out
+    scores tend higher (the convex hull's AUROC never is). From ranks: O(n log n) time, O(n)
+    memory."""
     from scipy.stats import rankdata
 
     in_scores, out_scores = _scores(in_scores, "in_scores"), _scores(out_scores, "out_scores")

@@ -27,7 +27,8 @@ cases on this machine: batched FFTs may round differently from single ones). `df
 differs from kymatio by float32 rounding (~1e-6 of the largest coefficient).
 
 Other configurations (max_order 1, pre_pad, list output, a filter order not grouped by scale)
-fall back to kymatio's loop.
+fall back to kymatio's loop. For inference (export) only: the modulus is a plain square root,
+whose gradient at 0 is NaN where kymatio's `ModulusStable` gives 0.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class FinetuneConfig:
                                "a linear model on the ScatterNet: the best measured here), "
                                "wrn16_4 (WRN-16-4 with GroupNorm + weight standardization), or "
                                "a timm ViT name (vit_*, deit_*) (default: scatternet_cnn_linear "
-                               "for images of at most 32 px, a side divisible by 4; else cnn)")
+                               "for images of 8 to 32 px, a side divisible by 4; else cnn)")
     weights: str | None = option(None,
                                  help="local .safetensors/.pth weights of the timm model")
     random_init: bool = option(False, action="store_true", help="a timm model with random "

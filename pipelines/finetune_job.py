@@ -101,6 +101,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
                          f"`model={config.model or 'the default'}` has none: name a timm ViT, "
                          "or train all, head or bias")
+    if config.model is None and (config.weights or config.random_init):
+        raise ValueError("`weights` and `random_init` are for a timm model: name it (`model`); "
+                         "the default models train from scratch")
 
     start = time.perf_counter()
     quiet = config.quiet
@@ -321,8 +324,13 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
         differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
             sorted(k for k in set(previous) | set(_options(config))
                    if previous.get(k) != _options(config).get(k))) + ")")
+        hint = ""
+        if isinstance(previous, dict) and previous.get("model") and config.model is None:
+            hint = (f" (that run trained model {previous['model']}, and a run naming no model "
+                    f"now gets the default for its image size: add `--model "
+                    f"{previous['model']}` for that run)")
         raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
-                         "give a new `out` to train another model")
+                         f"give a new `out` to train another model{hint}")
     return results | {"already_complete": str(results_file)}
 
 

@@ -155,7 +155,7 @@ def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):
     """ScatterNet + CNN + linear up to 32 px (a side divisible by 4), else the CNN; a run that
     names no model records the choice, keeps None in its options, and its rerun finds it done."""
     assert [default_model(s) for s in (8, 16, 28, 32)] == ["scatternet_cnn_linear"] * 4
-    assert [default_model(s) for s in (30, 36, 64, 224)] == ["cnn"] * 4
+    assert [default_model(s) for s in (4, 30, 36, 64, 224)] == ["cnn"] * 5
     options = dict(data="digits", steps=2, batch_size=64, physical_batch_size=64, epsilon=8.0,
                    out=str(tmp_path / "run"))
     results = run_finetune(**options)
@@ -167,3 +167,10 @@ def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):
     assert run_finetune(**options)["created"] == results["created"]  # done: not refused
     with pytest.raises(ValueError, match="name a timm ViT"):
         run_finetune(data="digits", train="lora", steps=1)
+    with pytest.raises(ValueError, match="are for a timm model"):
+        run_finetune(data="digits", random_init=True, steps=1)
+    # A finished run that named the CNN, rerun naming none: refused, saying how to find it.
+    previous = tmp_path / "run" / ".dpprobe-finetune-options.json"
+    previous.write_text(json.dumps(json.loads(previous.read_text()) | {"model": "cnn"}))
+    with pytest.raises(ValueError, match="add `--model cnn` for that run"):
+        run_finetune(**options)
