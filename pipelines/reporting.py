@@ -388,4 +388,8 @@ def demo_report(results: dict) -> str:
                 else "features extracted")
     lines.append(f"demo finished in {results['wall_seconds']:.0f} s ({features}: "
                  f"{results['store']})")
+    lines.append(f"next: dpprobe finetune --data {results['data']} --epsilon 3 --out ft (DP-SGD "
+                 "on a whole network; the default for small images is a ScatterNet + CNN), "
+                 f"dpprobe export --model {results['files']['model']} --format onnx "
+                 "model.onnx (README: \"Use your model\")")
     return "\n".join(lines)

@@ -21,6 +21,8 @@ def test_demo_on_digits_shows_the_trade_off_and_reuses_its_features(tmp_path, ca
     assert "features extracted" in report
     for name in ("results.json", "tune.json", "tradeoff.png"):
         assert f"wrote {tmp_path / name}" in report
+    assert ("next: dpprobe finetune --data digits --epsilon 3 --out ft" in report
+            and f"dpprobe export --model {tmp_path / 'tuned.safetensors'} --format onnx" in report)
     results = json.loads((tmp_path / "results.json").read_text())
     assert {r["epsilon"] for r in results["runs"]} == {0.5, 1.0, 2.0, 4.0, 8.0, "inf"}
     assert all(math.isfinite(r["test_accuracy"]) for r in results["runs"])
