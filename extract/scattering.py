@@ -101,9 +101,10 @@ class BatchedScattering2D(Scattering2D):
     def scattering(self, input):
         phi, psi = self.load_filters()
         scales = sorted({p["j"] for p in psi})
-        grouped = [n for j in scales for n in range(len(psi)) if psi[n]["j"] == j]
+        groups = {j: [n for n in range(len(psi)) if psi[n]["j"] == j] for j in scales}
         if (self.max_order != 2 or self.out_type != "array" or self.pre_pad
-                or grouped != list(range(len(psi))) or not torch.is_tensor(input)
+                or sum(groups.values(), []) != list(range(len(psi)))
+                or not torch.is_tensor(input)
                 or input.ndim < 2 or tuple(input.shape[-2:]) != tuple(self.shape)):
             return super().scattering(input)  # kymatio's loop (and its checks and messages)
         if not input.is_contiguous():
@@ -124,8 +125,6 @@ class BatchedScattering2D(Scattering2D):
                                    inverse=True)
             return self._fourier((re * re + im * im).sqrt(), None, inverse=False)
 
-        groups = {j: [n for n in range(len(psi)) if psi[n]["j"] == j] for j in scales}
-
         def wavelets(group, level):  # (F, H_level, W_level)
             return torch.stack([psi[n]["levels"][level][..., 0] for n in group])
 
@@ -134,16 +133,16 @@ class BatchedScattering2D(Scattering2D):
         for j1 in scales:
             u1 = modulus_path((u0[0][:, None], u0[1][:, None]), wavelets(groups[j1], 0), 2 ** j1)
             out.append(low(u1, j1))  # u1: (n, F1, H_j1, W_j1) each
-            later = [j2 for j2 in scales if j2 > j1]
+            later = {j2: wavelets(groups[j2], j1) for j2 in scales if j2 > j1}  # at level j1
             if not later:
                 continue
             f2 = sum(len(groups[j2]) for j2 in later)  # first-order paths per pass: at most
             step = max(1, PATH_BYTES // (f2 * 8 * u1[0].shape[-1] * u1[0].shape[-2]))  # the budget
             for f in range(0, len(groups[j1]), step):
                 parts = []
-                for j2 in later:  # (n, c, F2, h, w): path f + i's second order, n2 fastest
+                for j2, psi2 in later.items():  # (n, c, F2, h, w): paths f.., n2 fastest
                     u2 = modulus_path((u1[0][:, f:f + step, None], u1[1][:, f:f + step, None]),
-                                      wavelets(groups[j2], j1), 2 ** (j2 - j1))
+                                      psi2, 2 ** (j2 - j1))
                     parts.append(low(u2, j2))
                 part = torch.cat(parts, dim=2)
                 second.append(part.reshape(part.shape[0], -1, *part.shape[-2:]))
