@@ -52,8 +52,8 @@ class FinetuneConfig:
       non_private: NOT private: the plain batch gradient (no clipping, no noise, no
         accounting) on the same Poisson batches, for side-by-side comparisons; `epsilon`,
         `delta`, `accountant` and `clip_norm` are then unused and the results say epsilon inf.
-      ema_decay: EMA of the parameters (0 turns it off; None: chosen by the recipe, 0.999, or
-        0.998 for `scatternet_cnn_linear`).
+      ema_decay: EMA of the parameters (0 turns it off; None: the recipe's 0.999, De et al.);
+        step t's decay is min(ema_decay, (1 + t) / (10 + t)), their warm-up.
       physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
       seed: drives only the model's initialization (never a mechanism).
       out: a folder for results.json and model.safetensors (the released model: the EMA
@@ -135,7 +135,8 @@ class FinetuneConfig:
     flip: bool = option(False, action="store_true",
                         help="random horizontal flips of the views")
     ema_decay: float | None = option(None, type=number, help="EMA of the parameters, 0 for "
-                                     "none (default 0.999; 0.998 for scatternet_cnn_linear)")
+                                     "none (default 0.999, De et al.; step t's decay is "
+                                     "min(D, (1 + t) / (10 + t)), their warm-up)")
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
         256, type=integer, help="examples per compiled call (default %(default)s)")

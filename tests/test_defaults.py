@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 import accounting
 from pipelines import FinetuneConfig, ProbeConfig, cli, recipe, run_finetune, run_probe, search
-from pipelines.finetune_recipe import default_model, finetune_recipe
+from pipelines.finetune_recipe import default_model, ema_full_step, finetune_recipe
 
 
 def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():
@@ -138,17 +139,30 @@ def test_scatternet_models_take_tramer_and_bonehs_40_epochs(model):
     assert digits.epochs == 54.0  # the 300 steps decide
 
 
-@pytest.mark.parametrize(("model", "decay"), [
-    ("scatternet_cnn_linear", 0.998), ("scatternet_cnn", 0.999), ("wrn16_4", 0.999)])
-def test_the_ema_decay_is_chosen_per_model_unless_given(model, decay):
+@pytest.mark.parametrize("model", ["scatternet_cnn_linear", "scatternet_cnn", "wrn16_4"])
+def test_the_ema_decay_is_de_et_als_unless_given(model):
     chosen = finetune_recipe(FinetuneConfig(epsilon=3.0, model=model), num_examples=60_000,
                              image_size=28, num_classes=10)
-    assert chosen.ema_decay == decay and "ema_decay" in chosen.chosen
-    assert f"EMA {decay:g} [" in chosen.describe()
+    assert chosen.ema_decay == 0.999
+    assert "EMA 0.999 [De et al.; their warm-up (1 + t) / (10 + t) until step 8,990]" in (
+        chosen.describe())
     for given in (0.0, 0.99):  # 0 turns it off; a given decay is kept, not chosen
         kept = finetune_recipe(FinetuneConfig(epsilon=3.0, model=model, ema_decay=given),
                                num_examples=60_000, image_size=28, num_classes=10)
         assert kept.ema_decay == given and "ema_decay" not in kept.chosen
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.9, 0.99, 0.998, 0.999])
+def test_the_ema_decay_binds_from_the_step_the_recipe_names(decay):
+    """De et al.'s warm-up, not the decay, sets the EMA before `ema_full_step`: a run shorter
+    than that trains the same for any larger decay (0.998 and 0.999 alike below step 4,490)."""
+    from finetune import ema_decay_at
+
+    step = ema_full_step(decay)
+    assert ema_decay_at(step, decay) == np.float32(decay)  # the EMA's float32 decay
+    if step:
+        assert ema_decay_at(step - 1, decay) < np.float32(decay)
+        assert float(ema_decay_at(step - 1, decay)) == float(ema_decay_at(step - 1, 0.99999))
 
 
 def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):
