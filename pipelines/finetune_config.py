@@ -54,7 +54,9 @@ class FinetuneConfig:
         `delta`, `accountant` and `clip_norm` are then unused and the results say epsilon inf.
       ema_decay: EMA of the parameters (0 turns it off; None: the recipe's 0.999, De et al.);
         step t's decay is min(ema_decay, (1 + t) / (10 + t)), their warm-up.
-      physical_batch_size, microbatch_size, mixed_precision, devices: speed knobs.
+      physical_batch_size, mixed_precision, devices: speed knobs (`physical_batch_size` sets
+        the memory: book-keeping clipping keeps no per-example kernel gradients).
+      microbatch_size: refused (None only): it has no effect on book-keeping clipping.
       seed: drives only the model's initialization (never a mechanism).
       out: a folder for results.json and model.safetensors (the released model: the EMA
         parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
@@ -105,7 +107,8 @@ class FinetuneConfig:
     batch_size: int | None = option(None, type=integer, help="expected batch size B, q = B/N "
                                     "(default: largest 2^k <= N/5, <= 2048)")
     epochs: float | None = option(None, type=number, exclusive="length", help="length in "
-                                  "epochs, T = epochs N / B (default: 30, or T >= 300)")
+                                  "epochs, T = epochs N / B (default: 30, 40 for the ScatterNet "
+                                  "models, or more so that T >= 300)")
     steps: int | None = option(None, type=integer, exclusive="length",
                                help="training length in steps T")
     learning_rate: float | None = option(None, "--lr", type=number, help="learning rate "
@@ -129,7 +132,8 @@ class FinetuneConfig:
                                "plain batch gradient (no clipping, no noise, epsilon inf) on "
                                "the same Poisson batches, for side-by-side comparisons")
     augmult: int = option(1, type=integer, help="augmentation multiplicity K: views per "
-                          "example, averaged before clipping (default %(default)s)")
+                          "example (random crops with --crop-padding, flips with --flip), "
+                          "averaged before clipping (default %(default)s)")
     crop_padding: int = option(0, type=integer, help="random crops of the image padded by P "
                                "pixels (default %(default)s)")
     flip: bool = option(False, action="store_true",
@@ -140,8 +144,10 @@ class FinetuneConfig:
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
         256, type=integer, help="examples per compiled call (default %(default)s)")
-    microbatch_size: int | None = option(None, type=integer, help="per-example gradients in "
-                                         "microbatches of this size (less memory)")
+    # Not an option: the job's book-keeping clipping forms no per-example kernel gradients,
+    # so microbatches (`FinetuneFlags.microbatch_size`, the per-example clipper's) would
+    # change nothing; kept (None) so that saved runs' options still match, refused if set.
+    microbatch_size: int | None = None
     mixed_precision: bool = option(False, action="store_true", help="bfloat16 forward/backward; "
                                    "clipping and noise stay float32")
     devices: int = option(1, type=integer, help="data parallel over N local devices")
@@ -176,7 +182,11 @@ class FinetuneConfig:
         for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every",
                      "lora_rank"):
             cfg.check_int(name, getattr(self, name))
-        for name in ("batch_size", "steps", "resize", "crop", "microbatch_size", "num_classes"):
+        if self.microbatch_size is not None:
+            raise cfg.ConfigError("microbatch_size", "has no effect: the job's book-keeping "
+                                  "clipping forms no per-example kernel gradients; lower "
+                                  "`physical_batch_size` to use less memory")
+        for name in ("batch_size", "steps", "resize", "crop", "num_classes"):
             if getattr(self, name) is not None:
                 cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
         cfg.check_int("warmup_steps", self.warmup_steps, 0)

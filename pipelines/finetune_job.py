@@ -139,6 +139,10 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
                              num_classes=num_classes)
     log(chosen.describe(), quiet)
     warnings = records.warnings(delta=config.delta, num_examples=num_examples)
+    if config.augmult > 1 and not config.crop_padding and not config.flip:
+        warnings.append(f"augmult {config.augmult} without crop padding or flips: the "
+                        f"{config.augmult} views of an example are the same image, so the run "
+                        f"costs {config.augmult}x for the same model")
     for warning in warnings:
         log(f"warning: {warning}", quiet)
 
@@ -162,7 +166,6 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
         ema_decay=chosen.ema_decay or None, mean=mean, std=std, train=config.train)
     flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
-                                   microbatch_size=config.microbatch_size,
                                    mixed_precision=config.mixed_precision, devices=config.devices)
     trained_info = _trained_info(config, model, spec)
     log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "

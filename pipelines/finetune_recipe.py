@@ -11,7 +11,7 @@ reaches 68-70% at epsilon 8, while B = 256 for 60 epochs at lr 2 reaches 96%. So
   sampling still amplifies privacy, and there are at least 5 batches per epoch). N >= 10,240
   gives Tramer & Boneh's 2048; digits gets 256.
 * **Epochs: 30 (40 for the ScatterNet models, Tramer & Boneh's), or more so that T = epochs x N / B
-  >= 300 steps** (digits: 53 epochs): with few steps the model barely trains, whatever the
+  >= 300 steps** (digits: 54 epochs): with few steps the model barely trains, whatever the
   noise.
 * **lr = 4 sqrt(B / 2048)**, the square-root scaling of the learning rate with the batch size:
   4 at B = 2048 (Tramer & Boneh), 1.41 at B = 256. The expected batch's noise sigma C / B grows

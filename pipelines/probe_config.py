@@ -49,8 +49,8 @@ def normalization_option():
 
 
 def groups_option():
-    return option(None, type=integer, help="groups of --normalize group (default 1; on "
-                  "ScatterNet: 27); --groups alone means --normalize group")
+    return option(None, type=integer, help="groups of --normalize group (default: 27 on "
+                  "ScatterNet's channels, else 1); --groups alone means --normalize group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,8 @@ class ProbeConfig:
       stream: stream the train split from disk chunk by chunk (None: when it would take more
         than a quarter of the machine's memory as float32).
       devices: shard rows over this many local devices (default 1).
-      groups: groups of `normalization="group"` (None: 1; given, it needs that normalization).
+      groups: groups of `normalization="group"` (None: the backbone's, 27 on ScatterNet,
+        else 1; given, it needs that normalization).
       out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
         outputs and public inputs only, see `pipelines.records`).
       diagnostics: write exact statistics of the private data (clipped fractions, sampled batch

@@ -154,9 +154,8 @@ def probe_spec(config, data: StoreData):
     store's backbone (public provenance) unless the config names one."""
     import probe
 
-    normalization, groups = config.normalization, config.groups
-    if normalization is None:
-        normalization, groups = recipe.backbone_normalization(data.train_attrs.get("backbone"))
+    normalization, groups, _ = recipe.normalization_for(
+        config.normalization, config.groups, data.train_attrs.get("backbone"))
     return probe.ProbeSpec(num_classes=data.num_classes, loss=config.loss,
                            optimizer=config.optimizer, normalization=normalization,
                            groups=groups or 1)

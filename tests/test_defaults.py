@@ -27,6 +27,26 @@ def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():
         2 * recipe.total_step_size(3.0, 1e-5, 1438))
 
 
+def test_group_normalization_without_groups_takes_the_backbones_groups():
+    """`--normalize group` alone on a ScatterNet store is its 27 channel groups (the default's),
+    not one global group; given groups win; a backbone without groups gets 1."""
+    scatternet = {"backbone": {"name": "scatternet", "coefficients_per_channel": 81}}
+    timm = {"backbone": {"name": "vit_tiny_patch16_224"}}
+    for attrs, normalization, groups, expected in [
+            (scatternet, "group", None, 27), (scatternet, "group", 9, 9),
+            (scatternet, None, None, 27), (timm, "group", None, 1), (timm, None, None, None)]:
+        config = ProbeConfig(store="s.zarr", normalization=normalization, groups=groups)
+        chosen = recipe.probe_recipe(config, attrs, 1000)
+        assert chosen.groups == expected, (attrs, normalization, groups)
+    chosen = recipe.probe_recipe(ProbeConfig(store="s.zarr", normalization="group"), scatternet,
+                                 1000)
+    assert "group (27 groups) [groups from the store's backbone]" in chosen.describe([1.0])
+    assert ", full-batch momentum" in chosen.describe([1.0])
+    sampled = recipe.probe_recipe(ProbeConfig(store="s.zarr", sampling_probability=0.1),
+                                  scatternet, 1000)
+    assert ", Poisson-sampled (q = 0.1) momentum" in sampled.describe([1.0])
+
+
 def test_probe_defaults_come_from_the_store_and_are_printed_first_and_recorded(
         digits_store, tmp_path, capsys):
     out = tmp_path / "r.json"

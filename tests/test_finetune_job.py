@@ -67,6 +67,22 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert results["trained"]["mode"] == "all"
     assert results["trained"]["parameters"] == results["trained"]["of"]
     assert results["recipe"]["ema_decay"] == 0.999  # the recipe's, De et al.'s
+    # FAST asks for 2 views without crops or flips: the same image twice, said once.
+    assert [w for w in results["warnings"] if "augmult" in w] == [
+        "augmult 2 without crop padding or flips: the 2 views of an example are the same "
+        "image, so the run costs 2x for the same model"]
+
+
+def test_microbatches_are_refused_for_they_change_nothing(capsys):
+    """Book-keeping clipping forms no per-example kernel gradients, so a microbatch size would
+    be recorded without effect: refused in the API, not an option of the CLI."""
+    from pipelines import FinetuneConfig
+    from pipelines.config import ConfigError
+
+    with pytest.raises(ConfigError, match="physical_batch_size"):
+        FinetuneConfig(data="digits", microbatch_size=4)
+    assert cli.main(["finetune", "--data", "digits", "--microbatch-size", "4"]) == 2
+    assert "--microbatch-size" in capsys.readouterr().err
 
 
 # Leaves that may differ between D and D minus one row: DP outputs, times, and what follows
