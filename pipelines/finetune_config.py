@@ -112,7 +112,8 @@ class FinetuneConfig:
     steps: int | None = option(None, type=integer, exclusive="length",
                                help="training length in steps T")
     learning_rate: float | None = option(None, "--lr", type=number, help="learning rate "
-                                         "(default 4 sqrt(B / 2048): 4 at B = 2048)")
+                                         "(default 4 sqrt(B / 2048) for momentum 0.9: 4 at B = "
+                                         "2048; 10x for sgd; 0.01 for adam, sign, lamb)")
     optimizer: str = option("momentum", choices=OPTIMIZERS, metavar="NAME",
                             help="%(choices)s (default %(default)s)")
     momentum: float = option(0.9, type=number, help="momentum (default %(default)s)")
@@ -200,6 +201,8 @@ class FinetuneConfig:
             raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
                                   f"{self.audit_kind!r}")
         cfg.check_int("crop_padding", self.crop_padding, 0)
+        if not 0.0 <= self.momentum < 1.0:
+            raise cfg.ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         if self.weights is not None and self.random_init:
