@@ -75,8 +75,21 @@ SCATTERNET_MAX_SIDE = 32  # the default model's ScatterNet up to this side (modu
 
 def ema_full_step(decay: float) -> int:
     """The first step t at which De et al.'s warm-up (1 + t) / (10 + t) reaches `decay`, so
-    that the EMA's decay is `decay` itself (`finetune.ema_decay_at`)."""
-    return max(0, math.ceil(round((10 * decay - 1) / (1 - decay), 6)))
+    that the EMA's decay is `decay` itself (`finetune.ema_decay_at`, in float64 as the trainer
+    takes it): the least such t, by bisection (the closed form (10 d - 1) / (1 - d) rounds)."""
+
+    def reached(t: int) -> bool:
+        return (1.0 + t) / (10.0 + t) >= decay
+
+    if reached(0):
+        return 0
+    low, high = 0, 1
+    while not reached(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if reached(middle) else (middle, high)
+    return high
 
 
 def _learning_rate(config, batch_size: int) -> tuple[float, str]:

@@ -61,7 +61,8 @@ class TuneConfig:
       standardize: standardize every feature with a privately released mean and scale
         (`probe.private_standardizer`, Tramer & Boneh's data normalization) after the
         per-example normalization; None (default): when that normalization bounds the norm of
-        an example ("group" or "l2"), which the standardization's sensitivity needs.
+        an example ("group" or "l2"), which the standardization's sensitivity needs, and the
+        mean's noise per feature is at most 0.25 (`pipelines.recipe.decide_standardization`).
       eps_standardize: budget of the standardization's two releases (default epsilon/10).
       selection: "train" (default), "holdout" or "public" (the default with a
         `public_validation`), see `pipelines.search`.
@@ -111,7 +112,8 @@ class TuneConfig:
     standardize: bool | None = option(
         None, action=argparse.BooleanOptionalAction, help="standardize each feature with a "
         "privately released mean and scale (Tramer & Boneh), paid from --eps-standardize "
-        "(default: on after group or l2 normalization)")
+        "(default: on after group or l2 normalization, unless the noise per feature would "
+        "exceed 0.25)")
     eps_standardize: float | None = option(
         None, type=number, help="budget of the standardization (default epsilon/10)")
     selection: str | None = option(

@@ -4,17 +4,18 @@ import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The CLI's compilation and executable caches go to a fresh folder, not the user's ~/.cache;
-# the process that made it (pytest-xdist's controller, whose environment its workers inherit)
-# removes it when it exits.
-if "XDG_CACHE_HOME" not in os.environ:
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dpprobe-tests-")
-    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
-# The tests' own JAX programs share one persistent compilation cache there too: a program
-# compiled by one test, worker or CLI subprocess is loaded, not recompiled, by the next (JAX
-# reads these when it is first imported; the CLI sets the same, `pipelines.cli`).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(os.environ["XDG_CACHE_HOME"], "dpprobe", "jax"))
+# The CLI's compilation and executable caches, and the tests' own JAX programs, go to a fresh
+# folder, never the user's ~/.cache or $XDG_CACHE_HOME. The process that made it (pytest-xdist's
+# controller, whose environment its workers and their CLI subprocesses inherit) removes it
+# when it exits. One persistent compilation cache there: a program compiled by one test,
+# worker or subprocess is loaded, not recompiled, by the next (JAX reads these variables when
+# it is first imported; the CLI sets the same, `pipelines.cli`).
+if "DPPROBE_TESTS_CACHE" not in os.environ:
+    os.environ["DPPROBE_TESTS_CACHE"] = tempfile.mkdtemp(prefix="dpprobe-tests-")
+    atexit.register(shutil.rmtree, os.environ["DPPROBE_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["DPPROBE_TESTS_CACHE"]
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "dpprobe",
+                                                       "jax")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import numpy as np  # noqa: E402

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 
 import accounting
@@ -199,17 +198,22 @@ def test_the_ema_decay_is_de_et_als_unless_given(model):
         assert kept.ema_decay == given and "ema_decay" not in kept.chosen
 
 
-@pytest.mark.parametrize("decay", [0.0, 0.5, 0.9, 0.99, 0.998, 0.999])
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.9, 0.9 + 1e-15, 0.99, 0.998, 0.999,
+                                   0.99900000000001, 0.9995, 0.99999, 1 - 1e-9])
 def test_the_ema_decay_binds_from_the_step_the_recipe_names(decay):
     """De et al.'s warm-up, not the decay, sets the EMA before `ema_full_step`: a run shorter
-    than that trains the same for any larger decay (0.998 and 0.999 alike below step 4,490)."""
+    than that trains the same for any larger decay (0.998 and 0.999 alike below step 4,490).
+    The trainer takes the minimum in float64 (`dp_update` is an x64 program)."""
+    import jax
+
     from finetune import ema_decay_at
 
     step = ema_full_step(decay)
-    assert ema_decay_at(step, decay) == np.float32(decay)  # the EMA's float32 decay
-    if step:
-        assert ema_decay_at(step - 1, decay) < np.float32(decay)
-        assert float(ema_decay_at(step - 1, decay)) == float(ema_decay_at(step - 1, 0.99999))
+    with jax.enable_x64(True):
+        assert float(ema_decay_at(step, decay)) == decay
+        if step:
+            before = float(ema_decay_at(step - 1, decay))
+            assert before < decay and before == float(ema_decay_at(step - 1, 1 - 1e-12))
 
 
 def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):

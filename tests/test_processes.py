@@ -40,6 +40,7 @@ def environment() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", DPPROBE_JAX_CACHE="0",
                JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # no persistent cache (the tests' conftest's)
     return env
 
 
