@@ -274,7 +274,7 @@ def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
         chosen["steps"] = "default"
     recipe = ProbeRecipe(normalization, groups, optimizer, tuple(steps),
                          config.learning_rates, int(num_examples), config.delta, chosen,
-                         float(getattr(config, "sampling_probability", 1.0)))
+                         float(config.sampling_probability))
     if recipe.learning_rates is None:
         chosen["learning_rates"] = ("from epsilon, delta and N" if recipe.scaled
                                     else "the optimizer's default")

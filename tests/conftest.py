@@ -7,19 +7,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The CLI's compilation and executable caches, and the tests' own JAX programs, go to a fresh
 # folder, never the user's ~/.cache or $XDG_CACHE_HOME. The process that made it (pytest-xdist's
 # controller, whose environment its workers and their CLI subprocesses inherit) removes it
-# when it exits. One persistent compilation cache there: a program compiled by one test,
-# worker or subprocess is loaded, not recompiled, by the next (JAX reads these variables when
-# it is first imported; the CLI sets the same, `pipelines.cli`).
+# when it exits. The CLI's persistent compilation cache there serves the tests' own programs
+# too: a program compiled by one test, worker or subprocess is loaded, not recompiled, by the
+# next (JAX reads these variables when it is first imported).
 if "DPPROBE_TESTS_CACHE" not in os.environ:
     os.environ["DPPROBE_TESTS_CACHE"] = tempfile.mkdtemp(prefix="dpprobe-tests-")
     atexit.register(shutil.rmtree, os.environ["DPPROBE_TESTS_CACHE"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["DPPROBE_TESTS_CACHE"]
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "dpprobe",
-                                                       "jax")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never a user's own cache
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from pipelines.cli import _use_jax_compilation_cache  # noqa: E402 (imports no JAX)
+
+_use_jax_compilation_cache()  # in XDG_CACHE_HOME, as for every CLI run
 
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 
