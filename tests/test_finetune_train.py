@@ -16,6 +16,7 @@ import accounting
 import dp
 import finetune
 import probe
+from tests.conftest import with_test_xla_flags
 from tests.contract import NUM_CLASSES, TrainerContract
 
 
@@ -285,8 +286,8 @@ def test_data_parallel_over_four_devices_equals_one(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    four_devices = with_test_xla_flags("--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=four_devices, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
                           text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
                           timeout=300)

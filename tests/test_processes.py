@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests import processes_worker as worker
+from tests.conftest import with_test_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("memory_w", "memory_b", "stream_w", "stream_b", "finetune")
@@ -39,7 +40,7 @@ def free_port() -> int:
 def environment() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", DPPROBE_JAX_CACHE="0",
                JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env["XLA_FLAGS"] = with_test_xla_flags()  # one CPU device per process
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # no persistent cache (the tests' conftest's)
     return env
 

@@ -6,7 +6,8 @@ import textwrap
 
 SHARDED_SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    flags = os.environ.get("XLA_FLAGS", "")  # the tests' own (tests/conftest.py), then:
+    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=4"
     import math, numpy as np, jax
     import accounting, probe
     assert jax.device_count() == 4, jax.devices()
