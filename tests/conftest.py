@@ -18,7 +18,7 @@ os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never a user's own cache
 
 # Half the suite's time is XLA compiling its many small programs. With XLA:CPU's LLVM backend
 # at -O0 they compile in about half the time and run slower (the 30-run canary audit: 72 ->
-# 138 s), a net gain: the suite on 2 workers 1,286 -> 1,094 s; test_bookkeeping.py and
+# 138 s), a net gain: the suite on 2 workers 1,286 -> 1,094-1,126 s; test_bookkeeping.py and
 # test_finetune_job.py 246 -> 211 s, 473 -> 393 CPU s (a parallel codegen split count of 1
 # instead of 32: no gain, 228 s). The HLO, its fusions and buffers are the same; the machine
 # code may add a reduction's terms in another order than -O3's vector loops (the bounds under
