@@ -201,9 +201,9 @@ class FinetuneConfig:
             raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
                                   f"{self.audit_kind!r}")
         cfg.check_int("crop_padding", self.crop_padding, 0)
-        if not 0.0 <= self.momentum < 1.0:
-            raise cfg.ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
-            raise cfg.ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        for name in ("momentum", "ema_decay"):  # in [0, 1)
+            if getattr(self, name) is not None:
+                cfg.check_number(name, getattr(self, name), 0.0, 1.0, low_open=False,
+                                 high_open=True)
         if self.weights is not None and self.random_init:
             raise cfg.ConfigError("weights", "`weights` and `random_init` exclude each other")
