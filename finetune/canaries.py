@@ -53,6 +53,7 @@ from accounting import DpPlan
 from dp.auditing import OneRunAudit, empirical_auroc, one_run_epsilon_bound
 from dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gradient_canaries
 from dp.clipping import NULL_LABEL
+from finetune.graph_key import graph_key, graph_of
 from finetune.specs import FinetuneResult, FinetuneSpec
 from finetune.train import model_inputs, train_finetune
 
@@ -127,7 +128,7 @@ def insert_canaries(images, labels, canary_images, canary_labels, included
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _log_probabilities(graphdef, params, rest, images, labels, *, spec: FinetuneSpec):
-    logits = nnx.merge(graphdef, params, rest)(model_inputs(images, spec))
+    logits = nnx.merge(graph_of(graphdef), params, rest)(model_inputs(images, spec))
     logits = logits.astype(jnp.float32)
     return -optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
@@ -136,6 +137,7 @@ def canary_scores(model: nnx.Module, images, labels, spec: FinetuneSpec, *,
                   batch_size: int = 256) -> np.ndarray:
     """log p(label | image) under `model`, per canary (float64)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef = graph_key(graphdef)  # hashed once, not per batch
     out = []
     for start in range(0, len(labels), batch_size):
         out.append(np.asarray(_log_probabilities(

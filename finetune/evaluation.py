@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from dp.sampling import pad_rows
+from finetune.graph_key import graph_key, graph_of
 
 __all__ = ["EVAL_BATCH_SIZE", "evaluate_model", "iter_logits", "normalize_images"]
 
@@ -35,7 +36,7 @@ def normalize_images(images, mean: tuple[float, ...], std: tuple[float, ...]) ->
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mean", "std"))
 def _batch_logits(graphdef, params, rest, images, *, mean, std):
-    return nnx.merge(graphdef, params, rest)(normalize_images(images, mean, std))
+    return nnx.merge(graph_of(graphdef), params, rest)(normalize_images(images, mean, std))
 
 
 def iter_logits(model: nnx.Module, images, *, mean: tuple[float, ...], std: tuple[float, ...],
@@ -47,6 +48,7 @@ def iter_logits(model: nnx.Module, images, *, mean: tuple[float, ...], std: tupl
     this, so that they compute the same logits for the same rows.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef = graph_key(graphdef)  # hashed once, not per batch
     mean, std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
     for start in range(0, len(images), batch_size):
         x, mask = pad_rows(images[start:start + batch_size], rows=batch_size)

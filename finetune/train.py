@@ -64,6 +64,7 @@ from dp.sampling import poisson_batches
 from finetune.augment import views_of
 from finetune.evaluation import normalize_images
 from finetune.fronts import cached_front
+from finetune.graph_key import graph_key, graph_of
 from finetune.models._conv import im2col_convolutions
 from finetune.modes import count_params, trained_filter
 from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
@@ -149,6 +150,7 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
         example's augmentation key, so a view never depends on the batch).
       canaries: (N, norm) when rows N.. are gradient canaries (`_example_loss_fn`).
     """
+    graphdef = graph_of(graphdef)  # the trainer passes its `graph_key`: hashed once
     if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
@@ -174,6 +176,7 @@ def gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_k
     non-private reference: one backward pass of the sum over the batch's unmasked rows of each
     example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero."""
     del clip
+    graphdef = graph_of(graphdef)
     if jnp.issubdtype(images.dtype, jnp.floating):
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
@@ -323,6 +326,7 @@ def train_finetune(
         raise ValueError("canaries audit a privacy claim; a non-private plan (clip_norm = inf) "
                          "has none")
     graphdef, params, rest = split_trained(model, spec)
+    key = graph_key(graphdef)  # a static jit argument hashed once, not per physical batch
     batch_sum = clipped_sum if private else gradient_sum
     state = init_state(params, spec, plan, keys[0], num_examples, count)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
@@ -341,7 +345,7 @@ def train_finetune(
         for index, mask in local_batches(batch.index[:, 0], batch.mask[:, 0], first,
                                          stop + count, p):  # this process's rows
             own = index - first
-            part = batch_sum(graphdef, params, rest,
+            part = batch_sum(key, params, rest,
                              *place(_rows(images, own), labels[own],
                                     mask, index.astype(np.int32)),
                              clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)

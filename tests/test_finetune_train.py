@@ -292,3 +292,44 @@ def test_data_parallel_over_four_devices_equals_one(tmp_path):
                           text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+
+def test_a_graph_key_is_hashed_once_and_shared_by_equal_graphs():
+    """`finetune.graph_key`: a jitted function given the key never rehashes the graph (it
+    does on every call given the graph), equal graphs (two splits of one architecture) share
+    one key and so one compiled program, another architecture gets another key."""
+    from finetune.graph_key import graph_key, graph_of
+
+    class Graph:  # a static argument that counts its hashes
+        hashes = 0
+
+        def __init__(self, width):
+            self.width = width
+
+        def __hash__(self):
+            Graph.hashes += 1
+            return hash(self.width)
+
+        def __eq__(self, other):
+            return isinstance(other, Graph) and self.width == other.width
+
+    run = jax.jit(lambda g, x: x * graph_of(g).width, static_argnums=0)
+    key, x = graph_key(Graph(3)), jnp.ones(2)
+    before = Graph.hashes
+    for _ in range(5):
+        np.testing.assert_array_equal(run(key, x), 3 * x)
+    assert Graph.hashes == before
+    for _ in range(5):
+        run(Graph(3), x)
+    assert Graph.hashes >= before + 5  # the bare graph: hashed on every call
+    first, second, other = (nnx.split(nnx.Linear(4, w, rngs=nnx.Rngs(0)))[0] for w in (3, 3, 5))
+    assert first is not second and first == second
+    assert graph_key(second) is graph_key(first) and graph_of(graph_key(first)) == first
+    assert graph_key(graph_key(first)) is graph_key(first) and graph_of(first) is first
+    assert graph_key(other) != graph_key(first)
+    run = jax.jit(lambda g, x: nnx.merge(graph_of(g), nnx.split(nnx.Linear(
+        4, 3, rngs=nnx.Rngs(0)))[1])(x), static_argnums=0)
+    for graph in (first, second):
+        run(graph_key(graph), jnp.ones((2, 4)))
+    assert run._cache_size() == 1
