@@ -216,8 +216,12 @@ def add_float64(total, part):
     """`total` + `part` leaf by leaf in float64 (`part` when `total` is None): a plain float64
     sum, for a few parts whose running total is a pytree the caller hands on (a finetune
     step's physical batches). k parts of a batch of B rows add at most (k - 1) u B C to the
-    rounding (u = 2^-53): below 1e-6 C for B up to 10^6 rows in physical batches of 256."""
-    return _start(part)[0] if total is None else _add64(total, part)
+    rounding (u = 2^-53): below 1e-6 C for B up to 10^6 rows in physical batches of 256.
+    A first part already float64 is returned as it is (no call: host time on a GPU)."""
+    if total is None:
+        wide = all(getattr(leaf, "dtype", None) == jnp.float64 for leaf in jax.tree.leaves(part))
+        return part if wide else _start(part)[0]
+    return _add64(total, part)
 
 
 @x64_jit

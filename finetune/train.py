@@ -62,6 +62,7 @@ from dp.noise import make_keys, noise_stddev
 from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
 from finetune.augment import views_of
+from finetune.batches import batch_rows, placement
 from finetune.evaluation import normalize_images
 from finetune.fronts import cached_front
 from finetune.graph_key import graph_key, graph_of
@@ -134,10 +135,11 @@ def _notice(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@functools.partial(x64_jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
+@functools.partial(x64_jit, static_argnames=("graphdef", "spec", "flags", "canaries",
+                                            "structure"))
 def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
                 spec: FinetuneSpec, flags: FinetuneFlags,
-                canaries: tuple[int, float] | None = None):
+                canaries: tuple[int, float] | None = None, structure: tuple | None = None):
     """The sum over one physical batch of each example's view-averaged gradient clipped to
     `clip`; masked rows and null records contribute exactly zero. Traced with x64 on so that
     the reduction over the batch's examples is float64 (`dp.bookkeeping`'s guarantee: one
@@ -149,8 +151,11 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
       labels, mask, rows: (p,) labels, 0/1 mask, and global row indices (they pick each
         example's augmentation key, so a view never depends on the batch).
       canaries: (N, norm) when rows N.. are gradient canaries (`_example_loss_fn`).
+      structure: None, or the treedefs of (params, rest) when both come as lists of arrays
+        (the trainer: no `nnx.Variable` is built or flattened per call); the sums then come
+        back as a list too. `graphdef` may be its `graph_key` (hashed once).
     """
-    graphdef = graph_of(graphdef)  # the trainer passes its `graph_key`: hashed once
+    graphdef, params, rest = _unpack(graphdef, params, rest, structure)
     if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
@@ -158,25 +163,26 @@ def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_ke
         clipper = bookkeeping_clipper(
             _model_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
             dtype=jnp.bfloat16 if flags.mixed_precision else None)
-        return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip,
-                       mask * valid).grads
+        return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
+                                        clip, mask * valid).grads)
     clipper = per_example_clipper(
         _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
         microbatch_size=flags.microbatch_size)
     with im2col_convolutions():  # vmapped kernel gradients as batched matmuls (models._conv)
-        return clipper(params, (images, jnp.where(valid, labels, 0), rows), clip,
-                       mask * valid).grads
+        return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
+                                        clip, mask * valid).grads)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries",
+                                             "structure"))
 def gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
                  spec: FinetuneSpec, flags: FinetuneFlags,
-                 canaries: tuple[int, float] | None = None):
+                 canaries: tuple[int, float] | None = None, structure: tuple | None = None):
     """NOT private: `clipped_sum` without the clipping (`clip` is ignored), for the
     non-private reference: one backward pass of the sum over the batch's unmasked rows of each
     example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero."""
     del clip
-    graphdef = graph_of(graphdef)
+    graphdef, params, rest = _unpack(graphdef, params, rest, structure)
     if jnp.issubdtype(images.dtype, jnp.floating):
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
     valid = valid_labels(labels, spec.num_classes)
@@ -188,7 +194,19 @@ def gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_k
             images, jnp.where(valid, labels, 0), rows)
         return jnp.sum(jnp.where(mask * valid > 0, losses, 0.0))
 
-    return jax.grad(total)(params)
+    return _pack(structure, jax.grad(total)(params))
+
+
+def _unpack(graphdef, params, rest, structure):
+    """The graph and the (params, rest) pytrees of a call (`clipped_sum`'s `structure`)."""
+    if structure is not None:
+        params, rest = (jax.tree.unflatten(s, v) for s, v in zip(structure, (params, rest),
+                                                                   strict=True))
+    return graph_of(graphdef), params, rest
+
+
+def _pack(structure, sums):
+    return sums if structure is None else jax.tree.leaves(sums)
 
 
 def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
@@ -211,7 +229,10 @@ def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
                    donate_argnums=(0, 1, 2))
 def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip, *,
               spec: FinetuneSpec, steps: int, canaries: int = 0, private: bool = True):
-    """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay."""
+    """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay. Not
+    private: no noise to add in float64, so the sums go to the optimizer in float32."""
+    if not private:
+        sums = jax.tree.map(lambda v: v.astype(jnp.float32), sums)
     tx = _transform(spec, steps, stddev, key, denominator, clip, canaries, private)
     updates, opt_state = tx.update(sums, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -333,26 +354,29 @@ def train_finetune(
         state, keys, rng = restored
     stddev, noise_key, denominator = _noise_and_mean(plan, keys[0], num_examples)
     clip = jnp.float32(plan.clip_norm)
-    place = _placement(flags)
+    place = placement(flags)
     batch_sizes = np.zeros(plan.steps, np.int64)
     params, opt_state, ema, start = state
+    # Lists of arrays across the per-batch calls: an nnx.State argument or result costs
+    # host time per call for its Variables (README, "The H100 again").
+    structure = (jax.tree.structure(params), jax.tree.structure(rest))
+    rest_leaves = jax.tree.leaves(rest)
     clock = StepClock()
     for step in range(start, plan.steps):
         batch = next(poisson_batches(num_examples, [plan.sampling_probability], [1], p, rng))
         batch_sizes[step] = batch.sizes[0]
         aug_key = jax.random.fold_in(keys[1], step)
-        sums = None
+        sums, leaves = None, jax.tree.leaves(params)
         for index, mask in local_batches(batch.index[:, 0], batch.mask[:, 0], first,
                                          stop + count, p):  # this process's rows
             own = index - first
-            part = batch_sum(key, params, rest,
-                             *place(_rows(images, own), labels[own],
+            part = batch_sum(key, leaves, rest_leaves,
+                             *place(batch_rows(images, own), labels[own],
                                     mask, index.astype(np.int32)),
-                             clip, aug_key, spec=spec, flags=flags, canaries=static_canaries)
+                             clip, aug_key, spec=spec, flags=flags, canaries=static_canaries,
+                             structure=structure)
             sums = add_float64(sums, part)  # float64 across physical batches (dp.accumulate)
-        sums = sum_over_processes(sums)  # one process: unchanged
-        if not private:  # no noise to add in float64: the optimizer's float32 from here
-            sums = jax.tree.map(lambda v: v.astype(jnp.float32), sums)
+        sums = jax.tree.unflatten(structure[0], sum_over_processes(sums))  # 1 process: as is
         params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
                                            noise_key, denominator, clip, spec=spec,
                                            steps=plan.steps, canaries=count, private=private)
@@ -371,28 +395,3 @@ def train_finetune(
     ema_model = None if ema is None else wrap(nnx.merge(graphdef, ema, rest))
     return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections,
                           clock.compile_seconds, clock.images_per_second(float(denominator)))
-
-
-def _rows(images: np.ndarray, own: np.ndarray) -> np.ndarray:
-    """The images of a physical batch's rows; a row past the real ones (a gradient canary's)
-    reads a zero image, a public constant: its loss ignores it, and a real record's image
-    (were it non-finite, it would null the canary rows) must not decide it."""
-    picked = images[np.minimum(own, len(images) - 1)]
-    picked[own >= len(images)] = 0
-    return picked
-
-
-def _placement(flags: FinetuneFlags):
-    """Puts a physical batch on the device(s): split over a "data" mesh axis when
-    `flags.devices` > 1 (XLA then sums each device's clipped gradients across devices)."""
-    if flags.devices == 1:
-        return lambda *arrays: arrays
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.local_devices()[: flags.devices]), ("data",))
-
-    def place(*arrays):
-        return tuple(jax.device_put(a, NamedSharding(
-            mesh, PartitionSpec("data", *([None] * (a.ndim - 1))))) for a in arrays)
-
-    return place

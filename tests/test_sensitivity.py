@@ -189,3 +189,14 @@ def test_weighted_rows_sum_is_each_row_once_within_gamma_n(rows, shape):
     gamma = rows * 2.0**-53 / (1 - rows * 2.0**-53)
     bound = gamma * np.abs(terms).sum(axis=0)
     assert np.all(np.abs(np.asarray(got).astype(np.longdouble) - exact) <= bound)
+
+
+def test_add_float64_returns_a_float64_first_part_as_it_is():
+    from dp.accumulate import add_float64
+
+    with jax.enable_x64(True):
+        part = {"a": jnp.full(2, 0.5, jnp.float64)}
+    assert add_float64(None, part) is part
+    total = add_float64(add_float64(None, part), {"a": np.full(2, 0.25, np.float32)})
+    assert total["a"].dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(total["a"]), 0.75)
