@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["GraphKey", "graph_key", "graph_of"]
 
-_TABLE_SIZE = 64  # distinct graphs kept; past it the table restarts (keys stay correct)
+_TABLE_SIZE = 64  # distinct graphs kept; past it the oldest is dropped (keys stay correct)
 
 
 class GraphKey:
@@ -53,9 +53,13 @@ def graph_key(graph: Any) -> GraphKey:
         return graph
     key = GraphKey(graph)
     with _lock:
-        if len(_table) >= _TABLE_SIZE and key not in _table:
-            _table.clear()
-        return _table.setdefault(key, key)
+        known = _table.get(key)
+        if known is not None:
+            return known
+        if len(_table) >= _TABLE_SIZE:  # the oldest graph goes (its key stays valid)
+            del _table[next(iter(_table))]
+        _table[key] = key
+        return key
 
 
 def graph_of(graph_or_key: Any) -> Any:

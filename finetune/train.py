@@ -206,6 +206,8 @@ def _unpack(graphdef, params, rest, structure):
 
 
 def _pack(structure, sums):
+    if structure is not None and jax.tree.structure(sums) != structure[0]:  # at trace time
+        raise ValueError("the clipped sums are not shaped like the trained parameters")
     return sums if structure is None else jax.tree.leaves(sums)
 
 

@@ -124,6 +124,31 @@ def test_clipped_sum_equals_a_loop_of_clipped_single_example_gradients(rng):
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("clipping", ["bookkeeping", "per_example"])
+def test_the_trainers_flat_call_equals_the_state_call(rng, clipping):
+    """What the trainer calls (lists of arrays, `structure`, the graph's `graph_key`) gives
+    the clipped sum of the documented call on nnx.States, bit for bit, leaf for leaf; the
+    non-private `gradient_sum` too."""
+    from finetune.graph_key import graph_key
+
+    model = TinyConvNet(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    structure = (jax.tree.structure(params), jax.tree.structure(rest))
+    flags = finetune.FinetuneFlags(physical_batch_size=6, clipping=clipping)
+    spec = finetune.FinetuneSpec(NUM_CLASSES)
+    arrays = (jnp.asarray(rng.normal(size=(6, 8, 8, 1)).astype(np.float32)),
+              jnp.asarray(rng.integers(0, NUM_CLASSES, 6)), jnp.ones(6),
+              jnp.arange(6, dtype=jnp.int32), jnp.float32(0.5), jax.random.key(0))
+    for fn in (finetune.clipped_sum, finetune.train.gradient_sum):
+        tree = fn(graphdef, params, rest, *arrays, spec=spec, flags=flags)
+        flat = fn(graph_key(graphdef), jax.tree.leaves(params), jax.tree.leaves(rest),
+                  *arrays, spec=spec, flags=flags, structure=structure)
+        assert isinstance(flat, list) and len(flat) == len(jax.tree.leaves(tree))
+        for a, b in zip(jax.tree.leaves(tree), flat, strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_augmult_averages_the_views_gradients_before_clipping(rng):
     """De et al. eq. 4: clip(mean_k grad(view_k)), the views being `augment_views` of the
     example's key (fold_in(key, row))."""
