@@ -319,7 +319,6 @@ def test_data_parallel_over_four_devices_equals_one(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-
 def test_a_graph_key_is_hashed_once_and_shared_by_equal_graphs():
     """`finetune.graph_key`: a jitted function given the key never rehashes the graph (it
     does on every call given the graph), equal graphs (two splits of one architecture) share
