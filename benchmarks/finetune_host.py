@@ -5,8 +5,9 @@ took 89 ms a step of 4 such batches (README, "The H100 again"): the step was Pyt
 JAX's dispatch work on the host. This measures that work on any machine, with a model of
 ViT-tiny's structure (timm's VisionTransformer: 12 blocks, 152 trained arrays, patch 8 on
 16 px images) but 8 wide, physical batches of 2: the device's compute is then negligible, and
-what is timed is the host's share of a step (sampling, one jitted clipped sum and one float64
-addition per physical batch, the update). DP-SGD (`DpPlan(1, T, 1, 1)`, q = 1: k physical
+what is timed is the host's share of a step (sampling, the jitted calls that sum its
+physical batches' clipped gradients in float64, one per `--batches-per-call` batches, the
+update). DP-SGD (`DpPlan(1, T, 1, 1)`, q = 1: k physical
 batches every step) and the non-private reference (`DpPlan(0, T, 1, inf)`), timed in turn,
 medians of wall time over `--steps`-step calls after compiling ones.
 Run: .venv/bin/python benchmarks/finetune_host.py [--train all,bias] [--steps 30 --repeats 5]
@@ -29,6 +30,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches-per-step", type=int, default=4)
+    parser.add_argument("--batches-per-call", type=int, default=None,
+                        help="FinetuneFlags.batches_per_call (default: the trainer's rule, "
+                        "1 on a CPU; k: the step's batches in one looped call, as on a GPU)")
     args = parser.parse_args()
     import timm
     from flax import nnx
@@ -48,7 +52,8 @@ def main():
     for mode in args.train.split(","):
         spec = finetune.FinetuneSpec(10, optimizer="sgd", learning_rate=0.1, ema_decay=None,
                                      mean=(0.5,) * 3, std=(0.5,) * 3, train=mode)
-        flags = finetune.FinetuneFlags(physical_batch_size=p)
+        flags = finetune.FinetuneFlags(physical_batch_size=p,
+                                       batches_per_call=args.batches_per_call)
 
         def run(steps, private, spec=spec, flags=flags):
             plan = (accounting.DpPlan(1.0, steps, 1.0, 1.0) if private

@@ -12,8 +12,9 @@ in float64, and the noise is added to it in float64 before anything is rounded t
   * within one chunk, physical batch or device: the row reduction of the clipped sum is a float64
     dot of float32 operands (`FLOAT64_SUMS`: the products are exact), over blocks of at most
     `MAX_BLOCK_ROWS` rows, the blocks added with Neumaier's compensated sum (`row_block_sum`);
-  * across chunks and physical batches: `add_parts`, the same compensated float64 sum
-    (`CompensatedSum`, on the device, asynchronous);
+  * across chunks: `add_parts`, the same compensated float64 sum (`CompensatedSum`, on the
+    device, asynchronous); across a finetune step's physical batches, a plain float64 sum in
+    order (`finetune.batch_sums.stacked_sums`, bounded as `add_float64`);
   * across devices: XLA adds the D per-device float64 sums.
 
 Only the reduction is float64: the forward matmul (the logits), the norms and the clipping
@@ -214,10 +215,11 @@ def add_parts(total: CompensatedSum | None, part) -> CompensatedSum:
 
 def add_float64(total, part):
     """`total` + `part` leaf by leaf in float64 (`part` when `total` is None): a plain float64
-    sum, for a few parts whose running total is a pytree the caller hands on (a finetune
-    step's physical batches). k parts of a batch of B rows add at most (k - 1) u B C to the
-    rounding (u = 2^-53): below 1e-6 C for B up to 10^6 rows in physical batches of 256.
-    A first part already float64 is returned as it is (no call: host time on a GPU)."""
+    sum, for a few parts whose running total is a pytree the caller hands on (as a finetune
+    step's physical batches are added in `finetune.batch_sums.stacked_sums`). k parts of a
+    batch of B rows add at most (k - 1) u B C to the rounding (u = 2^-53): below 1e-6 C for B
+    up to 10^6 rows in physical batches of 256. A first part already float64 is returned as
+    it is (no call: host time on a GPU)."""
     if total is None:
         wide = all(getattr(leaf, "dtype", None) == jnp.float64 for leaf in jax.tree.leaves(part))
         return part if wide else _start(part)[0]

@@ -20,7 +20,7 @@ def augment_views(key: jax.Array, image: jax.Array, *, views: int, padding: int,
     image reflect-padded by `padding` pixels on every side, then flipped left-right with
     probability 1/2 if `flip` (Zagoruyko & Komodakis' CIFAR recipe, as De et al. use).
     With padding 0 and no flip, every view is the image itself. Dtypes are explicit, so the
-    views are the same in programs traced with x64 on (`finetune.train.clipped_sum`)."""
+    views are the same in programs traced with x64 on (`finetune.batch_sums.clipped_sum`)."""
 
     def one(key):
         crop_key, flip_key = jax.random.split(key)

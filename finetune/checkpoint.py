@@ -53,11 +53,15 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether the state after `step` steps is saved: a multiple of `every`."""
+        return step % self.every == 0
+
     def save(self, state: TrainState, keys: jax.Array, rng: np.random.Generator, *,
              force: bool = False) -> bool:
-        """Save `state` if its step is a multiple of `every` (or `force`); returns whether it
-        saved."""
-        if not force and state.step % self.every:
+        """Save `state` if it is `due` (or `force`); returns whether it saved. (The trainer
+        asks `due` first: it builds the state's pytrees only for a save.)"""
+        if not force and not self.due(state.step):
             return False
         ocp = self._ocp
         arrays = {"params": state.params, "opt_state": state.opt_state, "ema": state.ema,

@@ -2,15 +2,15 @@
 
 `jax.jit` hashes its static arguments on every call, and an NNX `GraphDef` has no cached hash:
 hashing it walks the model's whole node tree, 1.1-1.8 ms for ViT-tiny and 0.75 ms for WRN-16-4
-on the development CPU, paid on every physical batch of the trainer (`clipped_sum`,
-`gradient_sum`) and of an evaluation. On a GPU that is host time the device waits for: a
-ViT-tiny physical batch of 64 at 32 px computes in 6 ms there, and the trainer's steps were
-host-bound (README, "The H100 again"). `graph_key(graphdef)` wraps the graph with its hash
-computed once; equal graphs give the same wrapper (a small table: the equality is checked once
-per call of `graph_key`, not per jitted call), so compiled programs are shared across calls and
-jobs exactly as with the bare graph. Flax's own answer (`nnx.cached_partial`) caches a bound
-`nnx.jit` function; ours are plain `jax.jit` functions of (graphdef, state), so the key alone
-is wrapped.
+on the development CPU, paid on every compiled call of the trainer (`stacked_sums`, one
+per physical batch on a CPU) and of an evaluation. On a GPU that is host time the device
+waits for: a ViT-tiny physical batch of 64 at 32 px computes in 6 ms there, and the
+trainer's steps were host-bound (README, "The H100 again"). `graph_key(graphdef)` wraps the
+graph with its hash computed once; equal graphs give the same wrapper (a small table: the
+equality is checked once per call of `graph_key`, not per jitted call), so compiled programs
+are shared across calls and jobs exactly as with the bare graph. Flax's own answer
+(`nnx.cached_partial`) caches a bound `nnx.jit` function; ours are plain `jax.jit` functions
+of (graphdef, state), so the key alone is wrapped.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class FinetuneFlags:
     clipped to C and the noise is sigma C whatever they are.
 
     Attributes:
-      physical_batch_size: examples per compiled call (a logical batch is cut into such
+      physical_batch_size: examples per clipped sum (a logical batch is cut into such
         physical batches, the last one padded and masked).
       microbatch_size: `jax_privacy.clipped_grad`'s microbatches inside a physical batch
         (less memory, more sequential work); None: the whole physical batch at once. Used by
@@ -120,6 +120,11 @@ class FinetuneFlags:
         no per-example kernel gradients; the default) or "per_example" (`dp.per_example_clipper`,
         `jax_privacy.clipped_grad`'s vmapped per-example gradients). Both bound each
         example's contribution by C; they agree to float rounding.
+      batches_per_call: physical batches summed by one compiled call (a step makes its
+        physical batches / this calls, rounded up); None: 1 on a CPU (XLA:CPU runs a loop's
+        body slowly), else a whole step in one call but in rare steps, within 64 MiB of
+        images (`finetune.batches.batches_per_call`). More: fewer host round trips (a GPU
+        waits on them at small batches); fewer: less device memory.
     """
 
     physical_batch_size: int = 64
@@ -127,10 +132,13 @@ class FinetuneFlags:
     mixed_precision: bool = False
     devices: int = 1
     clipping: str = "bookkeeping"
+    batches_per_call: int | None = None
 
     def __post_init__(self):
         if self.clipping not in CLIPPERS:
             raise ValueError(f"clipping must be one of {CLIPPERS}, got {self.clipping!r}")
+        if self.batches_per_call is not None and self.batches_per_call < 1:
+            raise ValueError(f"batches_per_call must be >= 1, got {self.batches_per_call}")
         if self.physical_batch_size < 1:
             raise ValueError(f"physical_batch_size must be >= 1, got {self.physical_batch_size}")
         if self.devices < 1 or self.physical_batch_size % self.devices:

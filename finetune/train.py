@@ -10,7 +10,9 @@ Each step t of a run of `accounting.DpPlan(sigma, T, q, C)`:
      (De et al. 2022, https://arxiv.org/abs/2204.13650, eq. 4) clipped to C as a whole, by
      book-keeping (`dp.bookkeeping_clipper`: one forward and one backward pass of the batch,
      Bu et al. 2023) or by per-example gradients (`dp.per_example_clipper`, on
-     `jax_privacy.clipped_grad`), summed over the physical batches of the step;
+     `jax_privacy.clipped_grad`), summed over the physical batches of the step in float64, in
+     one compiled call for up to `FinetuneFlags.batches_per_call` of them
+     (`finetune.batch_sums`);
   3. noise: N(0, (sigma C)^2 I) added once to the step's sum, divided by the expected batch
      size q N, then the optimizer with its learning-rate schedule (`dp.private_optimizer`:
      an optax chain; the optimizer is post-processing);
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable
 
 import jax
@@ -53,20 +54,17 @@ import optax
 from flax import nnx
 
 from accounting import DpPlan
-from dp.accumulate import add_float64, x64_jit
-from dp.bookkeeping import bookkeeping_clipper
+from dp.accumulate import x64_jit
 from dp.canaries import GradientCanaries, canary_tap
-from dp.clipping import NULL_LABEL, per_example_clipper, valid_labels, zero_nonfinite_rows
+from dp.clipping import NULL_LABEL
 from dp.distributed import local_batches, shared_generator, sum_over_processes
 from dp.noise import make_keys, noise_stddev
 from dp.optimizers import make_optimizer, private_optimizer
 from dp.sampling import poisson_batches
-from finetune.augment import views_of
-from finetune.batches import batch_rows, placement
-from finetune.evaluation import normalize_images
+from finetune.batch_sums import clipped_sum, gradient_sum, model_inputs, stacked_sums
+from finetune.batches import batches_per_call, placement, stacked_rows
 from finetune.fronts import cached_front
-from finetune.graph_key import graph_key, graph_of
-from finetune.models._conv import im2col_convolutions
+from finetune.graph_key import graph_key
 from finetune.modes import count_params, trained_filter
 from finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, TrainState
 from finetune.timing import StepClock
@@ -81,134 +79,8 @@ def ema_decay_at(step: int | jax.Array, decay: float):
 
 
 # ------------------------------------------------------------------------------------------
-# The compiled pieces: per-example clipped sum of a physical batch, and the DP update.
+# The DP update (the per-batch pieces: `finetune.batch_sums`).
 # ------------------------------------------------------------------------------------------
-
-
-def model_inputs(images, spec: FinetuneSpec) -> jax.Array:
-    """The model's input from images (`finetune.normalize_images` with the spec's public
-    mean and std)."""
-    return normalize_images(images, spec.mean, spec.std)
-
-
-def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, aug_key,
-                     canaries: tuple[int, float] | None):
-    """The loss of one example (leading batch axis of 1, as `clipped_grad` calls it):
-    `_model_loss_fn` on the model merged from `params` (cast to bfloat16 for mixed
-    precision). With gradient canaries, params = (the model's, the canary block)."""
-    model_loss = _model_loss_fn(spec, aug_key, canaries)
-
-    def loss(params, image, label, row):
-        model_params, block = params if canaries is not None else (params, None)
-        if flags.mixed_precision:
-            model_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), model_params)
-        return model_loss(nnx.merge(graphdef, model_params, rest), block, image[0], label[0],
-                          row[0])
-
-    return loss
-
-
-def _model_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | None):
-    """The loss of one example (no batch axis) given the model (`dp.bookkeeping_clipper` calls
-    it with the tapped model) and the canary block: the mean over its K views of the
-    cross-entropy. With gradient canaries (`canaries` = (N, norm)), row N + j is canary j,
-    whose loss is norm * block[j] (`dp.canaries`): its whole gradient is norm e_j in the
-    block."""
-
-    def loss(model, block, image, label, row):
-        views = model_inputs(views_of(image, jax.random.fold_in(aug_key, row), views=spec.augmult,
-                                      padding=spec.crop_padding, flip=spec.flip), spec)
-        logits = model(views.astype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype))
-        value = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), jnp.broadcast_to(label, logits.shape[:1])).mean()
-        if canaries is None:
-            return value
-        num_real, norm = canaries
-        canary = row - num_real
-        return jnp.where(canary >= 0, norm * block[jnp.clip(canary, 0, block.shape[0] - 1)],
-                         value)
-
-    return loss
-
-
-def _notice(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-@functools.partial(x64_jit, static_argnames=("graphdef", "spec", "flags", "canaries",
-                                            "structure"))
-def clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
-                spec: FinetuneSpec, flags: FinetuneFlags,
-                canaries: tuple[int, float] | None = None, structure: tuple | None = None):
-    """The sum over one physical batch of each example's view-averaged gradient clipped to
-    `clip`; masked rows and null records contribute exactly zero. Traced with x64 on so that
-    the reduction over the batch's examples is float64 (`dp.bookkeeping`'s guarantee: one
-    example moves the computed sum by at most C (1 + 3.1e-7)); the model runs in float32.
-
-    Args:
-      images: (p, H, W, C) (views drawn on the device) or (p, K, H, W, C) (given views),
-        uint8 or float.
-      labels, mask, rows: (p,) labels, 0/1 mask, and global row indices (they pick each
-        example's augmentation key, so a view never depends on the batch).
-      canaries: (N, norm) when rows N.. are gradient canaries (`_example_loss_fn`).
-      structure: None, or the treedefs of (params, rest) when both come as lists of arrays
-        (the trainer: no `nnx.Variable` is built or flattened per call); the sums then come
-        back as a list too. `graphdef` may be its `graph_key` (hashed once).
-    """
-    graphdef, params, rest = _unpack(graphdef, params, rest, structure)
-    if jnp.issubdtype(images.dtype, jnp.floating):  # uint8 images are always finite
-        images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
-    valid = valid_labels(labels, spec.num_classes)
-    if flags.clipping == "bookkeeping":
-        clipper = bookkeeping_clipper(
-            _model_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
-            dtype=jnp.bfloat16 if flags.mixed_precision else None)
-        return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
-                                        clip, mask * valid).grads)
-    clipper = per_example_clipper(
-        _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
-        microbatch_size=flags.microbatch_size)
-    with im2col_convolutions():  # vmapped kernel gradients as batched matmuls (models._conv)
-        return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
-                                        clip, mask * valid).grads)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "flags", "canaries",
-                                             "structure"))
-def gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
-                 spec: FinetuneSpec, flags: FinetuneFlags,
-                 canaries: tuple[int, float] | None = None, structure: tuple | None = None):
-    """NOT private: `clipped_sum` without the clipping (`clip` is ignored), for the
-    non-private reference: one backward pass of the sum over the batch's unmasked rows of each
-    example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero."""
-    del clip
-    graphdef, params, rest = _unpack(graphdef, params, rest, structure)
-    if jnp.issubdtype(images.dtype, jnp.floating):
-        images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
-    valid = valid_labels(labels, spec.num_classes)
-    loss = _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries)
-
-    def total(params):
-        losses = jax.vmap(lambda image, label, row: loss(params, image[None], label[None],
-                                                         row[None]))(
-            images, jnp.where(valid, labels, 0), rows)
-        return jnp.sum(jnp.where(mask * valid > 0, losses, 0.0))
-
-    return _pack(structure, jax.grad(total)(params))
-
-
-def _unpack(graphdef, params, rest, structure):
-    """The graph and the (params, rest) pytrees of a call (`clipped_sum`'s `structure`)."""
-    if structure is not None:
-        params, rest = (jax.tree.unflatten(s, v) for s, v in zip(structure, (params, rest),
-                                                                   strict=True))
-    return graph_of(graphdef), params, rest
-
-
-def _pack(structure, sums):
-    if structure is not None and jax.tree.structure(sums) != structure[0]:  # at trace time
-        raise ValueError("the clipped sums are not shaped like the trained parameters")
-    return sums if structure is None else jax.tree.leaves(sums)
 
 
 def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
@@ -227,12 +99,17 @@ def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
                              observer=tap)
 
 
-@functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries", "private"),
-                   donate_argnums=(0, 1, 2))
-def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip, *,
-              spec: FinetuneSpec, steps: int, canaries: int = 0, private: bool = True):
-    """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay. Not
-    private: no noise to add in float64, so the sums go to the optimizer in float32."""
+@functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries", "private", "trees"),
+                   donate_argnums=(0,))
+def dp_update(state, sums, step, stddev, key, denominator, clip, *, spec: FinetuneSpec,
+              steps: int, canaries: int = 0, private: bool = True, trees: tuple):
+    """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay, on the
+    leaves of (params, opt_state, ema) and of the step's sums (`trees`: their treedefs; lists
+    of arrays, so that no `nnx.Variable` is built on the host per step); returns the new
+    state's leaves. Not private: no noise to add in float64, so the sums go to the optimizer
+    in float32."""
+    params, opt_state, ema = jax.tree.unflatten(trees[0], state)
+    sums = jax.tree.unflatten(trees[1], sums)
     if not private:
         sums = jax.tree.map(lambda v: v.astype(jnp.float32), sums)
     tx = _transform(spec, steps, stddev, key, denominator, clip, canaries, private)
@@ -241,7 +118,7 @@ def dp_update(params, opt_state, ema, sums, step, stddev, key, denominator, clip
     if spec.ema_decay is not None:
         decay = ema_decay_at(step, spec.ema_decay)
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
-    return params, opt_state, ema
+    return jax.tree.leaves((params, opt_state, ema))
 
 
 def init_state(params, spec: FinetuneSpec, plan: DpPlan, noise_key: jax.Array,
@@ -350,45 +227,52 @@ def train_finetune(
                          "has none")
     graphdef, params, rest = split_trained(model, spec)
     key = graph_key(graphdef)  # a static jit argument hashed once, not per physical batch
-    batch_sum = clipped_sum if private else gradient_sum
     state = init_state(params, spec, plan, keys[0], num_examples, count)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
         state, keys, rng = restored
     stddev, noise_key, denominator = _noise_and_mean(plan, keys[0], num_examples)
-    clip = jnp.float32(plan.clip_norm)
-    place = placement(flags)
+    clip, aug_base = jnp.float32(plan.clip_norm), keys[1]
+    place = placement(flags, axis=1)  # the stacks' batch axis
     batch_sizes = np.zeros(plan.steps, np.int64)
     params, opt_state, ema, start = state
-    # Lists of arrays across the per-batch calls: an nnx.State argument or result costs
+    # Lists of arrays across the compiled calls: an nnx.State argument or result costs
     # host time per call for its Variables (README, "The H100 again").
     structure = (jax.tree.structure(params), jax.tree.structure(rest))
-    rest_leaves = jax.tree.leaves(rest)
+    trees = (jax.tree.structure((params, opt_state, ema)), structure[0])
+    leaves, rest_leaves = jax.tree.leaves((params, opt_state, ema)), jax.tree.leaves(rest)
+    with jax.enable_x64(True):  # a step's first total: 0 + part is part, exactly
+        zeros = jax.device_put([np.zeros(v.shape, np.float64) for v in jax.tree.leaves(params)])
+    local = stop - first + count  # this process's rows
+    stack = min(batches_per_call(flags, plan.sampling_probability * local,
+                                 images[0].nbytes if len(images) else 1), -(-local // p))
+
+    def state_after(step):  # the pytrees, rebuilt only when asked for
+        return TrainState(*jax.tree.unflatten(trees[0], leaves), step + 1)
+
     clock = StepClock()
     for step in range(start, plan.steps):
         batch = next(poisson_batches(num_examples, [plan.sampling_probability], [1], p, rng))
         batch_sizes[step] = batch.sizes[0]
-        aug_key = jax.random.fold_in(keys[1], step)
-        sums, leaves = None, jax.tree.leaves(params)
-        for index, mask in local_batches(batch.index[:, 0], batch.mask[:, 0], first,
-                                         stop + count, p):  # this process's rows
-            own = index - first
-            part = batch_sum(key, leaves, rest_leaves,
-                             *place(batch_rows(images, own), labels[own],
-                                    mask, index.astype(np.int32)),
-                             clip, aug_key, spec=spec, flags=flags, canaries=static_canaries,
-                             structure=structure)
-            sums = add_float64(sums, part)  # float64 across physical batches (dp.accumulate)
-        sums = jax.tree.unflatten(structure[0], sum_over_processes(sums))  # 1 process: as is
-        params, opt_state, ema = dp_update(params, opt_state, ema, sums, step, stddev,
-                                           noise_key, denominator, clip, spec=spec,
-                                           steps=plan.steps, canaries=count, private=private)
-        clock.step_done(params, last=step + 1 == plan.steps)
-        if checkpointer is not None:
-            checkpointer.save(TrainState(params, opt_state, ema, step + 1), keys, rng)
+        sums = zeros
+        batches = local_batches(batch.index[:, 0], batch.mask[:, 0], first, stop + count, p)
+        for at in range(0, len(batches), stack):  # this process's rows, `stack` batches a call
+            group = batches[at:at + stack]
+            sums = stacked_sums(key, leaves[:len(zeros)], rest_leaves, sums,
+                                *place(*stacked_rows(images, labels, group, first, stack)),
+                                np.int32(len(group)), clip, aug_base, np.int32(step),
+                                spec=spec, flags=flags, canaries=static_canaries,
+                                structure=structure, private=private)
+        leaves = dp_update(leaves, sum_over_processes(sums), step, stddev, noise_key,
+                           denominator, clip, spec=spec, steps=plan.steps, canaries=count,
+                           private=private, trees=trees)
+        clock.step_done(leaves, last=step + 1 == plan.steps)
+        if checkpointer is not None and checkpointer.due(step + 1):
+            checkpointer.save(state_after(step), keys, rng)
         if on_step is not None:
-            on_step(TrainState(params, opt_state, ema, step + 1), rng)
+            on_step(state_after(step), rng)
         if progress is not None:
             progress(step + 1)
+    params, opt_state, ema, _ = state_after(plan.steps - 1)
     projections = None
     if count:  # the tap's record (opt_state[1]: right after the privatizer), then the model's
         projections = np.asarray(opt_state[1].projections)

@@ -144,7 +144,7 @@ class FinetuneConfig:
                                      "min(D, (1 + t) / (10 + t)), their warm-up)")
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
-        256, type=integer, help="examples per compiled call (default %(default)s)")
+        256, type=integer, help="examples per clipped sum (default %(default)s)")
     # Not an option: the job's book-keeping clipping forms no per-example kernel gradients,
     # so microbatches (`FinetuneFlags.microbatch_size`, the per-example clipper's) would
     # change nothing; kept (None) so that saved runs' options still match, refused if set.

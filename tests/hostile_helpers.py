@@ -85,12 +85,12 @@ if os.environ["DPPROBE_TEST_KEYS"]:
         return train(*args, **kwargs)
     finetune.train_finetune = fixed
     kill_at = int(os.environ["DPPROBE_TEST_KILL_AT"])
-    save = finetune.checkpoint.Checkpointer.save
-    def save_or_die(self, state, *args, **kwargs):
-        if state.step == kill_at:
+    due = finetune.checkpoint.Checkpointer.due
+    def due_or_die(self, step):
+        if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return save(self, state, *args, **kwargs)
-    finetune.checkpoint.Checkpointer.save = save_or_die
+        return due(self, step)
+    finetune.checkpoint.Checkpointer.due = due_or_die
 from pipelines import cli
 sys.exit(cli.main(sys.argv[1:]))
 """

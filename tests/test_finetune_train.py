@@ -292,21 +292,23 @@ labels = np.arange(64) % 3
 keys = dp.make_keys(2)
 spec = finetune.FinetuneSpec(3, learning_rate=0.2, augmult=2, crop_padding=1, flip=True)
 out = []
-for devices in (1, 4):
+for devices, per_call in ((1, None), (4, None), (4, 2)):  # 2: a looped stack, as on a GPU
     result = finetune.train_finetune(
         TinyConvNet(nnx.Rngs(0)), images, labels, accounting.DpPlan(1.0, 3, 0.3, 1.0), spec,
         keys=keys, rng=np.random.default_rng(1),
-        flags=finetune.FinetuneFlags(physical_batch_size=16, devices=devices))
+        flags=finetune.FinetuneFlags(physical_batch_size=16, devices=devices,
+                                     batches_per_call=per_call))
     out.append(_flat(nnx.state(result.model, nnx.Param)))
 assert np.abs(out[0]).max() > 0
-np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-6)
+for other in out[1:]:
+    np.testing.assert_allclose(other, out[0], rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
 
 def test_data_parallel_over_four_devices_equals_one(tmp_path):
     """--devices 4 (forced host devices) trains the same model as one device, up to the order
-    of float32 sums."""
+    of float32 sums, with one physical batch a call or two (the stack's loop)."""
     import os
     import subprocess
     import sys

@@ -15,7 +15,7 @@ import accounting
 import dp
 import dp.noise
 import finetune
-import finetune.train as finetune_train
+import finetune.batch_sums as finetune_batch_sums
 from dp.canaries import GradientCanaries, audit_gradient_canaries
 from tests.conftest import fixed_keys
 
@@ -137,7 +137,7 @@ def test_halved_noise_is_refuted(monkeypatch):
 @pytest.mark.usefixtures("recompiled")
 def test_unclipped_canaries_are_refuted(monkeypatch):
     """A clipper that clips real rows but lets canary rows through unclipped."""
-    original = finetune_train.bookkeeping_clipper
+    original = finetune_batch_sums.bookkeeping_clipper
 
     def broken(*args, **kwargs):
         clipper = original(*args, **kwargs)
@@ -150,7 +150,7 @@ def test_unclipped_canaries_are_refuted(monkeypatch):
 
         return clip
 
-    monkeypatch.setattr(finetune_train, "bookkeeping_clipper", broken)
+    monkeypatch.setattr(finetune_batch_sums, "bookkeeping_clipper", broken)
     audit = _audited(_plan(2.0))[1]
     assert audit.refuted and audit.fitted["signal"] > 100, audit
 

@@ -17,8 +17,8 @@ each example's kernel gradient from the input's shifted windows, or the im2col p
 a ghost norm needs them, `finetune.models.taps`), so XLA's convolutions serve the forward and
 the input gradients. Under `vmap(grad)` the per-example kernel gradient of
 `patches @ kernel` is a batched matmul, while JAX batches lax's as a grouped convolution with
-one group per example, which XLA:CPU runs slowly; `finetune.train.clipped_sum` therefore traces
-the per-example clipper inside `im2col_convolutions()`.
+one group per example, which XLA:CPU runs slowly; `finetune.batch_sums.clipped_sum` therefore
+traces the per-example clipper inside `im2col_convolutions()`.
 """
 
 from __future__ import annotations
