@@ -171,7 +171,8 @@ class FinetuneResult:
     steps after it, counted at the expected batch size q N: `finetune.timing`) are wall-clock
     measurements, like a job's run time: not DP outputs, and not exact statistics of the data
     (timing is outside the claim, as for every DP-SGD implementation). None when not measured
-    (no step, or a single one, was run).
+    (no step, or a single one, was run). `batches_per_call`: the physical batches one
+    compiled call summed (`FinetuneFlags.batches_per_call` or its rule's number; public).
     """
 
     model: nnx.Module
@@ -181,3 +182,4 @@ class FinetuneResult:
     canary_projections: np.ndarray | None = None
     compile_seconds: float | None = None
     images_per_second: float | None = None
+    batches_per_call: int | None = None

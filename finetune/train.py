@@ -280,4 +280,5 @@ def train_finetune(
     trained = wrap(nnx.merge(graphdef, params, rest))
     ema_model = None if ema is None else wrap(nnx.merge(graphdef, ema, rest))
     return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections,
-                          clock.compile_seconds, clock.images_per_second(float(denominator)))
+                          clock.compile_seconds, clock.images_per_second(float(denominator)),
+                          batches_per_call=stack)

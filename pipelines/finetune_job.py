@@ -232,6 +232,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
                  "image_size": image_size, "channels": channels},
         "model": model_info | ({"chosen": model_choice} if model_choice else {}),
         "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
+            "batches_per_call": trained.batches_per_call,  # the number used (public)
             "batch_size": chosen.batch_size, "epochs": chosen.epochs,
             "clip_norm": clip, "chosen": chosen.chosen},
         "trained": trained_info,

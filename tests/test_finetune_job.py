@@ -67,6 +67,7 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert results["trained"]["mode"] == "all"
     assert results["trained"]["parameters"] == results["trained"]["of"]
     assert results["recipe"]["ema_decay"] == 0.999  # the recipe's, De et al.'s
+    assert results["recipe"]["batches_per_call"] == 1  # the number used, on a CPU
     # FAST asks for 2 views without crops or flips: the same image twice, said once.
     assert [w for w in results["warnings"] if "augmult" in w] == [
         "augmult 2 without crop padding or flips: the 2 views of an example are the same "
