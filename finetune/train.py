@@ -243,8 +243,9 @@ def train_finetune(
     with jax.enable_x64(True):  # a step's first total: 0 + part is part, exactly
         zeros = jax.device_put([np.zeros(v.shape, np.float64) for v in jax.tree.leaves(params)])
     local = stop - first + count  # this process's rows
-    stack = min(batches_per_call(flags, plan.sampling_probability * local,
-                                 images[0].nbytes if len(images) else 1), -(-local // p))
+    stack = max(1, min(batches_per_call(flags, plan.sampling_probability * local,
+                                        images[0].nbytes if len(images) else 1),
+                       -(-local // p)))
 
     def state_after(step):  # the pytrees, rebuilt only when asked for
         return TrainState(*jax.tree.unflatten(trees[0], leaves), step + 1)
