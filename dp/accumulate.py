@@ -14,7 +14,7 @@ in float64, and the noise is added to it in float64 before anything is rounded t
     `MAX_BLOCK_ROWS` rows, the blocks added with Neumaier's compensated sum (`row_block_sum`);
   * across chunks: `add_parts`, the same compensated float64 sum (`CompensatedSum`, on the
     device, asynchronous); across a finetune step's physical batches, a plain float64 sum in
-    order (`finetune.batch_sums.stacked_sums`, bounded as `add_float64`);
+    order (`add_float64`, inside `finetune.batch_sums.stacked_sums`);
   * across devices: XLA adds the D per-device float64 sums.
 
 Only the reduction is float64: the forward matmul (the logits), the norms and the clipping

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dp.accumulate import x64_jit
+from dp.accumulate import add_float64, x64_jit
 from dp.bookkeeping import bookkeeping_clipper
 from dp.clipping import per_example_clipper, valid_labels, zero_nonfinite_rows
 from finetune.augment import views_of
@@ -183,7 +183,7 @@ def stacked_sums(graphdef, params, rest, total, images, labels, mask, rows, coun
         part = one(graphdef, params, rest, images[index], labels[index], mask[index],
                    rows[index], clip, aug_key, spec=spec, flags=flags, canaries=canaries,
                    structure=structure)
-        return [a + s.astype(jnp.float64) for a, s in zip(acc, part, strict=True)]
+        return add_float64(acc, part)
 
     total = [t.astype(jnp.float64) for t in total]
     count = jnp.clip(count, 0, images.shape[0])  # a slot is never read twice, whatever count

@@ -56,9 +56,10 @@ def stacked_rows(images: np.ndarray, labels: np.ndarray, group, first: int, m: i
     stacked = np.empty((m * p,) + images.shape[1:], images.dtype)
     stacked[:n * p] = batch_rows(images, own)
     stacked[n * p:] = 0
-    rows = np.zeros((m, p), labels.dtype)
-    rows[:n] = labels[own].reshape(n, p)
-    return stacked.reshape((m, p) + images.shape[1:]), rows, mask, index.astype(np.int32)
+    stacked_labels = np.zeros((m, p), labels.dtype)
+    stacked_labels[:n] = labels[own].reshape(n, p)
+    return (stacked.reshape((m, p) + images.shape[1:]), stacked_labels, mask,
+            index.astype(np.int32))
 
 
 def placement(flags: FinetuneFlags, axis: int = 0):
