@@ -1,6 +1,6 @@
-"""Imported first by every benchmark: `benchmarks/extract.py` is named like the `extract`
-package, so this folder (sys.path[0] when a benchmark runs as a script) leaves the import path
-and `import extract` finds the package."""
+"""Imported first by every benchmark: this folder (sys.path[0] when a benchmark runs as a script)
+leaves the import path, so that a benchmark's name (`extract.py`, `predict.py`) never shadows a
+module a library imports; `load_benchmark` loads a sibling script explicitly instead."""
 
 import os
 import sys

@@ -42,7 +42,7 @@ def _store(workdir: Path, dim: int, num_train: int) -> Path:
 
 
 def speed(store: Path, repeats: int) -> list[dict]:
-    from pipelines import run_audit
+    from dpprobe.pipelines import run_audit
 
     rows = []
     for optimizer, steps, times in (("sgd", 1, repeats), ("sgd", 10, 1), ("adam", 1, 1)):
@@ -62,7 +62,7 @@ def speed(store: Path, repeats: int) -> list[dict]:
 
 
 def _data(store: Path, rows: int):
-    import extract
+    from dpprobe import extract
 
     features, labels, _ = extract.load_split(str(store), "train")
     return features[:rows], labels[:rows]
@@ -71,9 +71,7 @@ def _data(store: Path, rows: int):
 def _setup(epsilon: float, optimizer: str, steps: int, num_examples: int, runs: int,
            significance: float = 0.05):
     """The claim's plan, the audit's run, and the thresholds chosen on the claim."""
-    import accounting
-    import dp
-    import probe
+    from dpprobe import accounting, dp, probe
 
     spec = probe.ProbeSpec(num_classes=10, optimizer=optimizer)
     sigma = accounting.calibrate_noise_multiplier(epsilon, DELTA, steps=steps)
@@ -88,8 +86,7 @@ def _setup(epsilon: float, optimizer: str, steps: int, num_examples: int, runs: 
 
 
 def _bounds(features, labels, spec, run, thresholds, runs: int):
-    import dp
-    import probe
+    from dpprobe import dp, probe
 
     scores = [probe.train_canary_runs(features, labels, [run] * runs, spec, include=include)
               for include in (True, False)]
@@ -102,7 +99,7 @@ def expected_ratio(epsilon: float, runs: int) -> float:
     bound / epsilon at the expected error counts of the middle threshold mu/2 (95%)."""
     from scipy import stats
 
-    import accounting
+    from dpprobe import accounting
 
     mu = accounting.gdp_mu(epsilon, DELTA)
     rate = stats.norm.cdf(-mu / 2)
@@ -152,8 +149,8 @@ def bugs(features, labels, runs: int) -> list[dict]:
     """The broken mechanisms of tests/test_audit.py, in this process only."""
     import jax
 
-    import dp.noise
-    import probe
+    import dpprobe.dp.noise  # noqa: F401 (loads the submodule)
+    from dpprobe import dp, probe
 
     original_noise, original_clipper = dp.noise.gaussian_noise, probe.train.clipped_grad_sum
 

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import dp
-import dp.bookkeeping as bookkeeping
-import dp.taps
-import finetune.models
-from finetune.models.wrn import WSConv
+import dpprobe.dp.bookkeeping as bookkeeping
+import dpprobe.dp.taps  # noqa: F401 (loads the submodule)
+import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
+from dpprobe import dp, finetune
+from dpprobe.finetune.models.wrn import WSConv
 
 P, SIDE = 32, 28
 

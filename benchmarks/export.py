@@ -22,9 +22,9 @@ import _path  # noqa: F401  (first: this folder off the import path)
 def model_file(folder: str, side: int) -> str:
     from flax import nnx
 
-    import dpmodel
-    import finetune.models as fm
-    from pipelines import model_files
+    import dpprobe.finetune.models as fm
+    from dpprobe import model as dpmodel
+    from dpprobe.pipelines import model_files
 
     classes = [str(c) for c in range(10)]
     model = fm.create_model("scatternet_cnn_linear", len(classes), image_size=side,
@@ -65,9 +65,10 @@ def main() -> None:
     import onnxruntime
     import torch
 
-    import dpmodel
-    import extract.scattering
-    from dpmodel import torch_export
+    import dpprobe.extract.scattering  # noqa: F401 (loads the submodule)
+    from dpprobe import extract
+    from dpprobe import model as dpmodel
+    from dpprobe.model import torch_export
 
     images = np.random.default_rng(0).random((args.batch, 1, args.side, args.side),
                                              dtype=np.float32)

@@ -37,8 +37,8 @@ def bare_forward(backbone, batches) -> None:
 
 
 def main():
-    import extract
-    from pipelines.demo_job import demo_data
+    from dpprobe import extract
+    from dpprobe.pipelines.demo_job import demo_data
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backbones", default="vit_tiny_patch16_224,scatternet")

@@ -75,7 +75,8 @@ def _images_per_second(run, images_per_step, steps, repeats):
 def _jax_model(name, side, channels):
     from flax import nnx
 
-    import finetune.models
+    import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
+    from dpprobe import finetune
 
     return finetune.models.create_model(name, CLASSES, image_size=side, in_channels=channels,
                                         rngs=nnx.Rngs(0))
@@ -90,8 +91,7 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
     of wall time over `steps` steps."""
     from flax import nnx
 
-    import accounting
-    import finetune
+    from dpprobe import accounting, finetune
 
     images, labels = _data(side, channels, k * p)
     spec = finetune.FinetuneSpec(CLASSES, optimizer="sgd", learning_rate=0.1, ema_decay=None,
@@ -124,7 +124,7 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
 def _torch_model(name, side, channels):
     import timm
 
-    from dpmodel import torch_models  # the golden tests' PyTorch counterparts
+    from dpprobe.model import torch_models  # the golden tests' PyTorch counterparts
 
     if name == "cnn":  # 28 px: the flattened map is 4 x 4
         return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)

@@ -34,7 +34,8 @@ def halved_noise():
     """The noise of every privatized sum halved, in this process only."""
     import jax
 
-    import dp.noise
+    import dpprobe.dp.noise  # noqa: F401 (loads the submodule)
+    from dpprobe import dp
 
     original = dp.noise.gaussian_noise
     jax.clear_caches()
@@ -47,7 +48,7 @@ def halved_noise():
 
 
 def audited(options: dict) -> dict:
-    from pipelines import run_finetune
+    from dpprobe.pipelines import run_finetune
 
     start = time.perf_counter()
     results = run_finetune(**options, audit_canaries=CANARIES)
@@ -71,7 +72,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-vit", action="store_true")
     args = parser.parse_args()
-    from pipelines import run_finetune
+    from dpprobe.pipelines import run_finetune
 
     run_finetune(**CNN, steps=2)  # compile
     timing = {"audited": [], "plain": []}

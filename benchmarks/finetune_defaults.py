@@ -23,7 +23,7 @@ BEFORE = dict(batch_size=2048, epochs=30.0, learning_rate=4.0, clip_norm=0.1)
 
 
 def run(model=None, **recipe) -> tuple[float, float, dict]:
-    from pipelines import run_finetune
+    from dpprobe.pipelines import run_finetune
 
     start = time.perf_counter()
     results = run_finetune(data="digits", resize=16, epsilon=8.0, delta=1e-5, quiet=True,

@@ -37,9 +37,8 @@ def main():
     import timm
     from flax import nnx
 
-    import accounting
-    import finetune
-    from finetune.models.vit import vit_from_timm
+    from dpprobe import accounting, finetune
+    from dpprobe.finetune.models.vit import vit_from_timm
 
     k, p = args.batches_per_step, 2
     model = vit_from_timm(timm.models.VisionTransformer(

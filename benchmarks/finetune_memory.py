@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import dp
-import finetune.models
+import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
+from dpprobe import dp, finetune
 
 CASES = [("cnn", 28, 1, 256), ("wrn16_4", 28, 1, 32), ("vit_tiny_patch16_224", 32, 3, 64),
          ("vit_tiny_patch16_224", 224, 3, 16)]

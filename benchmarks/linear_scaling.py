@@ -35,7 +35,7 @@ TRAMER_BONEH = {3.0: 0.897}
 
 
 def ensure_store(workdir: Path) -> str:
-    from pipelines import run_extract
+    from dpprobe.pipelines import run_extract
 
     store = workdir / "fashion-mnist-scatternet.zarr"
     run_extract(backbone="scatternet", data="fashion-mnist", out=str(store), progress=True)
@@ -46,7 +46,7 @@ def ours(store: str, epsilon: float, steps: int, train_rules: bool) -> dict:
     """One tune run with the defaults and the r* of every extrapolation rule from its stages;
     with `train_rules`, the final run of every other rule is trained too (with its own
     standardization and noise, at the same budget): what the job would have given with it."""
-    from pipelines import linear_scaling_search, search
+    from dpprobe.pipelines import linear_scaling_search, search
 
     start = time.perf_counter()
     # The search forced: this measures it (`--search auto` skips it where it cannot pay).
@@ -74,11 +74,8 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     standardization from the store's backbone, momentum, T = `steps`, the budget the final run
     gets in tune), tuning not paid. With `seed`, train on 90% of train and also report the
     accuracy on the other 10% (exact, to pick an r for free)."""
-    import accounting
-    import dp
-    import extract
-    import probe
-    from pipelines import TuneConfig, recipe, search, tune_job
+    from dpprobe import accounting, dp, extract, probe
+    from dpprobe.pipelines import TuneConfig, recipe, search, tune_job
 
     x, y, attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, _ = extract.load_split(store, "test", dtype=None)
@@ -144,7 +141,7 @@ def main():
         workdir.mkdir(parents=True, exist_ok=True)
         store = ensure_store(workdir)
 
-    from pipelines import TuneConfig
+    from dpprobe.pipelines import TuneConfig
 
     steps = TuneConfig.final_steps or max(TuneConfig.steps_choices)
     grid = np.array([float(r) for r in args.grid.split(",")])

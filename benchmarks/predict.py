@@ -23,9 +23,9 @@ import _path  # noqa: F401  (first: this folder off the import path)
 def make(rows: int, dim: int, folder: str) -> None:
     import numpy as np
 
-    import dpmodel
-    import extract
-    from pipelines import model_files
+    from dpprobe import extract
+    from dpprobe import model as dpmodel
+    from dpprobe.pipelines import model_files
 
     store = os.path.join(folder, "s.zarr")
     attrs = {"backbone": {"name": "none", "weights_source": "precomputed embeddings"},
@@ -54,7 +54,7 @@ def make(rows: int, dim: int, folder: str) -> None:
 
 
 def predict(rows: int, dim: int, folder: str) -> dict:
-    from pipelines import run_predict
+    from dpprobe.pipelines import run_predict
 
     store, model = os.path.join(folder, "s.zarr"), os.path.join(folder, "m.safetensors")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -31,7 +31,7 @@ MAX_FALL = 0.5
 
 
 def targets(store: str, seeds: int) -> None:
-    from pipelines import run_probe
+    from dpprobe.pipelines import run_probe
 
     start = time.perf_counter()
     results = run_probe(store, epsilons=EPSILONS, delta=DELTA, seeds=seeds, quiet=True)
@@ -59,8 +59,8 @@ def targets(store: str, seeds: int) -> None:
 
 
 def grid(workdir: Path) -> None:
-    import accounting
-    from pipelines import run_extract, run_probe
+    from dpprobe import accounting
+    from dpprobe.pipelines import run_extract, run_probe
 
     store = str(workdir / "digits-scatternet.zarr")
     run_extract(backbone="scatternet", data="digits", out=store, progress=False)

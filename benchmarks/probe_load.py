@@ -44,7 +44,7 @@ def run_sweep(store: Path, out: Path, cache: Path, runs: int, seeds: int) -> dic
     own wall time and driver."""
     epsilons, seeds = sweep_grid(runs, seeds)
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "pipelines.cli", "probe", str(store), "--stream",
+    cmd = [sys.executable, "-m", "dpprobe.pipelines.cli", "probe", str(store), "--stream",
            "--epsilons", ",".join(f"{e:g}" for e in epsilons), "--delta", f"{DELTA:g}",
            "--seeds", str(seeds), "--optimizer", "adam", "--steps", "1", "--lr", "1e-3",
            "--out", str(out), "--quiet"]
@@ -66,7 +66,7 @@ def run_sweep(store: Path, out: Path, cache: Path, runs: int, seeds: int) -> dic
 
 UNBOUNDED_CHILD = """
 import json, sys, time, numpy as np
-import accounting, dp, extract, probe
+from dpprobe import accounting, dp, extract, probe
 store, runs, classes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 attrs = extract.split_attrs(store, "train")
 sigma = accounting.calibrate_noise_multiplier(1.0, 1e-8)

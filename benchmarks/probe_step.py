@@ -84,9 +84,7 @@ def non_private_steps(features, onehot, params, extra_steps, repeats):
 
 def api_steps(features, labels, classes, extra_steps, repeats):
     """dpprobe through its public API: one DP-Adam run of `probe.train_probe`."""
-    import accounting
-    import dp
-    import probe
+    from dpprobe import accounting, dp, probe
 
     spec = probe.ProbeSpec(classes, optimizer="adam")
     keys = dp.make_keys(1)
@@ -103,8 +101,7 @@ def internal_rows(features, onehot, params, key, repeats):
     """The only use of dpprobe internals: one jitted DP step built from `probe.clipped_grad_sum`,
     `dp.gaussian_noise` and `dp.make_optimizer`, and the noise alone. Returns
     (rows, noise-free clipped sums) for the agreement check with vmap(grad)."""
-    import dp
-    import probe
+    from dpprobe import dp, probe
 
     n = features.shape[0]
     tx = dp.make_optimizer("adam", LR)

@@ -49,7 +49,7 @@ OPACUS_MODES = {"hooks": "per-sample", "ghost": "ghost clipping"}
 def make_store(path: Path, num_train: int, num_test: int, dim: int, classes: int,
                seed: int = 0) -> None:
     """A synthetic linearly-structured feature store (float16), written chunk by chunk."""
-    import extract
+    from dpprobe import extract
 
     if (path / "zarr.json").exists():
         try:
@@ -94,7 +94,7 @@ def time_cli(store: Path, out: Path, cache: Path, *, epsilons=EPSILONS, seeds=SE
 def run_probe_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons, seeds,
                          repeats: int) -> tuple[float, dict]:
     """`pipelines.run_probe` (store to results, what the CLI runs), after one warm-up call."""
-    from pipelines import run_probe
+    from dpprobe.pipelines import run_probe
 
     kwargs = dict(epsilons=epsilons, delta=DELTA, seeds=seeds, optimizer=optimizer,
                   steps=(steps,), learning_rates=(lr,), quiet=True, stream=False)
@@ -111,9 +111,7 @@ def train_probe_in_memory(data, sigmas, optimizer: str, steps: int, lr: float,
                           repeats: int) -> tuple[float, float]:
     """`probe.train_probe` on features already in memory, all runs in one program (training
     only, like `opacus_runs` minus its evaluation); (median seconds, mean test accuracy)."""
-    import accounting
-    import dp
-    import probe
+    from dpprobe import accounting, dp, probe
 
     x, y, xt, yt = data
     spec = probe.ProbeSpec(int(y.max()) + 1, optimizer=optimizer)
@@ -202,7 +200,7 @@ def step_ratio(repeats: int, extra_steps: int = 20) -> tuple[float, float]:
 
 IMAGENET_CHILD = """
 import json, sys, time, numpy as np
-import accounting, dp, extract, probe
+from dpprobe import accounting, dp, extract, probe
 store, steps = sys.argv[1], int(sys.argv[2])
 attrs = extract.split_attrs(store, "train")
 sigma = accounting.calibrate_noise_multiplier(8.0, 1e-6, steps=steps)
@@ -263,8 +261,7 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "synthetic-50k-768.zarr"
     make_store(store, 50_000, 10_000, 768, 10)
-    import accounting
-    import extract
+    from dpprobe import accounting, extract
 
     x, y, _ = extract.load_split(str(store), "train")
     xt, yt, _ = extract.load_split(str(store), "test")

@@ -20,10 +20,8 @@ import _path  # noqa: F401 - first: keeps this folder off the import path
 import jax
 import numpy as np
 
-import accounting
-import dp
-import probe
-import probe.streaming
+import dpprobe.probe.streaming  # noqa: F401 (loads the submodule)
+from dpprobe import accounting, dp, probe
 
 CLIP, NUM_CLASSES = 1.0, 3
 SPEC = probe.ProbeSpec(NUM_CLASSES, optimizer="sgd")

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workdir", default="runs/bench-tune-decision")
     args = parser.parse_args()
-    from pipelines import linear_scaling_search, run_extract, run_probe
+    from dpprobe.pipelines import linear_scaling_search, run_extract, run_probe
 
     store = str(Path(args.workdir) / "digits-scatternet.zarr")
     run_extract(backbone="scatternet", data="digits", out=store, progress=False)

@@ -90,7 +90,7 @@ def _decayed_spec(num_classes: int, optimizer: str, decay: float):
 
     import optax
 
-    import probe
+    from dpprobe import probe
 
     @dataclasses.dataclass(frozen=True)
     class DecayedSpec(probe.ProbeSpec):
@@ -105,10 +105,8 @@ def _decayed_spec(num_classes: int, optimizer: str, decay: float):
 
 def lever(name: str, x, y, test_x, test_y, epsilon: float, reps: int) -> np.ndarray:
     """Test accuracy (learning rates x reps) of one lever."""
-    import accounting
-    import dp
-    import probe
-    from pipelines import tune_job
+    from dpprobe import accounting, dp, probe
+    from dpprobe.pipelines import tune_job
 
     normalization, groups, steps, optimizer, clip, std, rates, extra = LEVERS[name]
     spec = probe.ProbeSpec(10, optimizer=optimizer, normalization=normalization, groups=groups)
@@ -155,7 +153,7 @@ def main():
     parser.add_argument("--epsilon", type=float, default=3.0)
     args = parser.parse_args()
 
-    import extract
+    from dpprobe import extract
 
     x, y, _ = extract.load_split(args.store, "train", dtype=None)
     test_x, test_y, _ = extract.load_split(args.store, "test", dtype=None)

@@ -16,9 +16,8 @@ modules. The jobs, their configs and the report tables are `pipelines`' public n
 `__all__`), listed once there.
 """
 
-import pipelines
-from dpmodel import Model, ModelFileError, Privacy, load_model
-from extract import (
+from dpprobe import pipelines
+from dpprobe.extract import (
     iter_split_chunks,
     load_split,
     open_source,
@@ -26,8 +25,9 @@ from extract import (
     store_summary,
     verify_store,
 )
-from pipelines import *  # noqa: F403 - the jobs and their configs (`pipelines.__all__`)
-from pipelines.records import VERSION as __version__
+from dpprobe.model import Model, ModelFileError, Privacy, load_model
+from dpprobe.pipelines import *  # noqa: F403 - the jobs and their configs (`pipelines.__all__`)
+from dpprobe.pipelines.records import VERSION as __version__
 
 __all__ = [
     "Model",

@@ -38,7 +38,7 @@ def with_test_xla_flags(flags: str = "") -> str:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pipelines.cli import _use_jax_compilation_cache  # noqa: E402 (imports no JAX)
+from dpprobe.pipelines.cli import _use_jax_compilation_cache  # noqa: E402 (imports no JAX)
 
 _use_jax_compilation_cache()  # in XDG_CACHE_HOME, as for every CLI run
 
@@ -65,7 +65,7 @@ def random_problem(rng, n=64, d=12, c=5, views=None):
 @pytest.fixture(scope="session")
 def digits_store(tmp_path_factory):
     """scikit-learn digits through ScatterNet into a store (about 2 s)."""
-    from pipelines import run_extract
+    from dpprobe.pipelines import run_extract
 
     store = str(tmp_path_factory.mktemp("stores") / "digits.zarr")
     run_extract(backbone="scatternet", data="digits", out=store, progress=False)
@@ -91,8 +91,7 @@ def calibrated_runs(epsilons, steps, lr, q=1.0, delta=1e-5):
     """One `RunSpec` per epsilon, sigma calibrated (inf: non-private, no clipping)."""
     import math
 
-    import accounting
-    import probe
+    from dpprobe import accounting, probe
 
     out = []
     for eps in epsilons:
@@ -110,7 +109,7 @@ def timm_probe(tmp_path_factory):
     import timm
     import torch
 
-    from pipelines import cli
+    from dpprobe.pipelines import cli
     from tests.test_finetune_job import _images
 
     folder = tmp_path_factory.mktemp("timm_probe")

@@ -25,9 +25,7 @@ import optax
 import pytest
 from scipy import stats
 
-import accounting
-import dp
-import probe
+from dpprobe import accounting, dp, probe
 
 NUM_CLASSES = 3
 

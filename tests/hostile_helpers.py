@@ -77,7 +77,8 @@ if size:
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 if os.environ["DPPROBE_TEST_KEYS"]:
     import jax, numpy as np
-    import finetune, finetune.checkpoint
+    from dpprobe import finetune
+    import dpprobe.finetune.checkpoint
     train = finetune.train_finetune
     def fixed(*args, **kwargs):
         kwargs["keys"] = jax.random.split(jax.random.key(7), 2)
@@ -91,7 +92,7 @@ if os.environ["DPPROBE_TEST_KEYS"]:
             os.kill(os.getpid(), signal.SIGKILL)
         return due(self, step)
     finetune.checkpoint.Checkpointer.due = due_or_die
-from pipelines import cli
+from dpprobe.pipelines import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -128,7 +129,7 @@ def one_line(err: str, match: str) -> None:
 def run_case(case, world: Path, capsys) -> tuple[int, str, dict, dict]:
     """A CLI case in `world`: its setup, then `dpprobe` in process; (exit code, stderr, the
     folder's files before, after)."""
-    from pipelines import cli
+    from dpprobe.pipelines import cli
     from tests.hostile_world import snapshot
 
     if case.setup is not None:

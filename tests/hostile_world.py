@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 
 CLASSES = np.array(["ant", "bee", "cat"])
 NPZ = "npz:emb.npz"

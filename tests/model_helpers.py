@@ -3,8 +3,8 @@ test (no training needed to test a format, a prediction or an export), and small
 
 import numpy as np
 
-import dpmodel
-from pipelines import model_files
+from dpprobe import model as dpmodel
+from dpprobe.pipelines import model_files
 
 CLASSES = ["a", "b", "c", "d"]
 

@@ -32,8 +32,7 @@ def problem():
 
 
 def probe_runs(sigma: float = SIGMA):
-    import accounting
-    import probe
+    from dpprobe import accounting, probe
 
     return ([probe.RunSpec(accounting.DpPlan(sigma, 4, 1.0, 1.0), 0.5),
              probe.RunSpec(accounting.DpPlan(0.0, 4, 1.0, 1.0), 0.5)],
@@ -52,8 +51,7 @@ def finetune_setup(sigma: float = SIGMA):
     import jax.numpy as jnp
     from flax import nnx
 
-    import accounting
-    import finetune
+    from dpprobe import accounting, finetune
 
     class TinyCNN(nnx.Module):
         def __init__(self, rngs):
@@ -78,8 +76,7 @@ def flat(model) -> np.ndarray:
 def train_all(rows: tuple[int, int] | None, mesh=None, sigma: float = SIGMA) -> dict:
     """The probe in memory, streamed, and the finetune steps, on rows [start, stop) (None: all
     rows, one process), with the tests' keys and sampler."""
-    import finetune
-    import probe
+    from dpprobe import finetune, probe
 
     features, labels, images = problem()
     start, stop = rows or (0, N)
@@ -112,23 +109,22 @@ def train_all(rows: tuple[int, int] | None, mesh=None, sigma: float = SIGMA) -> 
 def main(coordinator: str, count: int, index: int, out: str, idle: bool = False) -> None:
     from types import SimpleNamespace
 
-    from pipelines import processes
+    from dpprobe.pipelines import processes
 
     processes.start(SimpleNamespace(coordinator=coordinator, num_processes=count,
                                     process_id=index, process_timeout=5 if idle else 30))
     import jax
 
     if idle:  # one collective, then no other: only the watchdog can see a process stop
-        from dp.distributed import sum_over_processes
+        from dpprobe.dp.distributed import sum_over_processes
 
         assert int(sum_over_processes(1)) == count
         print("ready", flush=True)
         time.sleep(120)
         return
 
-    import dp
-    import probe
-    from dp.distributed import process_rows
+    from dpprobe import dp, probe
+    from dpprobe.dp.distributed import process_rows
 
     assert jax.process_count() == count and jax.process_index() == index
     trained = train_all(process_rows(N), mesh=probe.make_data_mesh())

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-import extract
+from dpprobe import extract
 
 PROVENANCE = {
     "backbone": {"name": "test-backbone", "weights_source": "none"},

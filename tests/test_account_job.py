@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-import accounting
-from pipelines import AccountConfig, account, cli
+from dpprobe import accounting
+from dpprobe.pipelines import AccountConfig, account, cli
 
 
 def test_account_both_directions(capsys):

@@ -8,7 +8,7 @@ import pytest
 from dp_accounting import pld, rdp
 from scipy import stats
 
-import accounting
+from dpprobe import accounting
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.5, 1.0, 3.0, 8.0])

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import accounting
-import dp
-import probe
-from pipelines import cli
+from dpprobe import accounting, dp, probe
+from dpprobe.pipelines import cli
 
 DELTA = 1e-5
 STRICT = 1e-4  # significance of the assertions that run the trainer

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import dp
-from dp.accumulate import x64_jit
+from dpprobe import dp
+from dpprobe.dp.accumulate import x64_jit
 
 CLIP = 1.0
 TOKENS, DIM, OUT, N = 2, 32, 32, 64
@@ -105,7 +105,7 @@ def test_a_tiny_input_times_a_huge_output_gradient_is_clipped(ghost, a, b, dims)
 
 
 def test_the_weight_standardization_rule_clips_a_tiny_input_times_a_huge_gradient():
-    from finetune.models import WSConv
+    from dpprobe.finetune.models import WSConv
 
     conv = WSConv(2, 2, 1, 1, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(conv, lambda path, x: path[-1] in ("kernel", "gain"),

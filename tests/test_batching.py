@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import dp
+from dpprobe import dp
 
 
 def test_pad_rows_pads_with_zeros_and_masks_the_padding():

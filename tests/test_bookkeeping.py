@@ -11,9 +11,9 @@ import optax
 import pytest
 from flax import nnx
 
-import dp
-from finetune.models import TemperedCNN, VisionTransformer, ViTConfig, WideResNet
-from finetune.models.scatter import ScatterCNN
+from dpprobe import dp
+from dpprobe.finetune.models import TemperedCNN, VisionTransformer, ViTConfig, WideResNet
+from dpprobe.finetune.models.scatter import ScatterCNN
 
 CLASSES = 5
 SMALL_VIT = ViTConfig(image_size=(16, 16), patch_size=(8, 8), in_channels=3, embed_dim=32,
@@ -187,9 +187,9 @@ def test_convolution_gradients_without_patches(side, k, stride, pad, views, chan
     offset; multiply-adds over the output positions), is every example's A^T B over its
     views, rows in im2col's order, at any stride, padding and channels, each example's from
     its own rows only."""
-    from finetune.models import taps
-    from finetune.models._conv import Conv, im2col
-    from finetune.models.taps import _conv_example_grads
+    from dpprobe.finetune.models import taps
+    from dpprobe.finetune.models._conv import Conv, im2col
+    from dpprobe.finetune.models.taps import _conv_example_grads
 
     monkeypatch.setattr(taps, "_POSITIONS_MAX", 0 if form == "windows" else 10**9)
     monkeypatch.setattr(taps, "_MATMULS_MIN", 0)
@@ -216,7 +216,7 @@ def test_convolution_gradients_without_patches(side, k, stride, pad, views, chan
 def test_patches_wait_for_the_output_gradient():
     """`after` leaves x as it is where b's first entry is finite and makes the example NaN
     (and only it) where it is not, compiled: XLA keeps x's dependence on b."""
-    from dp.bookkeeping import after
+    from dpprobe.dp.bookkeeping import after
 
     x = jax.random.normal(jax.random.key(0), (3, 2, 4, 4, 2))
     b = jax.random.normal(jax.random.key(1), (3, 8, 5)).at[1, 0, 0].set(jnp.inf)

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 
 
 def _dpprobe(*args):
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dpprobe.pipelines.cli", *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_account_rejects_impossible_requests(capsys):
@@ -27,7 +27,7 @@ def test_account_rejects_impossible_requests(capsys):
 def test_fresh_cli_process_equals_the_in_process_job(digits_store, tmp_path):
     """A fresh `dpprobe probe` reads the store while it imports JAX; this process has JAX
     loaded already. The non-private reference has no noise, so the two must agree exactly."""
-    from pipelines import run_probe
+    from dpprobe.pipelines import run_probe
 
     out = tmp_path / "cli.json"
     args = dict(epsilons=[math.inf], delta=1e-5, seeds=2, optimizer="adam")
@@ -57,7 +57,7 @@ def test_extract_cli_and_single_split_sources(tmp_path, rng):
                          f"npz:{tmp_path / 'a.npz'}", "--num-classes", "3", "--split", split,
                          "--out", store,
                          "--quiet"]) == 0
-    from extract import store_summary
+    from dpprobe.extract import store_summary
 
     summary = store_summary(store)
     assert set(summary["splits"]) == {"train", "test"}
@@ -98,13 +98,12 @@ def test_every_command_builds_one_frozen_config_with_the_configs_defaults(comman
 
 
 def test_choices_are_the_library_constants():
-    import dp
-    import probe
-    from accounting import ACCOUNTANTS
-    from extract.store import FEATURE_DTYPES
-    from pipelines.demo_job import DEMO_DATA
-    from pipelines.export_job import FORMATS
-    from pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
+    from dpprobe import dp, probe
+    from dpprobe.accounting import ACCOUNTANTS
+    from dpprobe.extract.store import FEATURE_DTYPES
+    from dpprobe.pipelines.demo_job import DEMO_DATA
+    from dpprobe.pipelines.export_job import FORMATS
+    from dpprobe.pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
 
     model = {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES,
              "normalization": probe.NORMALIZATIONS}
@@ -157,7 +156,7 @@ OUTPUT_OPTIONS = {"info": {"json"}, "account": {"json"}}  # how it prints, not w
 def test_each_option_is_written_once_on_its_config_field(command, capsys):
     """The parser is generated from the config: its options are exactly the fields that carry
     one (no option the config lacks, no field the parser forgot), and --help shows each flag."""
-    from pipelines import options
+    from dpprobe.pipelines import options
 
     _, config_class, _ = cli.COMMANDS[command]
     argv, _ = MINIMAL[command]
@@ -176,8 +175,8 @@ def test_each_option_is_written_once_on_its_config_field(command, capsys):
 
 
 def test_library_errors_name_fields_and_the_cli_names_their_options(capsys):
-    from pipelines import options
-    from pipelines.extract_job import ExtractConfig
+    from dpprobe.pipelines import options
+    from dpprobe.pipelines.extract_job import ExtractConfig
 
     with pytest.raises(ValueError, match=r"^`ray_shards`/`ray_address` need `ray=True`$"):
         ExtractConfig("none", "npz:x.npz", "x.zarr", ray_shards=2)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import probe
+from dpprobe import probe
 from tests.conftest import random_problem
 
 

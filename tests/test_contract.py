@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import dp
-import probe
+from dpprobe import dp, probe
 from tests.contract import NUM_CLASSES, ClipperContract, TrainerContract, probe_loss
 
 

@@ -9,9 +9,17 @@ import math
 
 import pytest
 
-import accounting
-from pipelines import FinetuneConfig, ProbeConfig, cli, recipe, run_finetune, run_probe, search
-from pipelines.finetune_recipe import default_model, ema_full_step, finetune_recipe
+from dpprobe import accounting
+from dpprobe.pipelines import (
+    FinetuneConfig,
+    ProbeConfig,
+    cli,
+    recipe,
+    run_finetune,
+    run_probe,
+    search,
+)
+from dpprobe.pipelines.finetune_recipe import default_model, ema_full_step, finetune_recipe
 
 
 def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():
@@ -116,7 +124,7 @@ def test_standardization_is_decided_from_its_noise():
 
 
 def test_a_clipped_r_is_explained_with_what_to_do():
-    from pipelines.reporting import _line_report
+    from dpprobe.pipelines.reporting import _line_report
 
     line = {"extrapolation": "clipped", "alpha": 300.0, "b": 10.0, "exponent": None,
             "r_star": 1000.0, "r_line": 1234.0, "searched": [1.0, 1000.0], "clipped": True,
@@ -178,7 +186,7 @@ def test_the_learning_rate_keeps_momentums_step_for_every_update_rule(
 
 
 def test_a_momentum_of_one_or_more_is_refused():
-    from pipelines.config import ConfigError
+    from dpprobe.pipelines.config import ConfigError
 
     for momentum in (1.0, -0.1):
         with pytest.raises(ConfigError, match="momentum"):
@@ -206,7 +214,7 @@ def test_the_ema_decay_binds_from_the_step_the_recipe_names(decay):
     The trainer takes the minimum in float64 (`dp_update` is an x64 program)."""
     import jax
 
-    from finetune import ema_decay_at
+    from dpprobe.finetune import ema_decay_at
 
     step = ema_full_step(decay)
     with jax.enable_x64(True):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from flax import nnx
 
-import dpmodel
-import finetune.models as fm
-from pipelines import cli
+import dpprobe.finetune.models as fm
+from dpprobe import model as dpmodel
+from dpprobe.pipelines import cli
 from tests.model_helpers import CLASSES, nchw01, network_file, perturb_nnx, uint8_images
 
 TOLERANCE = 1e-4
@@ -71,7 +71,7 @@ def _tiny_timm_vit(seed=0):
 
 
 def test_vit_timm_weight_map_round_trips_both_ways():
-    from finetune.models.timm_weights import copy_to_timm
+    from dpprobe.finetune.models.timm_weights import copy_to_timm
 
     source = _tiny_timm_vit(0)
     ours = fm.vit_from_timm(source, None, rngs=nnx.Rngs(0))
@@ -118,7 +118,7 @@ def test_finetuned_vit_exports_a_timm_state_dict_torch_and_onnx(tmp_path):
 def test_scatternet_probe_exports_to_torch_and_onnx(digits_store, tmp_path):
     """A probe on ScatterNet features (GroupNorm 27) as one module: the ONNX file computes
     the scattering a scale at a time with matrix DFTs (`extract.scattering`)."""
-    from extract import open_source
+    from dpprobe.extract import open_source
 
     assert cli.main(["probe", digits_store, "--epsilons", "8", "--seeds", "1", "--steps", "20",
                      "--optimizer", "momentum", "--lr", "1", "--normalize", "group",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import extract
+from dpprobe import extract
 
 
 def _array_split(rng, n=20, size=28, channels=None, classes=3):
@@ -103,7 +103,7 @@ def test_scatternet_equals_kymatio_by_hand(rng):
 def test_batched_scattering_is_kymatios(rng, shape, J, L, channels):
     from kymatio.torch import Scattering2D
 
-    from extract.scattering import BatchedScattering2D
+    from dpprobe.extract.scattering import BatchedScattering2D
 
     x = torch.from_numpy(rng.normal(size=(3, channels, *shape)).astype(np.float32))
     x[1] *= 1e6  # large and small inputs, a constant image
@@ -127,8 +127,8 @@ def test_batched_scattering_is_kymatios(rng, shape, J, L, channels):
 
 
 def test_batch_scatterings_swaps_kymatios_module_inside_a_model():
-    from dpmodel.torch_models import TorchScatterCNN
-    from extract.scattering import BatchedScattering2D, batch_scatterings
+    from dpprobe.extract.scattering import BatchedScattering2D, batch_scatterings
+    from dpprobe.model.torch_models import TorchScatterCNN
 
     torch.manual_seed(0)
     model = TorchScatterCNN(3, 2, 16, linear=True).eval()

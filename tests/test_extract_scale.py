@@ -14,7 +14,7 @@ import pytest
 import torch
 import zarr
 
-import extract
+from dpprobe import extract
 
 # A timm ViT at 32 px over digits' 1438 training images: ~5 s of extraction in 23 chunks.
 VIT = ["--backbone", "test_vit", "--random-init", "--crop", "32", "--data", "digits",
@@ -22,7 +22,8 @@ VIT = ["--backbone", "test_vit", "--random-init", "--crop", "32", "--data", "dig
 
 
 def _extract_cmd(store, *extra):
-    return [sys.executable, "-m", "pipelines.cli", "extract", *VIT, "--out", str(store), *extra]
+    return [sys.executable, "-m", "dpprobe.pipelines.cli", "extract", *VIT, "--out", str(store),
+            *extra]
 
 
 def _arrays(store, split="train"):
@@ -92,7 +93,7 @@ def test_ray_extraction_on_a_local_cluster_equals_one_run(tmp_path, reference):
     store = tmp_path / "ray.zarr"
     script = textwrap.dedent(f"""
         import ray
-        from pipelines import cli
+        from dpprobe.pipelines import cli
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         code = cli.main({json.dumps(['extract', *VIT, '--out', str(store), '--ray',
                                      '--ray-shards', '3'])})

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import extract
-from extract import writer as writer_module
-from pipelines import cli
+from dpprobe import extract
+from dpprobe.extract import writer as writer_module
+from dpprobe.pipelines import cli
 from tests.store_helpers import fill, make_writer
 
 

@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import accounting
-import finetune
-import finetune.train
-import pipelines
-from finetune.canaries import insert_canaries, make_canaries
-from pipelines import cli, finetune_job, reporting
+import dpprobe.finetune.train  # noqa: F401 (loads the submodule)
+from dpprobe import accounting, finetune, pipelines
+from dpprobe.finetune.canaries import insert_canaries, make_canaries
+from dpprobe.pipelines import cli, finetune_job, reporting
 
 DELTA = 1e-5
 CLASSES = 4

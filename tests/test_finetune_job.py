@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 from tests.test_privacy import _differing_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])
@@ -54,7 +54,7 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     assert privacy["plan"]["steps"] == 4 and privacy["noise_keys"] == "os-entropy"
     assert 0 <= results["test_accuracy"] <= 1 and 0 <= results["test_accuracy_ema"] <= 1
     assert results["ledger"]["epsilon"] == pytest.approx(privacy["epsilon"])
-    import dpmodel
+    from dpprobe import model as dpmodel
 
     model = dpmodel.load_model(tmp_path / "run" / "model.safetensors")
     assert model.document["parameters"]["released"] == "EMA"
@@ -77,8 +77,8 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
 def test_microbatches_are_refused_for_they_change_nothing(capsys):
     """Book-keeping clipping forms no per-example kernel gradients, so a microbatch size would
     be recorded without effect: refused in the API, not an option of the CLI."""
-    from pipelines import FinetuneConfig
-    from pipelines.config import ConfigError
+    from dpprobe.pipelines import FinetuneConfig
+    from dpprobe.pipelines.config import ConfigError
 
     with pytest.raises(ConfigError, match="physical_batch_size"):
         FinetuneConfig(data="digits", microbatch_size=4)
@@ -105,7 +105,7 @@ MODEL_ALLOWED = ["created", r"training\.reported\.test_accuracy", r"training\.da
 
 def test_finetune_on_neighbouring_datasets_differs_only_in_dp_outputs(rng, tmp_path,
                                                                      monkeypatch):
-    from dpmodel import read_model_file
+    from dpprobe.model import read_model_file
 
     (images, labels), test = _images(rng, 120), _images(rng, 40)
     images[17] = 255
@@ -142,7 +142,7 @@ def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path):
     """Killed (SIGKILL) after a few checkpoints, the same command resumes from the latest one,
     runs only the remaining steps, and finishes."""
     _write(tmp_path, _images(rng, 120), _images(rng, 40))
-    command = [sys.executable, "-m", "pipelines.cli", "finetune", "--data", "npz:train.npz",
+    command = [sys.executable, "-m", "dpprobe.pipelines.cli", "finetune", "--data", "npz:train.npz",
                "--test-data", "npz:test.npz", "--model", "cnn", "--batch-size", "40",
                "--steps", "400", "--physical-batch-size", "32", "--checkpoint-every", "2",
                "--out", "run"]
@@ -197,7 +197,7 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
                      "--lr", "1e-5", "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["model"]["weights_source"] == "file"
-    from dpmodel import read_model_file
+    from dpprobe.model import read_model_file
 
     saved, _ = read_model_file(tmp_path / "run" / "model.safetensors")
     patch = [k for k in saved if k.startswith("params/") and "patch" in k and "kernel" in k]

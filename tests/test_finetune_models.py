@@ -13,8 +13,8 @@ import pytest
 import torch
 from flax import nnx
 
-import finetune.models as fm
-from finetune.models._conv import conv2d, im2col_convolutions
+import dpprobe.finetune.models as fm
+from dpprobe.finetune.models._conv import conv2d, im2col_convolutions
 from tests.torch_models import TorchCifarCNN, TorchTemperedCNN, TorchWRN
 
 # Golden tolerance: float32 reductions in a different order (torch vs XLA).
@@ -229,7 +229,7 @@ def test_cnn_matches_torch_reference(name, reference_cls, side, channels, flat_s
 def test_max_pool_equals_torch_values_and_gradient(side, stride):
     """The CNNs' 2 x 2 max pool (four shifted slices) gives torch's max_pool2d values and, with
     no ties (random normal input), its gradient: 1 at each window's argmax, summed over windows."""
-    from finetune.models.cnn import _max_pool
+    from dpprobe.finetune.models.cnn import _max_pool
 
     x = np.random.default_rng(side).standard_normal((2, side, side, 3)).astype(np.float32)
     weights = np.random.default_rng(1).standard_normal(

@@ -15,14 +15,13 @@ import optax
 import pytest
 from flax import nnx
 
-import accounting
-import dp.optimizers
-import dpmodel
-import finetune
-import finetune.models as fm
-from dp.canaries import GradientCanaries
-from dp.taps import rule_for
-from finetune.modes import count_params
+import dpprobe.dp.optimizers  # noqa: F401 (loads the submodule)
+import dpprobe.finetune.models as fm
+from dpprobe import accounting, dp, finetune
+from dpprobe import model as dpmodel
+from dpprobe.dp.canaries import GradientCanaries
+from dpprobe.dp.taps import rule_for
+from dpprobe.finetune.modes import count_params
 from tests.conftest import fixed_keys
 from tests.model_helpers import network_file, perturb_nnx, uint8_images
 from tests.test_finetune_job import FAST, _finetune, _images, _write

@@ -12,10 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-import accounting
-import dp
-import finetune
-import probe
+from dpprobe import accounting, dp, finetune, probe
 from tests.conftest import with_test_xla_flags
 from tests.contract import NUM_CLASSES, TrainerContract
 
@@ -129,7 +126,7 @@ def test_the_trainers_flat_call_equals_the_state_call(rng, clipping):
     """What the trainer calls (lists of arrays, `structure`, the graph's `graph_key`) gives
     the clipped sum of the documented call on nnx.States, bit for bit, leaf for leaf; the
     non-private `gradient_sum` too."""
-    from finetune.graph_key import graph_key
+    from dpprobe.finetune.graph_key import graph_key
 
     model = TinyConvNet(nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -285,7 +282,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(rng, tmp_path):
 _SHARDED = """
 import numpy as np
 from flax import nnx
-import accounting, dp, finetune
+from dpprobe import accounting, dp, finetune
 from tests.test_finetune_train import TinyConvNet, _flat
 images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
 labels = np.arange(64) % 3
@@ -325,7 +322,7 @@ def test_a_graph_key_is_hashed_once_and_shared_by_equal_graphs():
     """`finetune.graph_key`: a jitted function given the key never rehashes the graph (it
     does on every call given the graph), equal graphs (two splits of one architecture) share
     one key and so one compiled program, another architecture gets another key."""
-    from finetune.graph_key import graph_key, graph_of
+    from dpprobe.finetune.graph_key import graph_key, graph_of
 
     class Graph:  # a static argument that counts its hashes
         hashes = 0

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 
 CLASSES = np.array(["a", "b", "c", "d"])
 
@@ -71,7 +71,7 @@ def test_audit_prints_progress_and_where_it_wrote(digits_store, tmp_path, capsys
 
 
 def test_finetune_says_how_long_its_first_step_compiled():
-    import finetune
+    from dpprobe import finetune
 
     stream = io.StringIO()
     report = finetune.print_progress(10, 8.0, 1, stream=stream)
@@ -159,7 +159,7 @@ def test_probe_refuses_a_repeated_value_instead_of_merging_its_rows(digits_store
 
 @pytest.mark.parametrize("seeds", [1, 2])
 def test_probe_table_repeats_no_column(digits_store, seeds):
-    from pipelines import probe_table, run_probe
+    from dpprobe.pipelines import probe_table, run_probe
 
     results = run_probe(digits_store, epsilons=[1, 8, float("inf")], seeds=seeds, steps=[3],
                         quiet=True)

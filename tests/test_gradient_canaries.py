@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import accounting
-import dp
-import dp.noise
-import finetune
-import finetune.batch_sums as finetune_batch_sums
-from dp.canaries import GradientCanaries, audit_gradient_canaries
+import dpprobe.dp.noise  # noqa: F401 (loads the submodule)
+import dpprobe.finetune.batch_sums as finetune_batch_sums
+from dpprobe import accounting, dp, finetune
+from dpprobe.dp.canaries import GradientCanaries, audit_gradient_canaries
 from tests.conftest import fixed_keys
 
 DELTA = 1e-5

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-import extract
-from pipelines import FinetuneConfig, cli, run_extract
+from dpprobe import extract
+from dpprobe.pipelines import FinetuneConfig, cli, run_extract
 
 datasets = pytest.importorskip("datasets")
 
@@ -146,9 +146,10 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     """The publishing rule (`extract.defects`) for hf: a None label, a None image and an image
     whose file is missing each make one null record (label -1, zero pixels); N never changes.
     `extract` (strict) still refuses."""
-    import extract.hf
-    from extract.defects import NULL_LABEL
-    from pipelines.finetune_data import load_images
+    import dpprobe.extract.hf  # noqa: F401 (loads the submodule)
+    from dpprobe import extract
+    from dpprobe.extract.defects import NULL_LABEL
+    from dpprobe.pipelines.finetune_data import load_images
 
     train, test = _images(rng, 12), _images(rng, 6)
     ds = _dataset(*train)
@@ -169,7 +170,7 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     np.testing.assert_array_equal(labels[keep], train[1][keep])
     with pytest.raises((ValueError, AttributeError, FileNotFoundError)):
         extract.open_source(f"hf:{tmp_path / 'ds'}")
-    from extract.data_check import check_data
+    from dpprobe.extract.data_check import check_data
 
     (_, found), _ = check_data(config.data).splits.values()
     assert [defect.row for _, defect in found] == [3, 5, 8]  # for the owner, with why
@@ -179,8 +180,9 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
 def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
     """An image column of nested integer lists (no datasets.Image): a None or ragged image is a
     null record, a pixel of 300 is clamped; nothing raises."""
-    import extract.hf
-    from pipelines.finetune_data import load_images
+    import dpprobe.extract.hf  # noqa: F401 (loads the submodule)
+    from dpprobe import extract
+    from dpprobe.pipelines.finetune_data import load_images
 
     rows = [{"image": np.full((16, 16), 5).tolist(), "label": i % 3} for i in range(10)]
     rows[2]["image"], rows[4]["image"], rows[6]["image"] = None, [[300] * 16] * 16, [[1, 2], [3]]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 from tests.hostile_command_cases import COMMAND_CASES
 from tests.hostile_extract_cases import EXTRACT_CASES
 from tests.hostile_world import (
@@ -87,13 +87,13 @@ def test_the_table_is_large_enough():
 
 def _run(argv, cwd, **kwargs) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "dpprobe.pipelines.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, **kwargs)
 
 
 def test_info_into_a_closed_pipe_is_quiet(world):
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "info", "emb.zarr"],
+    child = subprocess.Popen([sys.executable, "-m", "dpprobe.pipelines.cli", "info", "emb.zarr"],
                              cwd=world, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()  # like `dpprobe info STORE | head -0`
     err = child.stderr.read().decode()
@@ -136,7 +136,7 @@ def test_nan_test_rows_never_count_as_correct(world, capsys):
     """NaN features in a store's test split (checksums made to match) score as wrong."""
     import zarr
 
-    import extract
+    from dpprobe import extract
 
     group = zarr.open_group(str(world / "emb.zarr"), mode="r+")
     test = group["test"]
@@ -156,7 +156,7 @@ def test_nan_test_rows_never_count_as_correct(world, capsys):
 
 def test_bias_init_nan_in_the_api_scores_zero(world):
     """Even past the CLI, predictions with NaN logits are never correct."""
-    from probe import evaluate
+    from dpprobe.probe import evaluate
 
     params = {"w": np.zeros((1, 8, 3), np.float32), "b": np.full((1, 3), np.nan, np.float32)}
     x = np.ones((6, 8), np.float32)
@@ -177,7 +177,7 @@ def test_outputs_honour_the_umask_and_replace_only_dpprobe_files(world, capsys):
 
 
 def test_plot_error_bars_stay_within_0_and_100():
-    from pipelines.plots import accuracy_error_bars
+    from dpprobe.pipelines.plots import accuracy_error_bars
 
     bars = accuracy_error_bars([99.0, 2.0, 50.0], [5.0, 5.0, 5.0])
     np.testing.assert_allclose(bars, [[5.0, 2.0, 5.0], [1.0, 5.0, 5.0]])
@@ -219,7 +219,7 @@ def test_hidden_folders_are_not_classes(world, capsys):
     png(world / "imgs/train/.ipynb_checkpoints/0.png", np.random.default_rng(3))
     png(world / "imgs/train/ant/.thumbs/0.png", np.random.default_rng(3))
     assert cli.main(extract_images("imagefolder:imgs/train")) == 0
-    import extract
+    from dpprobe import extract
 
     attrs = extract.split_attrs("img.zarr", "train")
     assert attrs["class_names"] == ["ant", "bee", "cat"] and attrs["num_examples"] == 9

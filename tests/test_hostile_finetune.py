@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 from tests.hostile_helpers import (
     assert_refused_untouched,
     bad_images,
@@ -184,7 +184,7 @@ def test_hostile_finetune(case: Case, world: Path, capsys):
         assert code == 0 and "Traceback" not in err, err
         results = json.loads((world / "run/results.json").read_text())
         assert results["data"]["num_train"] == case.num_train
-        import dpmodel
+        from dpprobe import model as dpmodel
 
         assert dpmodel.load_model(world / "run/model.safetensors").class_names == CLASSES[
             :results["data"]["num_classes"]]
@@ -249,7 +249,7 @@ def test_a_full_disk_is_one_line_and_the_retry_completes(world):
 
 
 def _model_arrays(path: Path) -> dict:
-    from dpmodel import read_model_file
+    from dpprobe.model import read_model_file
 
     return read_model_file(path)[0]
 
@@ -260,7 +260,7 @@ def test_sigkill_mid_finetune_then_the_rerun_equals_an_uninterrupted_run(world, 
     same test keys and sampler (the product draws both from OS entropy)."""
     import jax
 
-    import finetune
+    from dpprobe import finetune
 
     argv = [*FT, *NPZ, "--steps", "12", "--checkpoint-every", "3"]
     code, err = finish(child([*argv, "--out", "run"], world, test_keys=True, kill_at=7))

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import cli
+from dpprobe.pipelines import cli
 from tests.hostile_helpers import (
     assert_refused_untouched,
     bad_images,
@@ -46,7 +46,7 @@ CNN = "cnn.safetensors"
 def base(tmp_path_factory) -> Path:
     from flax import nnx
 
-    import finetune.models as fm
+    import dpprobe.finetune.models as fm
     from tests.model_helpers import network_file
 
     root = tmp_path_factory.mktemp("hostile_models")
@@ -255,7 +255,7 @@ def test_hostile_model_commands(case: Case, world: Path, capsys):
         assert code == 0 and "Traceback" not in err, err
         kept_or_new(before, after, case.out)
         if case.out == "h.zarr/":
-            import extract
+            from dpprobe import extract
 
             assert extract.split_attrs("h.zarr", "train")["num_examples"] == 3 + 5
         if case.rows is not None:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from finetune.images import MAX_ELONGATION, resize_and_crop
+from dpprobe.finetune.images import MAX_ELONGATION, resize_and_crop
 
 
 @pytest.mark.parametrize(("size", "resize", "crop"), [((40, 30), 16, None), ((30, 40), None, 16),

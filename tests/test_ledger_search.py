@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
-import accounting
-from pipelines import search
+from dpprobe import accounting
+from dpprobe.pipelines import search
 
 
 def _mixed_ledger():

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import accounting
-import dp
-import probe
+from dpprobe import accounting, dp, probe
 from tests.conftest import fixed_keys
 
 

@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-import dp
-import probe
+from dpprobe import dp, probe
 from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
 

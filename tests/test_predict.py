@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-import dpmodel
-import probe
-from pipelines import cli
+from dpprobe import model as dpmodel
+from dpprobe import probe
+from dpprobe.pipelines import cli
 from tests.test_finetune_job import _finetune, _images, _write
 
 # ----------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_tune_model_reproduces_its_test_accuracy_and_holds_its_transforms(digits
                                                                           tmp_path):
     """The saved probe carries GroupNorm and the folded private standardization: applied to the
     store's features it scores what the job reported (before, (w, b) alone scored ~10%)."""
-    import extract
+    from dpprobe import extract
 
     model = tmp_path / "tuned.safetensors"
     assert cli.main(["tune", digits_store, "--epsilon", "2", "--trials", "2", "--steps-choices",
@@ -250,7 +250,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(digits_model, digits_
     # Images of the wrong channel count for a network (RGB to a grayscale CNN).
     from flax import nnx
 
-    import finetune.models as fm
+    import dpprobe.finetune.models as fm
     from tests.model_helpers import network_file
 
     net = network_file(tmp_path / "cnn.safetensors",

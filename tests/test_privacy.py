@@ -11,11 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import accounting
-import dp
-import probe
-from dpmodel import read_model_file
-from pipelines import cli
+from dpprobe import accounting, dp, probe
+from dpprobe.model import read_model_file
+from dpprobe.pipelines import cli
 
 # --------------------------------------------------------------------------------------------
 # Neighbour test: a job on D and on D minus one row; only DP outputs may differ.
@@ -302,7 +300,7 @@ def test_gaussian_noise_reaches_past_the_float32_support():
         # A hard endpoint with mass 2^-23 piles up ~1.2 draws per 1e7 on one value.
         assert (draws == draws.max()).sum() == 1 and (draws == draws.min()).sum() == 1
         assert abs(draws.mean()) < 6 / math.sqrt(1e7) and abs(draws.std() - 1) < 1e-3
-    from dp.noise import _normal_from_words
+    from dpprobe.dp.noise import _normal_from_words
 
     with jax.enable_x64(True):
         extremes = np.asarray(_normal_from_words(jnp.array([0, 1, 2**64 - 2, 2**64 - 1],

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-import accounting
-from pipelines import ProbeConfig, cli, run_probe
-from pipelines.config import ConfigError
+from dpprobe import accounting
+from dpprobe.pipelines import ProbeConfig, cli, run_probe
+from dpprobe.pipelines.config import ConfigError
 
 
 def test_probe_writes_results_json(digits_store, tmp_path, capsys):

@@ -108,7 +108,7 @@ def test_processes_train_the_one_process_model_once(count, tmp_path, references)
 
 
 def test_process_rows_split_every_row_once():
-    from dp.distributed import process_rows
+    from dpprobe.dp.distributed import process_rows
 
     for total, count in ((101, 2), (101, 3), (5, 4), (0, 2)):
         bounds = [process_rows(total, i, count) for i in range(count)]
@@ -121,8 +121,8 @@ def test_process_rows_split_every_row_once():
 def test_local_batches_keep_exactly_the_sampled_rows_of_the_slice():
     """Re-packing a step's physical batches for rows [40, 70): every sampled row of the slice
     once, nothing else, at least one batch; on the whole range, the batches unchanged."""
-    import dp
-    from dp.distributed import local_batches
+    from dpprobe import dp
+    from dpprobe.dp.distributed import local_batches
 
     step = next(dp.poisson_batches(100, [0.5], [1], 8, np.random.default_rng(1)))
     index, mask = step.index[:, 0], step.mask[:, 0]
@@ -139,7 +139,7 @@ def test_local_batches_keep_exactly_the_sampled_rows_of_the_slice():
 
 
 def test_a_row_range_of_a_store_reads_those_rows(tmp_path):
-    import extract
+    from dpprobe import extract
 
     store = tiny_store(tmp_path / "s.zarr")
     features, labels, _ = extract.load_split(store, "train")
@@ -158,7 +158,7 @@ def test_a_row_range_of_a_store_reads_those_rows(tmp_path):
     (["--num-processes", "0"], "--num-processes"),
     (["--process-timeout", "0"], "--process-timeout")])
 def test_bad_process_options_are_usage_errors(options, flag, capsys):
-    from pipelines import cli
+    from dpprobe.pipelines import cli
 
     assert cli.main(["probe", "STORE", *options]) == 2
     err = capsys.readouterr().err
@@ -166,7 +166,7 @@ def test_bad_process_options_are_usage_errors(options, flag, capsys):
 
 
 def tiny_store(path: Path, rows: int = 600) -> str:
-    import extract
+    from dpprobe import extract
 
     rng = np.random.default_rng(0)
     for split, n in (("train", rows), ("test", 50)):
@@ -186,7 +186,7 @@ def tiny_store(path: Path, rows: int = 600) -> str:
 
 
 def probe_command(store: str, address: str, count: int, i: int, *options: str) -> list[str]:
-    return [sys.executable, "-m", "pipelines.cli", "probe", store, "--coordinator", address,
+    return [sys.executable, "-m", "dpprobe.pipelines.cli", "probe", store, "--coordinator", address,
             "--num-processes", str(count), "--process-id", str(i), "--epsilons", "1",
             "--seeds", "1", *options]
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import zarr
 
-import extract
+from dpprobe import extract
 from tests.store_helpers import PROVENANCE, complete_store, fill, make_writer
 
 

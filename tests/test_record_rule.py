@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpmodel import read_model_file
-from extract import defects, open_source
-from pipelines import cli
-from pipelines.finetune_data import DATA_RULE
+from dpprobe.extract import defects, open_source
+from dpprobe.model import read_model_file
+from dpprobe.pipelines import cli
+from dpprobe.pipelines.finetune_data import DATA_RULE
 from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])

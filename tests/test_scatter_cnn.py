@@ -16,13 +16,12 @@ import pytest
 import torch
 from flax import nnx
 
-import accounting
-import finetune
-import finetune.fronts
-import finetune.train
-from finetune.models import create_model
-from finetune.models.scatter import ScatterCNN, scatter_groupnorm, scattering
-from pipelines import cli
+import dpprobe.finetune.fronts  # noqa: F401 (loads the submodule)
+import dpprobe.finetune.train  # noqa: F401 (loads the submodule)
+from dpprobe import accounting, finetune
+from dpprobe.finetune.models import create_model
+from dpprobe.finetune.models.scatter import ScatterCNN, scatter_groupnorm, scattering
+from dpprobe.pipelines import cli
 from tests.test_bookkeeping import _flat
 from tests.test_finetune_job import CLASSES, _images, _write
 
@@ -95,7 +94,7 @@ def test_training_on_the_fronts_features_is_training_on_the_images(monkeypatch):
 @pytest.mark.parametrize("name", ["scatternet_cnn", "scatternet_cnn_linear"])
 def test_the_job_trains_records_predicts_and_exports_the_scatternet_models(name, tmp_path,
                                                                           monkeypatch):
-    import dpmodel
+    from dpprobe import model as dpmodel
 
     rng = np.random.default_rng(0)
     _write(tmp_path, _images(rng, 80, side=SIDE), _images(rng, 30, side=SIDE))
@@ -118,8 +117,8 @@ def test_the_job_trains_records_predicts_and_exports_the_scatternet_models(name,
         theirs = model.to_torch()(torch.from_numpy(test["images"][:, None] / 255.0).float())
     np.testing.assert_allclose(theirs.numpy(), model.logits(test["images"]), atol=1e-4)
     # The file records its ScatterNet; another one is refused, not silently rebuilt.
-    from dpmodel.format import ModelFileError
-    from dpmodel.network import rebuild_network
+    from dpprobe.model.format import ModelFileError
+    from dpprobe.model.network import rebuild_network
 
     document = json.loads(json.dumps(model.document))
     assert document["architecture"]["scatternet"]["J"] == 2

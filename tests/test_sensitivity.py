@@ -12,9 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import accounting
-import dp
-import probe
+from dpprobe import accounting, dp, probe
 
 CLIP = 1.0
 NUM_CLASSES = 3
@@ -122,7 +120,7 @@ def test_nulling_one_aligned_row_moves_the_sum_by_at_most_c(monkeypatch, trainer
 def test_compensated_sum_is_exact_where_a_float64_loop_is_not():
     """Neumaier's sum of 1, 1e100, 1, -1e100 is 2 (a plain float64 loop gives 0), and of 10^5
     copies of 0.1 it is within one rounding of the exact 10^4 * float64(0.1)."""
-    from dp.accumulate import CompensatedSum
+    from dpprobe.dp.accumulate import CompensatedSum
 
     total = CompensatedSum()
     for value in (1.0, 1e100, 1.0, -1e100):
@@ -137,7 +135,7 @@ def test_compensated_sum_is_exact_where_a_float64_loop_is_not():
 
 
 def test_add_float64_keeps_float64():
-    from dp.accumulate import add_float64
+    from dpprobe.dp.accumulate import add_float64
 
     total = None
     for _ in range(3):
@@ -150,7 +148,7 @@ def test_add_float64_keeps_float64():
 def test_row_block_sum_is_the_float64_sum_over_every_row_once(rows):
     """Blocks of at most 64 rows (the last one overlapping the one before, its repeated rows
     weighted 0) give the float64 X^T W and column sums of W, every row counted once."""
-    from dp.accumulate import row_block_sum, x64_jit
+    from dpprobe.dp.accumulate import row_block_sum, x64_jit
 
     rng = np.random.default_rng(rows)
     inputs = rng.normal(size=(rows, 3)).astype(np.float32)
@@ -174,7 +172,7 @@ def test_weighted_rows_sum_is_each_row_once_within_gamma_n(rows, shape):
     entries per row, a plain reduction below) counts every row once, with its weight, and rounds
     within gamma_n sum |w_i x_i| of the exact sum (80-bit reference); a row weighted 0 adds
     nothing, whatever it holds."""
-    from dp.accumulate import weighted_rows_sum, x64_jit
+    from dpprobe.dp.accumulate import weighted_rows_sum, x64_jit
 
     rng = np.random.default_rng(rows)
     x = (rng.normal(size=(rows, *shape)) * 2.0 ** rng.integers(-30, 30, (rows, 1, 1))).astype(
@@ -192,7 +190,7 @@ def test_weighted_rows_sum_is_each_row_once_within_gamma_n(rows, shape):
 
 
 def test_add_float64_returns_a_float64_first_part_as_it_is():
-    from dp.accumulate import add_float64
+    from dpprobe.dp.accumulate import add_float64
 
     with jax.enable_x64(True):
         part = {"a": jnp.full(2, 0.5, jnp.float64)}

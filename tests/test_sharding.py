@@ -9,7 +9,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     flags = os.environ.get("XLA_FLAGS", "")  # the tests' own (tests/conftest.py), then:
     os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=4"
     import math, numpy as np, jax
-    import accounting, probe
+    from dpprobe import accounting, probe
     assert jax.device_count() == 4, jax.devices()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(103, 9)).astype(np.float32)   # not a multiple of 4: padded + masked

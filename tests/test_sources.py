@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-import extract
+from dpprobe import extract
 from tests.conftest import requires_fashion_mnist
 
 

@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import accounting
-import dp
-import finetune
-from finetune.batch_sums import stacked_sums
-from finetune.batches import STACK_BYTES, batches_per_call, stacked_rows
-from finetune.graph_key import graph_key
+from dpprobe import accounting, dp, finetune
+from dpprobe.finetune.batch_sums import stacked_sums
+from dpprobe.finetune.batches import STACK_BYTES, batches_per_call, stacked_rows
+from dpprobe.finetune.graph_key import graph_key
 from tests.test_finetune_train import NUM_CLASSES, TinyConvNet, _flat
 
 

@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import accounting
-import dp
-import probe
-from probe.standardization import clipped_row_sum
+from dpprobe import accounting, dp, probe
+from dpprobe.probe.standardization import clipped_row_sum
 from tests.conftest import fixed_keys
 
 
@@ -155,7 +153,7 @@ def test_tune_with_standardization_pays_for_it_inside_the_budget(digits_store):
     """Its two releases are one ledger entry, DpPlan(sigma, 2) at eps_standardize, and the
     whole job still composes to the requested epsilon; turning it off gives the final run
     that budget back."""
-    from pipelines import tune_job
+    from dpprobe.pipelines import tune_job
 
     options = dict(trials=2, steps_choices=(3,), r_range=(1, 30), quiet=True)
     on = tune_job.linear_scaling_search(digits_store, 1.0, 1e-5, eps_standardize=0.2,

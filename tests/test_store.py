@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import extract
+from dpprobe import extract
 from tests.store_helpers import complete_store, fill, make_writer
 
 

@@ -7,11 +7,9 @@ import math
 import numpy as np
 import pytest
 
-import accounting
-import extract
-import probe
-import probe.streaming
-from probe import budget
+import dpprobe.probe.streaming  # noqa: F401 (loads the submodule)
+from dpprobe import accounting, extract, probe
+from dpprobe.probe import budget
 from tests.conftest import calibrated_runs, fixed_keys
 
 D, C = 8, 3
@@ -110,7 +108,8 @@ def test_a_sweep_split_by_the_budget_equals_one_pass(tmp_path, rng, monkeypatch)
 def test_evaluation_in_slices_of_runs_counts_the_same(rng, monkeypatch):
     """Many runs are evaluated a slice at a time (`EVAL_CALL_BYTES`); the counts are exact, so
     they equal one call's over every run, and each run's own alone."""
-    import probe.evaluation
+    import dpprobe.probe.evaluation  # noqa: F401 (loads the submodule)
+    from dpprobe import probe
 
     x = rng.normal(size=(1500, D)).astype(np.float32)
     labels = rng.integers(0, C, size=1500)

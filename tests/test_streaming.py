@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-import dp
-import probe
+from dpprobe import dp, probe
 from tests.conftest import calibrated_runs, fixed_keys, random_problem
 
 
@@ -31,7 +30,7 @@ def test_streamed_chunks_equal_in_memory(rng, views):
 
 
 def test_streaming_from_a_zarr_store_equals_in_memory(tmp_path, rng):
-    import extract
+    from dpprobe import extract
 
     features, labels, _ = random_problem(rng, n=150, d=6, c=3)
     writer = extract.SplitWriter(

@@ -8,9 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-import accounting
-import dp
-import probe
+from dpprobe import accounting, dp, probe
 from tests.conftest import fixed_keys, random_problem
 
 

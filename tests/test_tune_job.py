@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from dp_accounting import pld
 
-import accounting
-import dp
-from pipelines import TuneConfig, cli, run_tune, tune_job
-from pipelines.config import ConfigError
+from dpprobe import accounting, dp
+from dpprobe.pipelines import TuneConfig, cli, run_tune, tune_job
+from dpprobe.pipelines.config import ConfigError
 
 
 @pytest.mark.parametrize("selection", ["train", "holdout"])
@@ -110,7 +109,7 @@ def test_tune_config_fills_the_budgets_and_refuses_what_cannot_run():
 
 
 def test_run_tune_writes_its_model_atomically_and_replaces_only_its_own(digits_store, tmp_path):
-    import dpmodel
+    from dpprobe import model as dpmodel
 
     model = tmp_path / "probe.safetensors"
     options = dict(epsilon=1.0, trials=1, steps_choices=(2,), r_range=(1, 10), quiet=True,
@@ -135,7 +134,7 @@ def test_run_tune_writes_its_model_atomically_and_replaces_only_its_own(digits_s
 def test_default_normalization_comes_from_the_store_backbone(digits_store):
     """ScatterNet: GroupNorm over whole channel groups (27 of its 81 channels per input
     channel); anything else: none. Given options win; --groups alone means group."""
-    from pipelines import recipe
+    from dpprobe.pipelines import recipe
 
     assert recipe.backbone_normalization({"name": "scatternet",
                                           "coefficients_per_channel": 81}) == ("group", 27)

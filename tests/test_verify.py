@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 import zarr
 
-import extract
-import pipelines
-from extract.verify import check_chunk_sums
-from pipelines import cli
+from dpprobe import extract, pipelines
+from dpprobe.extract.verify import check_chunk_sums
+from dpprobe.pipelines import cli
 
 
 def test_verify_catches_a_corrupted_chunk_and_a_missing_split(tmp_path, capsys):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import extract
+from dpprobe import extract
 from tests.store_helpers import PROVENANCE, fill, make_writer
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import dp
-from dp.accumulate import x64_jit
-from finetune.models import WSConv
-from finetune.models.ws_ghost import WS_GHOST
+from dpprobe import dp
+from dpprobe.dp.accumulate import x64_jit
+from dpprobe.finetune.models import WSConv
+from dpprobe.finetune.models.ws_ghost import WS_GHOST
 
 
 def _layer(stride=1, size=3):

@@ -1,0 +1,246 @@
+"""Hugging Face `datasets` as a data source: `hf:PATH_OR_NAME[:SPLIT][?image=COL&label=COL]`.
+
+PATH_OR_NAME is a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
+(`datasets.load_from_disk`), or the name of a dataset in the local Hugging Face cache
+(`datasets.load_dataset`, offline unless HF_HUB_OFFLINE=0). The image column is the one whose
+feature is `datasets.Image`, the label column the one that is a `datasets.ClassLabel` (whose
+names are the declared class list); name them with `?image=COL&label=COL` when there are several
+or none. A label column of plain integers needs the class count declared (`num_classes=K`).
+
+`datasets` is imported only when an `hf:` spec is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import os
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+
+from dpprobe.extract.defects import (
+    NULL,
+    decoding,
+    first_line,
+    label_values,
+    open_image,
+    pixel_rule,
+)
+from dpprobe.extract.splits import ImageSplit
+
+__all__ = ["HfSpec", "parse_hf_spec", "read_hf"]
+
+SPLIT_NAMES = ("train", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class HfSpec:
+    """A parsed `hf:` spec: where the dataset is, which of its splits, which columns."""
+
+    location: str
+    split: str | None = None
+    image_column: str | None = None
+    label_column: str | None = None
+
+
+def parse_hf_spec(text: str) -> HfSpec:
+    """'/d/ds:test?label=y' -> HfSpec('/d/ds', 'test', None, 'y') (the part after 'hf:')."""
+    location, _, query = text.partition("?")
+    options = dict(urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=False))
+    unknown = set(options) - {"image", "label"}
+    if unknown:
+        raise ValueError(f"hf:{text}: unknown option(s) {sorted(unknown)}; expected "
+                         "?image=COLUMN&label=COLUMN")
+    split = None
+    head, sep, tail = location.rpartition(":")
+    if sep and tail and "/" not in tail and head:
+        location, split = head, tail
+    if not location:
+        raise ValueError("data source 'hf' needs a dataset: hf:PATH_OR_NAME[:SPLIT]")
+    return HfSpec(location, split, options.get("image") or None, options.get("label") or None)
+
+
+def read_hf(spec: HfSpec, *, split: str | None, num_classes: int | None,
+            strict: bool = True) -> dict[str, ImageSplit]:
+    """The splits of an `hf:` dataset, each an `ImageSplit` that decodes its images on demand.
+
+    Args:
+      spec: the parsed spec (`parse_hf_spec`).
+      split: a spec naming one of the dataset's splits gives one split, named `split` (default
+        "train"); otherwise the dataset's "train" and "test" splits (those it has), restricted
+        to `split` when that names one ("all": both).
+      num_classes: the declared class count, for a label column that is not a ClassLabel
+        (with a ClassLabel it must agree with its names).
+      strict: refuse a label outside the classes (extract); else it is a null record (the
+        publishing rule, `extract.defects`).
+
+    Returns:
+      {split name: ImageSplit}, each with its class names and a sha256 fingerprint of its
+      images' encoded bytes and labels.
+    """
+    loaded = _load(spec)
+    import datasets
+
+    if isinstance(loaded, datasets.Dataset):
+        parts = {split if split not in (None, "all") else "train": loaded}
+    elif spec.split is not None:
+        if spec.split not in loaded:
+            raise ValueError(f"hf:{spec.location} has no split {spec.split!r}; it has "
+                             f"{sorted(loaded)}")
+        parts = {split if split not in (None, "all") else "train": loaded[spec.split]}
+    else:
+        parts = {name: loaded[name] for name in SPLIT_NAMES if name in loaded}
+        if not parts:
+            raise ValueError(f"hf:{spec.location} has splits {sorted(loaded)}, none named "
+                             "train or test; name one: hf:PATH:SPLIT (with `split=train|test`)")
+        if split not in (None, "all"):
+            if split not in parts:
+                raise ValueError(f"hf:{spec.location} has no {split} split")
+            parts = {split: parts[split]}
+    return {name: _split(spec, name, part, num_classes, strict)
+            for name, part in parts.items()}
+
+
+def _load(spec: HfSpec):
+    """The Dataset or DatasetDict: a save_to_disk folder, else a dataset of the local cache."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError("hf: data needs the package 'datasets' (pip install "
+                         "datasets==5.2.0)") from err
+    path = Path(spec.location).expanduser()
+    if path.is_dir() and any((path / name).exists() for name in
+                             ("dataset_dict.json", "state.json", "dataset_info.json")):
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as err:  # noqa: BLE001 - arrow and format errors alike
+            raise ValueError(f"hf:{path} is not a readable save_to_disk folder "
+                             f"({type(err).__name__}: {first_line(err)})") from err
+    if path.exists():
+        raise ValueError(f"hf:{path} is not a folder written by save_to_disk (no "
+                         "dataset_dict.json or state.json)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return datasets.load_dataset(spec.location, split=spec.split)
+    except Exception as err:  # noqa: BLE001 - hub, cache and format errors alike
+        raise ValueError(f"hf:{spec.location}: no such folder, and not a dataset in the local "
+                         f"Hugging Face cache ({type(err).__name__}: {first_line(err)})") from err
+
+
+def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
+           strict: bool = True) -> ImageSplit:
+    """One split: columns found or named, labels and class names checked, fingerprinted."""
+    import datasets
+
+    where = f"hf:{spec.location}" + (f":{spec.split}" if spec.split else "")
+    image_column = spec.image_column or _only(
+        [c for c, f in dataset.features.items() if isinstance(f, datasets.Image)], "image",
+        where, dataset)
+    label_column = spec.label_column or _only(
+        [c for c, f in dataset.features.items() if isinstance(f, datasets.ClassLabel)]
+        or [c for c in ("label", "labels") if c in dataset.features], "label", where, dataset)
+    for column in (image_column, label_column):
+        if column not in dataset.features:
+            raise ValueError(f"{where} has no column {column!r}; it has {dataset.column_names}")
+    feature = dataset.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        class_names = list(feature.names)
+        if num_classes is not None and num_classes != len(class_names):
+            raise ValueError(f"`num_classes={num_classes}` disagrees with {where}, whose "
+                             f"{label_column!r} names {len(class_names)} classes")
+    elif num_classes is not None:
+        class_names = [str(c) for c in range(num_classes)]
+    else:
+        raise ValueError(f"{where}: column {label_column!r} is not a ClassLabel, so it names no "
+                         "classes: declare them with `num_classes=K` (labels in [0, K))")
+    found = None
+    if strict:
+        labels = np.asarray(dataset[label_column])
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{where}: labels in {label_column!r} must be integers, got "
+                             f"{labels.dtype}{labels.shape}")
+    else:  # the rule: each label on its own (a missing one is a null record)
+        if not (isinstance(feature, datasets.ClassLabel) or str(
+                getattr(feature, "dtype", "")).startswith(("int", "uint"))):
+            raise ValueError(f"{where}: column {label_column!r} must hold integers, it is "
+                             f"declared {feature}")
+        labels, found = label_values(dataset[label_column])
+    image_feature = dataset.features[image_column]
+    raw = (dataset.cast_column(image_column, datasets.Image(decode=False))
+           if isinstance(image_feature, datasets.Image) else dataset)
+
+    def load(i: int):
+        from PIL import Image
+
+        if strict:
+            image = dataset[i][image_column]
+        else:  # the rule: opened here, under the pixel cap, with Pillow's warnings silenced
+            image = raw[i][image_column]
+            if image is None:
+                raise ValueError("no image")
+            if isinstance(image_feature, datasets.Image):
+                source = image.get("bytes")
+                source = io.BytesIO(source) if source is not None else image.get("path")
+                if not source:
+                    raise ValueError("no image")
+                with decoding():
+                    image = open_image(source)
+                    image.load()
+        if not isinstance(image, Image.Image) and strict:
+            image = Image.fromarray(np.asarray(image, np.uint8))
+        elif not isinstance(image, Image.Image):  # the pixel rule, on this record alone
+            pixels, found = pixel_rule(np.asarray(image)[None])
+            if any(defect.kind == NULL for defect in found):
+                raise ValueError(found[0].detail)
+            image = Image.fromarray(pixels[0])
+        return image if image.mode in ("L", "RGB") else image.convert("RGB")
+
+    return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
+                      labels=labels, class_names=class_names,
+                      fingerprint=_fingerprint(raw, image_column, labels, strict), load=load,
+                      defects=found)
+
+
+def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
+    if len(candidates) != 1:
+        found = f"columns {candidates}" if candidates else "no such column"
+        raise ValueError(f"{where}: cannot tell the {kind} column ({found}; columns "
+                         f"{dataset.column_names}); name it: ?{kind}=COLUMN")
+    return candidates[0]
+
+
+def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = True) -> str:
+    """sha256 of every image's encoded bytes (or file) and of the labels. Not `strict` (the
+    fingerprint of a publishing job's data, never published): a missing or unreadable image
+    counts as no bytes."""
+    import datasets
+
+    digest = hashlib.sha256()
+    if isinstance(dataset.features[image_column], datasets.Image):
+        raw = dataset.cast_column(image_column, datasets.Image(decode=False))
+        for batch in raw.iter(batch_size=1024):
+            for item in batch[image_column]:
+                if item is None and not strict:
+                    continue
+                content = item.get("bytes")
+                if content is None and item.get("path"):
+                    try:
+                        content = Path(item["path"]).read_bytes()
+                    except OSError:
+                        if strict:
+                            raise
+                digest.update(content or b"")
+    else:
+        for batch in dataset.with_format("numpy" if strict else None).iter(batch_size=1024):
+            if strict:
+                digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+                continue
+            for item in batch[image_column]:  # each on its own: None or ragged is no bytes
+                with contextlib.suppress(Exception):
+                    digest.update(np.asarray(item).tobytes())
+    digest.update(np.ascontiguousarray(labels.astype(np.int64)).tobytes())
+    return digest.hexdigest()

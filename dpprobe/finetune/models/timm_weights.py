@@ -1,0 +1,95 @@
+"""The weight map between timm's (torch) VisionTransformer and ours (`finetune.models.vit`),
+both ways: `copy_from_timm` builds a model from timm's weights (what fine-tuning starts from),
+`copy_to_timm` writes a fine-tuned model back into a timm model of the same architecture (what
+`dpprobe export --format timm` releases). Both go through one list of pairs (`weight_pairs`),
+so one is the exact inverse of the other (tested both ways).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = ["copy_from_timm", "copy_to_timm", "weight_pairs"]
+
+
+def weight_pairs(model, timm_model: Any, *, include_head: bool) -> list:
+    """(our `nnx.Param`, the timm tensor in our layout) for every weight: a torch view
+    (OIHW -> HWIO permuted, Linear (out, in) transposed), so that copying into it writes the
+    timm parameter itself."""
+    pairs = [(model.patch_embed.kernel, timm_model.patch_embed.proj.weight.permute(2, 3, 1, 0)),
+             (model.pos_embed, timm_model.pos_embed)]
+    if model.patch_embed.bias is not None:
+        pairs.append((model.patch_embed.bias, timm_model.patch_embed.proj.bias))
+    if model.cls_token is not None:
+        pairs.append((model.cls_token, timm_model.cls_token))
+    for ours, theirs in [(model.norm_pre, timm_model.norm_pre), (model.norm, timm_model.norm),
+                         (model.fc_norm, timm_model.fc_norm)]:
+        if ours is not None:
+            pairs += _norm_pairs(ours, theirs)
+    for ours, theirs in zip(model.blocks, timm_model.blocks, strict=True):
+        pairs += _norm_pairs(ours.norm1, theirs.norm1) + _norm_pairs(ours.norm2, theirs.norm2)
+        for attn_or_mlp, layer in [("attn", "qkv"), ("attn", "proj"), ("mlp", "fc1"),
+                                   ("mlp", "fc2")]:
+            pairs += _linear_pairs(getattr(getattr(ours, attn_or_mlp), layer),
+                                   getattr(getattr(theirs, attn_or_mlp), layer))
+        if ours.ls1 is not None:
+            pairs += [(ours.ls1, theirs.ls1.gamma), (ours.ls2, theirs.ls2.gamma)]
+    if include_head:
+        pairs += _linear_pairs(model.head, timm_model.head)
+    return pairs
+
+
+def copy_from_timm(model, timm_model: Any, *, include_head: bool) -> None:
+    """Set every `nnx.Param` of `model` (all but a new head) from the matching timm tensor."""
+    for param, tensor in weight_pairs(model, timm_model, include_head=include_head):
+        value = jnp.asarray(tensor.detach().cpu().float().numpy())
+        if value.shape != param.shape:
+            raise ValueError(f"shape mismatch copying timm weights: {value.shape} into "
+                             f"{param.shape}")
+        param.set_value(value)
+    unset = [path for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Param) and isinstance(node.get_value(), jax.ShapeDtypeStruct)]
+    if unset:
+        raise ValueError(f"timm weights left these parameters unset: {unset}")
+
+
+def copy_to_timm(model, timm_model: Any) -> None:
+    """The inverse of `copy_from_timm`: every timm parameter, head included, set from `model`
+    (through the same pairs, written into timm's layout). The timm model must have the same
+    architecture (`vit_config_from_timm(timm_model)` equal to `model.config`) and as many
+    classes."""
+    import torch
+
+    from dpprobe.finetune.models.vit import vit_config_from_timm
+
+    if vit_config_from_timm(timm_model) != model.config:
+        raise ValueError("the timm model's architecture differs from the NNX model's")
+    pairs = weight_pairs(model, timm_model, include_head=True)
+    if len({id(p) for p, _ in pairs}) != sum(1 for _, n in nnx.iter_graph(model)
+                                             if isinstance(n, nnx.Param)):
+        raise ValueError("not every parameter of the NNX model has a timm counterpart")
+    with torch.no_grad():
+        for param, tensor in pairs:
+            value = torch.from_numpy(np.array(param[...], np.float32))
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch copying into timm: {tuple(value.shape)} into "
+                                 f"{tuple(tensor.shape)}")
+            tensor.copy_(value)
+
+
+def _norm_pairs(norm: nnx.LayerNorm, torch_norm: Any) -> list:
+    """(scale, weight), (bias, bias)."""
+    return [(norm.scale, torch_norm.weight), (norm.bias, torch_norm.bias)]
+
+
+def _linear_pairs(linear: nnx.Linear, torch_linear: Any) -> list:
+    """(kernel, weight^T), and the bias when there is one."""
+    pairs = [(linear.kernel, torch_linear.weight.T)]
+    if linear.bias is not None:
+        pairs.append((linear.bias, torch_linear.bias))
+    return pairs

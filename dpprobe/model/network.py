@@ -1,0 +1,114 @@
+"""Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, the ScatterNet models, timm
+ViTs) in a model file: their parameters keyed by module path, the architecture to rebuild them,
+and the image transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean
+and std).
+
+A loaded network computes its logits with `finetune.iter_logits`, the function the finetune
+job's evaluation uses, so that it predicts the classes its job scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["PARAMS_PREFIX", "SCATTERNET_FAMILIES", "network_arrays", "network_document",
+           "rebuild_network"]
+
+PARAMS_PREFIX = "params/"
+SCATTERNET_FAMILIES = ("scatternet_cnn", "scatternet_cnn_linear")  # a fixed kymatio front
+
+
+def network_arrays(model) -> dict[str, np.ndarray]:
+    """The model's `nnx.Param`s as float32 arrays keyed `params/<module path>`."""
+    from flax import nnx
+
+    return {PARAMS_PREFIX + "/".join(map(str, keys)): np.asarray(value[...], np.float32)
+            for keys, value in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def network_document(model, *, name: str, num_classes: int, image_size: int, channels: int,
+                     resize: int | None, crop: int | None, rgb: bool, mean, std,
+                     timm_architecture: str | None) -> dict:
+    """The architecture and transforms of a fine-tuned model (public inputs only)."""
+    from dpprobe.finetune.models import VisionTransformer
+
+    architecture = {"name": name, "num_classes": num_classes, "image_size": image_size,
+                    "in_channels": channels}
+    if isinstance(model, VisionTransformer):
+        architecture |= {"family": "vit", "vit_config": dataclasses.asdict(model.config),
+                         "timm_architecture": timm_architecture}
+    else:
+        architecture["family"] = name
+    if name in SCATTERNET_FAMILIES:
+        architecture["scatternet"] = _scatternet()
+    return {
+        "kind": "network",
+        "architecture": architecture,
+        "input": {"kind": "images", "image_size": image_size, "channels": channels},
+        "transforms": [
+            {"op": "resize_crop", "resize": resize, "crop": crop, "interpolation": "bicubic",
+             "note": "short side resized to `resize` (if set), then a centered square of "
+                     "`crop` (default: the short side) pixels; the result must be image_size"},
+            {"op": "channels", "channels": channels, "grayscale_to_rgb": rgb},
+            {"op": "scale", "divide_by": 255.0},
+            {"op": "normalize_channels", "mean": list(mean), "std": list(std)},
+        ],
+    }
+
+
+def _scatternet() -> dict:
+    """The fixed front of a ScatterNet model (`finetune.models.scatter`), recorded in its file."""
+    from dpprobe.finetune.models import scatter
+
+    return {"library": "kymatio", "J": scatter.SCATTER_J, "L": scatter.SCATTER_L,
+            "groupnorm_groups": scatter.GROUPS}
+
+
+def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
+    """The `nnx.Module` of a model file, every parameter set from its arrays."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dpprobe.finetune import models
+    from dpprobe.model.format import ModelFileError
+
+    arch = document["architecture"]
+    classes, side, channels = arch["num_classes"], arch["image_size"], arch["in_channels"]
+    if arch["family"] == "vit":
+        config = {k: tuple(v) if isinstance(v, list) else v
+                  for k, v in arch["vit_config"].items()}
+        config = models.ViTConfig(**config)
+        model = nnx.eval_shape(lambda: models.VisionTransformer(config, classes,
+                                                                rngs=nnx.Rngs(0)))
+    elif arch["family"] in SCATTERNET_FAMILIES and arch.get("scatternet") != _scatternet():
+        raise ModelFileError(f"{path}: its ScatterNet {arch.get('scatternet')} is not this "
+                             f"version's {_scatternet()}")
+    elif arch["family"] in models.MODEL_NAMES:
+        model = nnx.eval_shape(lambda: models.create_model(
+            arch["family"], classes, image_size=side, in_channels=channels, rngs=nnx.Rngs(0)))
+    else:
+        raise ModelFileError(f"{path}: unknown network family {arch['family']!r}")
+    expected = set()
+    for keys, param in nnx.iter_graph(model):
+        if not isinstance(param, nnx.Param):
+            continue
+        name = PARAMS_PREFIX + "/".join(map(str, keys))
+        expected.add(name)
+        if name not in arrays:
+            raise ModelFileError(f"{path} lacks the parameter {name}")
+        value = arrays[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ModelFileError(f"{path}: parameter {name} is {value.shape}, the architecture "
+                                 f"needs {tuple(param.shape)}")
+        param.set_value(jnp.asarray(value))
+    extra = sorted(k for k in arrays if k.startswith(PARAMS_PREFIX) and k not in expected)
+    if extra:
+        raise ModelFileError(f"{path} holds parameters the architecture lacks: {extra[:3]}")
+    unset = [p for p, n in nnx.iter_graph(model)
+             if isinstance(n, nnx.Param) and isinstance(n.get_value(), jax.ShapeDtypeStruct)]
+    if unset:
+        raise ModelFileError(f"{path}: parameters left unset: {unset[:3]}")
+    return model

@@ -1,0 +1,75 @@
+"""The account job: epsilon from a noise multiplier, or the noise multiplier for an epsilon."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpprobe import accounting
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import records
+from dpprobe.pipelines.options import integer, number, option
+
+__all__ = ["AccountConfig", "account"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountConfig:
+    """T Gaussian steps (Poisson-sampled if `sampling_probability` < 1): give exactly one of
+    `epsilon` (a target: calibrate the noise multiplier) and `noise_multiplier`."""
+
+    delta: float = option(1e-5, type=number, help="delta (default %(default)s)")
+    epsilon: float | None = option(None, type=number, exclusive="target", required=True,
+                                   help="target epsilon: print sigma")
+    noise_multiplier: float | None = option(
+        None, "--noise-multiplier", "--sigma", type=number, exclusive="target",
+        help="noise multiplier: print epsilon")
+    steps: int = option(1, type=integer, help="number of steps T (default %(default)s)")
+    sampling_probability: float = option(
+        1.0, "--sampling-probability", "-q", type=number,
+        help="Poisson sampling rate q (default 1: full batch)")
+    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
+                             help="privacy accountant (default %(default)s)")
+    num_examples: int | None = option(None, type=integer, metavar="N",
+                                      help="the dataset size N (public): warns when delta >= 1/N")
+
+    def __post_init__(self):
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of `epsilon` and `noise_multiplier`")
+        if self.epsilon is not None:
+            cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
+        else:
+            cfg.freeze(self, noise_multiplier=cfg.check_number(
+                "noise_multiplier", self.noise_multiplier, 0, low_open=False))
+        cfg.freeze(self, delta=cfg.check_delta("delta", self.delta),
+                   steps=cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS),
+                   sampling_probability=cfg.check_number(
+                       "sampling_probability", self.sampling_probability, 0, 1))
+        if self.num_examples is not None:
+            cfg.check_int("num_examples", self.num_examples)
+
+
+def account(config: AccountConfig | None = None, /, **options) -> dict:
+    """Epsilon from a noise multiplier, or the noise multiplier for a target epsilon: the
+    answer with its `DpEvent`. Takes an `AccountConfig`, or its fields as keywords."""
+    config = cfg.make_config(AccountConfig, config, None, **options)
+    noise_multiplier = config.noise_multiplier
+    if config.epsilon is not None:
+        noise_multiplier = accounting.calibrate_noise_multiplier(
+            config.epsilon, config.delta, steps=config.steps,
+            sampling_probability=config.sampling_probability, accountant=config.accountant,
+        )
+    accounting.calibration.check_tractable(noise_multiplier, config.sampling_probability,
+                                           config.accountant)
+    plan = accounting.DpPlan(noise_multiplier, config.steps, config.sampling_probability)
+    return {
+        "target_epsilon": config.epsilon,
+        "epsilon": plan.epsilon(config.delta, config.accountant),
+        "delta": config.delta,
+        "noise_multiplier": noise_multiplier,
+        "steps": config.steps,
+        "sampling_probability": config.sampling_probability,
+        "accountant": config.accountant,
+        "neighboring_relation": accounting.NEIGHBORING_RELATION,
+        "dp_event": accounting.event_to_dict(plan.dp_event()),
+        "warnings": records.warnings(delta=config.delta, num_examples=config.num_examples),
+    }

@@ -1,0 +1,241 @@
+"""The audit job: how much privacy the probe's mechanism at least lacks, measured with canaries.
+
+`dpprobe audit STORE --epsilon E`: calibrate the noise for (E, delta) as `dpprobe probe` does,
+train M probes with a canary and M with a null record in its place on R rows of the store's
+train split (`probe.canaries`: the production trainer, clipper, noise and optimizer), score
+each, and bound epsilon from below at the claim's delta (`dp.auditing`). The result is a
+lower bound for this canary and this threat model (an adversary who crafts one training row and
+sees the released weights), not a proof of privacy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from dpprobe import accounting, extract
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import plots, preflight, records, reporting
+from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, integer, number, option
+from dpprobe.pipelines.probe_config import store_option
+from dpprobe.pipelines.progress import RateProgress
+from dpprobe.pipelines.reporting import log
+
+__all__ = ["AuditConfig", "run_audit"]
+
+# Runs per side of one audit (each run's weights live in memory while its call trains).
+MAX_RUNS = 1_000_000
+
+# Scores simulated under the claim to choose the tests' thresholds (at most this many noise
+# values drawn, unless there are more runs).
+_SIMULATED, _SIMULATED_VALUES = 200_000, 20_000_000
+
+NOTE = ("A lower bound for this canary and this threat model (an adversary who crafts one "
+        "training row and sees the released weights): it can refute the claim, never prove it.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditConfig:
+    """What `run_audit` does; `dpprobe audit --help` explains each option.
+
+    Attributes:
+      epsilon, delta: the claim audited: the noise is calibrated for them (PLD, zero-out
+        neighbours), and every bound is at this delta.
+      optimizer, steps, loss, clip_norm: the full-batch recipe audited.
+      runs: models trained with the canary, and as many without it.
+      rows: rows of the train split the models train on (drawn at random; all if fewer).
+      confidence: of every lower bound.
+      runs_per_call: runs per compiled call (speed and memory only; default: ~2.5e7 weights).
+      out, plot: write the results JSON, and a PNG of the score histograms and trade-off curve.
+    """
+
+    store: str = store_option()
+    epsilon: float = option(type=number, help="the claim audited: the noise is calibrated for "
+                            "it, as `dpprobe probe` does")
+    delta: float = option(1e-5, type=number,
+                          help="delta of the claim and the bounds (default %(default)s)")
+    optimizer: str = option("sgd", choices=OPTIMIZERS, metavar="NAME",
+                            help="%(choices)s: update rule audited (default %(default)s, which "
+                            "releases the noisy gradient itself: the tightest audit)")
+    steps: int = option(1, type=integer, help="full-batch steps T (default %(default)s)")
+    runs: int = option(10_000, type=integer, help="probes trained with the canary, and as many "
+                       "without (default %(default)s)")
+    rows: int = option(1000, type=integer, help="rows of the train split drawn at random to "
+                       "train on (default %(default)s)")
+    loss: str = option("softmax", choices=LOSSES, metavar="LOSS",
+                       help="%(choices)s (default %(default)s)")
+    clip_norm: float = option(1.0, type=number,
+                              help="per-example clip norm C (default %(default)s)")
+    confidence: float = option(0.95, type=number,
+                               help="confidence of every lower bound (default %(default)s)")
+    runs_per_call: int | None = option(
+        None, type=integer, help="runs per compiled call (speed and memory only)")
+    out: str | None = option(None, help="write results JSON here")
+    plot: str | None = option(
+        None, help="write a PNG of the score histograms and trade-off curves here")
+    quiet: bool = option(False, action="store_true", help="print only the report")
+
+    def __post_init__(self):
+        cfg.freeze(
+            self, store=str(self.store),
+            epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=False),
+            delta=cfg.check_delta("delta", self.delta),
+            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
+            confidence=cfg.check_number("confidence", self.confidence, 0.5, 1, high_open=True),
+        )
+        cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS)
+        cfg.check_int("runs", self.runs, 2, MAX_RUNS)
+        cfg.check_int("rows", self.rows)
+        if self.runs_per_call is not None:
+            cfg.check_int("runs_per_call", self.runs_per_call)
+
+
+def run_audit(config: AuditConfig | str, /, **options) -> dict:
+    """Audit the probe's DP mechanism on a store: `run_audit(AuditConfig(...))`, or
+    `run_audit(store, epsilon=..., ...)` with the config's fields as keywords.
+
+    Returns:
+      The results dict (also written to `out` as JSON when given); its "scores" (the two
+      samples, NumPy) are returned only, not written.
+    """
+    config = cfg.make_config(AuditConfig, config, "store", **options)
+    preflight.check_output_paths(out=config.out, plot=config.plot)
+    start = time.perf_counter()
+    quiet = config.quiet
+    train_attrs = dict(extract.open_split(config.store, "train").attrs)
+    test_attrs = extract.local_split_attrs(config.store, "test") or {}
+    features, labels = _sample_rows(config.store, config.rows)
+    from dpprobe import dp, probe
+
+    num_classes = records.declared_num_classes(train_attrs)
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer)
+    num_examples = len(features) + 1  # the rows and the canary (or its null record)
+
+    # The claim: the noise `dpprobe probe` would use for (epsilon, delta), and its epsilon from
+    # the ledger (PLD, zero-out neighbours); each audited model is one run of this plan.
+    sigma = accounting.calibrate_noise_multiplier(config.epsilon, config.delta,
+                                                  steps=config.steps)
+    plan = accounting.DpPlan(sigma, config.steps, clip_norm=config.clip_norm)
+    claim = accounting.PrivacyLedger()
+    claim.record("one audited model", plan)
+    claimed_epsilon, claimed_mu = claim.epsilon(config.delta), claim.gdp_mu()
+    run = probe.RunSpec(plan, probe.audit_learning_rate(plan, num_examples))
+
+    # Thresholds of the tests, from scores simulated under the claim (before any training).
+    significance = 1.0 - config.confidence
+    rng = np.random.default_rng()
+    count = max(config.runs, min(_SIMULATED, _SIMULATED_VALUES // (config.steps * num_classes)))
+    simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
+                                             count=count, include=include, rng=rng)
+                 for include in (True, False)]
+    gdp_threshold, cp_threshold = dp.choose_thresholds(
+        *simulated, config.delta, significance, sizes=(config.runs, config.runs))
+
+    # Train: M runs with the canary, M with a null record in its place.
+    log(f"audit: {config.runs} runs with the canary and {config.runs} without, "
+        f"{config.optimizer}, T={config.steps}, on {len(features)} rows + the canary", quiet)
+    train_start = time.perf_counter()
+    progress = RateProgress("audit", 2 * config.runs, "runs", quiet)
+    scores = {side: probe.train_canary_runs(
+        features, labels, [run] * config.runs, spec, include=side == "in",
+        runs_per_call=config.runs_per_call,
+        progress=lambda done, offset=offset: progress(offset + done))
+        for side, offset in (("in", 0), ("out", config.runs))}
+    train_seconds = time.perf_counter() - train_start
+
+    # Bounds, each at `confidence`, at the claim's delta.
+    bounds = dp.audit_bounds(scores["in"], scores["out"], delta=config.delta,
+                                gdp_threshold=gdp_threshold, cp_threshold=cp_threshold,
+                                significance=significance)
+    ratios = {
+        "gdp_mu_lower_over_claim": bounds.gdp_mu_lower / claimed_mu,
+        "gdp_mu_estimate_over_claim": bounds.gdp_mu_estimate / claimed_mu,
+        "gdp_epsilon_lower_over_claim": bounds.gdp_epsilon_lower / claimed_epsilon,
+        "cp_epsilon_lower_over_claim": bounds.cp_epsilon_lower / claimed_epsilon,
+    }
+    refuted = (bounds.gdp_mu_lower > claimed_mu
+               or bounds.cp_epsilon_lower > claimed_epsilon)
+
+    # Record: the claim, the bounds, what the plot needs; the audit's own privacy.
+    all_runs = accounting.PrivacyLedger()
+    for _ in range(2 * config.runs):
+        all_runs.record("audit run", plan)
+    fpr, fnr = dp.tradeoff_curve(scores["in"], scores["out"])
+    results = records.header("audit", config.store, train_attrs, test_attrs) | {
+        "wall_seconds": time.perf_counter() - start,
+        "train_seconds": train_seconds,
+        "claim": {
+            "epsilon": claimed_epsilon,
+            "delta": config.delta,
+            "gdp_mu": claimed_mu,
+            "noise_multiplier": sigma,
+            "steps": config.steps,
+            "clip_norm": config.clip_norm,
+            "sampling": "full batch (q = 1)",
+            "accountant": "pld",
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "dp_event": accounting.event_to_dict(plan.dp_event()),
+        },
+        "audit": {
+            "optimizer": config.optimizer,
+            "loss": config.loss,
+            "runs_per_side": config.runs,
+            "num_rows": len(features),
+            "num_train": num_examples,
+            "learning_rate": run.learning_rate,
+            "trainer": ("dpprobe.probe.train_probe (full batch, in memory), keys from "
+                        "dpprobe.dp.make_keys"),
+            "canary": (f"one appended feature, zero for every row; the canary row is "
+                       f"{probe.CANARY_NORM:g} along it, label {probe.CANARY_LABEL}; its "
+                       "neighbour is the canary replaced by a null record"),
+            "score": "-<w[d, :], u> / lr: the released weights of the canary's feature along "
+                     "the canary's descent direction u",
+            "thresholds": "chosen on scores simulated under the claim, before training",
+        },
+        "bounds": bounds.to_dict() | ratios,
+        "claim_refuted": refuted,
+        "histogram": _histogram(scores["in"], scores["out"]),
+        "tradeoff": {"fpr": fpr.tolist(), "fnr": fnr.tolist()},
+        "privacy": {
+            "audit_outputs": (
+                f"functions of {2 * config.runs} probes trained on {len(features)} rows of the "
+                f"train split, each one run of the claim's plan: together (epsilon "
+                f"{all_runs.epsilon(config.delta):.4g}, delta {config.delta:g})-DP for those "
+                "rows (PLD). The scores read only w[d, :], which no row moves: for one step of "
+                "sgd, momentum, adam or sign they do not depend on the rows at all"),
+            "row_sample": "drawn from OS entropy; the indices are not written",
+        } | records.randomness(None, ""),
+        "note": NOTE,
+        "warnings": records.warnings(train_attrs),  # features of a random-init backbone
+    }
+    if config.out:
+        reporting.write_json(config.out, results)
+    if config.plot:
+        plots.plot_audit(results, config.plot)
+    results["scores"] = scores
+    results["wall_seconds"] = time.perf_counter() - start
+    return results
+
+
+def _sample_rows(store, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` rows of the train split drawn without replacement (all if it has fewer), read
+    chunk by chunk (each chunk's sha256 checked); the draw is from OS entropy."""
+    num_rows = int(extract.open_split(store, "train")["labels"].shape[0])
+    chosen = np.sort(np.random.default_rng().choice(num_rows, min(rows, num_rows),
+                                                    replace=False))
+    features, labels, offset = [], [], 0
+    for chunk, chunk_labels in extract.iter_split_chunks(store, "train", dtype=np.float32):
+        local = chosen[(chosen >= offset) & (chosen < offset + len(chunk))] - offset
+        features.append(chunk[local])
+        labels.append(chunk_labels[local])
+        offset += len(chunk)
+    return np.concatenate(features), np.concatenate(labels)
+
+
+def _histogram(in_scores, out_scores, bins: int = 60) -> dict:
+    edges = np.histogram_bin_edges(np.concatenate([in_scores, out_scores]), bins)
+    return {"edges": edges.tolist(), "in": np.histogram(in_scores, edges)[0].tolist(),
+            "out": np.histogram(out_scores, edges)[0].tolist()}

@@ -1,0 +1,95 @@
+"""The export job: a released model (`dpmodel`) written where models are served.
+
+  * `torch`: a `torch.export` program (`torch.export.load(OUT).module()`), any model;
+  * `timm`: a fine-tuned timm ViT as timm's state dict (safetensors), loaded by
+    `timm.create_model(name, num_classes=K, img_size=S)` and `load_state_dict(strict=True)`;
+  * `onnx`: an ONNX model (opset from torch's exporter), any model.
+
+The exported modules take float32 NCHW images in [0, 1] at the model's input size (a probe on
+precomputed embeddings: its features) and return the logits (`dpmodel.torch_export`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import preflight
+from dpprobe.pipelines.files import atomic_write_bytes
+from dpprobe.pipelines.options import option
+from dpprobe.pipelines.reporting import log
+
+__all__ = ["FORMATS", "ExportConfig", "run_export"]
+
+FORMATS = ("torch", "timm", "onnx")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What `run_export` does.
+
+    Attributes:
+      model: a model file.
+      format: one of `FORMATS`.
+      out: the file to write.
+      weights: a copy of the backbone's weights file (sha256 checked), where the recorded path
+        is not on this machine.
+    """
+
+    model: str = option(help="a dpprobe model file")
+    format: str = option(choices=FORMATS, help="torch: a torch.export program (any model); "
+                         "timm: a fine-tuned timm ViT's state dict; onnx: an ONNX model (any "
+                         "model)")
+    out: str = option(positional=True, metavar="OUT", help="the file to write")
+    weights: str | None = option(
+        None, help="a copy of the backbone's weights file (sha256 checked)")
+    quiet: bool = option(False, action="store_true")
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise cfg.ConfigError("format", f"must be one of {FORMATS}, got {self.format!r}")
+        cfg.freeze(self, model=os.fspath(self.model), out=os.fspath(self.out))
+
+
+def run_export(config: ExportConfig | str, /, **options) -> dict:
+    """Export a model file: `run_export(ExportConfig(...))` or `run_export(model, format=...,
+    out=...)`. Returns {"out", "format", "input", "load"} (how to load it)."""
+    from dpprobe import model as dpmodel
+
+    config = cfg.make_config(ExportConfig, config, "model", **options)
+    preflight.check_output_paths(**{"OUT": config.out})
+    if os.path.realpath(config.out) == os.path.realpath(config.model):
+        raise ValueError(f"OUT {config.out} is the model file itself; choose another path")
+    if config.format == "onnx":
+        preflight.require_module("onnxscript", "`format=onnx`",
+                                 "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
+    model = dpmodel.load_model(config.model)
+    model.weights = config.weights
+    from dpprobe.model import torch_export
+
+    if config.format == "torch":
+        data, inputs = torch_export.export_torch(model)
+        load = f"torch.export.load({config.out!r}).module()"
+    elif config.format == "onnx":
+        data, inputs = torch_export.export_onnx(model)
+        load = f"onnxruntime.InferenceSession({config.out!r})"
+    else:
+        from safetensors.torch import save
+
+        state, kwargs = torch_export.timm_state_dict(model)
+        note = json.dumps({"create_model": kwargs, "source": config.model,
+                           "class_names": model.class_names,
+                           "privacy": dataclasses.asdict(model.privacy) | {"ledger": None}})
+        data = save(state, metadata={"dpprobe_export": note})
+        inputs = (f"timm's preprocessing: NCHW images normalized by mean "
+                  f"{model.document['transforms'][3]['mean']} and std "
+                  f"{model.document['transforms'][3]['std']}")
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "model_name")
+        load = (f"timm.create_model({kwargs['model_name']!r}, {args}).load_state_dict("
+                f"safetensors.torch.load_file({config.out!r}), strict=True)")
+    atomic_write_bytes(config.out, data)
+    log(f"wrote {config.out} ({config.format}); input: {inputs}", config.quiet)
+    return {"out": config.out, "format": config.format, "input": inputs, "load": load,
+            "class_names": model.class_names, "privacy": dataclasses.asdict(model.privacy)}

@@ -1,0 +1,233 @@
+"""The extract job: a frozen backbone over a data source into a feature store, locally, as one
+shard of a multi-process job, or as Ray tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dpprobe import extract
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import options, preflight
+from dpprobe.pipelines.options import Choices, integer, num_classes_option, option
+from dpprobe.pipelines.reporting import log
+
+__all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractConfig:
+    """What `run_extract` does; `dpprobe extract --help` explains each option.
+
+    Sources with their own splits (fashion-mnist, digits, cifar) write both unless `split`
+    names one; single-split sources (npz, imagefolder) write the split named by `split`
+    (default "train") into a new or existing store. `shard=(k, n)` extracts one shard;
+    `ray=True` runs the shards as Ray tasks (see `run_extract_ray`). `num_classes` declares
+    the class count of a source without class names (an npz without `class_names`).
+    """
+
+    backbone: str = option(help="timm model name (e.g. vit_base_patch16_224.augreg_in21k), "
+                           "'scatternet', or 'none' for precomputed embeddings")
+    data: str | Any = option(help="data spec (see below)")  # or a torch Dataset (Python API)
+    out: str = option(help="output Zarr store path")
+    split: str | None = option(
+        None, choices=("train", "test", "all"),
+        help="split to write: for npz/imagefolder the name given to the data (default train); "
+        "for multi-split sources, restrict to one (default all)")
+    data_dir: str | None = option(
+        None, help="directory of Fashion-MNIST's gzipped IDX files "
+        "(default /usr/share/datasets/fashion-mnist)")
+    weights: str | None = option(
+        None, help="local .safetensors/.pth weights file for the timm model (no hub)")
+    random_init: bool = option(False, action="store_true",
+                               help="random weights (seeded by --seed); for tests only")
+    seed: int = option(0, type=integer, help="seed of --random-init (default %(default)s)")
+    resize: int | None = option(
+        None, type=integer, help="resize the short side to R before cropping (Mehta et al.: 384)")
+    crop: int | None = option(None, type=integer,
+                              help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
+                              "position embeddings")
+    batch_size: int = option(256, type=integer,
+                             help="images per forward pass (default %(default)s)")
+    dtype: str = option("float16", choices=Choices("dpprobe.extract.store", "FEATURE_DTYPES"),
+                        help="feature dtype in the store (default %(default)s)")
+    device: str | None = option(None, help="torch device (default: cuda if available)")
+    rows_per_chunk: int | None = option(None, type=integer,
+                                        help="rows per Zarr chunk (default: ~8 MiB chunks)")
+    overwrite: bool = option(False, action="store_true",
+                             help="replace an existing split written by a different job")
+    progress: bool = option(True, "--quiet", action="store_false", help="no progress bar")
+    num_workers: int | None = option(
+        None, "--workers", type=integer, help="DataLoader worker processes (default: none on "
+        "CPU, where the backbone uses every core; up to 8 on GPU)")
+    amp: str | None = option("auto", choices=("auto", "off", "bf16", "fp16"),
+                             help="autocast: auto = bf16 on CUDA, off on CPU (default auto)")
+    channels_last: bool = option(False, action="store_true", help="channels_last memory format")
+    compile: bool = option(False, action="store_true", help="torch.compile the backbone")
+    shard: tuple[int, int] | None = option(
+        None, type=options.shard, metavar="K/N",
+        help="extract only shard K of N (a chunk-aligned slice of rows) into the same store, "
+        "e.g. one process per GPU or a SLURM array task")
+    views: int | None = option(
+        None, type=integer, help="store K augmented views per example, shape (N, K, d), for "
+        "augmentation multiplicity in the probe (train split only)")
+    augment: tuple[str, ...] = option((), type=options.names, help=lambda: (
+        f"augmentations of the views, from {','.join(extract.AUGMENTATIONS)} (De et al.)"))
+    augment_seed: int = option(0, type=integer,
+                               help="seed of the augmentations (default %(default)s)")
+    ray: bool = option(False, action="store_true",
+                       help="run the shards as Ray tasks (one per GPU) on a Ray cluster")
+    ray_address: str | None = option(
+        None, help="Ray cluster address (default: RAY_ADDRESS, or a local cluster)")
+    ray_shards: int | None = option(
+        None, type=integer, help="number of shards with --ray (default: one per GPU, else per CPU)")
+    num_classes: int | None = num_classes_option()
+
+    def __post_init__(self):
+        cfg.freeze(self, augment=tuple(self.augment),
+                   shard=None if self.shard is None else tuple(self.shard))
+        cfg.check_int("seed", self.seed, 0)
+        cfg.check_int("augment_seed", self.augment_seed, 0)
+        cfg.check_int("batch_size", self.batch_size)
+        for name in ("resize", "crop", "rows_per_chunk", "views", "ray_shards", "num_classes"):
+            if getattr(self, name) is not None:
+                cfg.check_int(name, getattr(self, name))
+        if self.num_workers is not None:
+            cfg.check_int("num_workers", self.num_workers, 0)
+        if self.shard is not None:
+            index, count = self.shard
+            if not (count >= 1 and 0 <= index < count):
+                raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
+        if self.views is not None and self.views > 1 and not self.augment:
+            raise ValueError(f"`views={self.views}` without `augment` would store identical "
+                             "views; add `augment=flip,crop`")
+        if self.augment and self.views is None:
+            raise ValueError("`augment` needs `views=K` (K augmented views per example)")
+        if self.ray and self.shard is not None:
+            raise ValueError("`ray` launches the shards itself; drop `shard`")
+        if (self.ray_shards is not None or self.ray_address) and not self.ray:
+            raise ValueError("`ray_shards`/`ray_address` need `ray=True`")
+        if self.weights is not None and self.random_init:
+            raise ValueError("`weights` and `random_init` exclude each other")
+
+
+def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
+    """Extract embeddings of a data source into the feature store `config.out`.
+
+    Takes an `ExtractConfig`, or its fields as keywords. `out` must be a new path or a dpprobe
+    store: anything else is refused before any work. `data` is a data spec or, from Python,
+    any torch `Dataset` of (image, label) pairs (`extract.from_torch_dataset`; its `classes`,
+    or `num_classes`, declare the class list; `split` names its split). Returns one
+    `ExtractReport` per split; with progress on, each also says how it ended.
+    """
+    config = cfg.make_config(ExtractConfig, config, None, **options)
+    extract.check_out_path(config.out)
+    if config.ray:
+        preflight.require_module("ray", "`ray=True`", "pip install ray==2.60.0")
+        reports = run_extract_ray(config)
+    else:
+        reports = _extract_local(config, shard=config.shard)
+    for report in reports:
+        log(report_line(config.out, report, config.dtype), quiet=not config.progress)
+    return reports
+
+
+def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
+    """The calls into `extract`: open the data and the backbone, then extract every split (or
+    create it, empty) and return their reports."""
+    precomputed = config.backbone == "none"
+    if isinstance(config.data, str):
+        splits = extract.open_source(config.data, split=config.split, data_dir=config.data_dir,
+                                     precomputed=precomputed, num_classes=config.num_classes)
+    else:  # a torch Dataset (Python API)
+        if precomputed:
+            raise ValueError("`backbone=none` reads an npz of features, not a torch Dataset")
+        name = config.split if config.split not in (None, "all") else "train"
+        splits = {name: extract.from_torch_dataset(config.data, split=name,
+                                                   num_classes=config.num_classes)}
+    model = None
+    if not precomputed:
+        model = extract.create_backbone(
+            config.backbone, weights=config.weights, random_init=config.random_init,
+            seed=config.seed, resize=config.resize, crop=config.crop, device=config.device,
+        )
+    return [
+        extract.extract_split(
+            data_split, model, config.out, split_name=name, batch_size=config.batch_size,
+            dtype=config.dtype, rows_per_chunk=config.rows_per_chunk,
+            overwrite=config.overwrite, progress=config.progress and not only_create,
+            num_workers=config.num_workers, amp=config.amp,
+            channels_last=config.channels_last, compile=config.compile, shard=shard,
+            views=config.views, augment=config.augment, augment_seed=config.augment_seed,
+            create_only=only_create,
+        )
+        for name, data_split in splits.items()
+    ]
+
+
+def _extract_local(config: ExtractConfig, *, shard=None) -> list:
+    """Extract every split (one shard of each with `shard`)."""
+    return _extract_splits(config, shard=shard, only_create=False)
+
+
+def report_line(out: str, report, dtype: str) -> str:
+    """How one split's extraction ended, in plain words: written, resumed, or already there."""
+    shard, done = report.shard, report.num_chunks - report.chunks_written
+    chunks = f"{report.num_chunks} chunk{'s' if report.num_chunks != 1 else ''}"
+    if report.chunks_written == 0 and report.complete:
+        work = (f"{'all' if report.num_chunks > 1 else 'its'} {chunks} already extracted by an "
+                "earlier run; reused, nothing to do")
+    elif report.resumed and done:
+        work = (f"resumed: {done} of {chunks} already extracted, {report.chunks_written} "
+                "written now")
+    else:
+        work = f"{report.chunks_written}/{chunks} written"
+    state = "complete" if report.complete else "INCOMPLETE"
+    if shard is not None and not report.complete:
+        state = "shard done; the split completes when every shard has run"
+    return (f"{out}/{report.split}: {report.num_examples} x {report.feature_shape} ({dtype}), "
+            f"{work}{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}")
+
+
+def _ray_shard(config: ExtractConfig, shard: tuple[int, int]) -> list:
+    """One Ray task: extract one shard of every split (re-opening data and backbone there)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _extract_local(dataclasses.replace(config, progress=False, overwrite=False),
+                          shard=shard)
+
+
+def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
+    """Extract with one Ray task per shard (one per GPU when the cluster has GPUs).
+
+    The driver creates the store's splits first (so shards never race to create them), then
+    every task fills its chunk-aligned shard of each split in the same store, a shared
+    filesystem path or fsspec URL that every node can reach. Finished chunks are never
+    redone, so rerunning after a failure resumes. `config.ray_address` names the cluster and
+    `config.ray_shards` the number of shards (default: one per GPU, else per CPU).
+    """
+    import ray
+
+    config = cfg.make_config(ExtractConfig, config, None, **options)
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    shards = config.ray_shards or max(1, gpus or int(resources.get("CPU", 1)))
+    log(f"ray: {shards} shards on {resources}", not config.progress)
+    # 1. Create every split (and validate the job) once, on the driver.
+    created = _extract_splits(config, shard=None, only_create=True)
+    # 2. One task per shard.
+    task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_shard)
+    results = ray.get([task.remote(config, (k, shards)) for k in range(shards)])
+    # 3. Mark complete what is complete (the last shard usually already did); no need to load
+    #    the data or the backbone again for that.
+    reports = []
+    for report in created:
+        written = sum(r.chunks_written for shard in results for r in shard
+                      if r.split == report.split)
+        complete = extract.finalize_split(config.out, report.split)
+        reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
+    return reports

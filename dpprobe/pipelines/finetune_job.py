@@ -1,0 +1,383 @@
+"""The finetune job: DP-SGD on the weights of a backbone (`finetune.train_finetune`; all, the
+head, biases or LoRA adapters, `finetune.modes`), on images from the same data specs as
+`extract`, evaluated on the test split, recorded with its ledger.
+
+load images -> build the model (LoRA adapters) -> calibrate sigma for (epsilon, delta) from
+q = B/N and T -> train (checkpointed, resumable) -> merge the adapters -> evaluate the model and
+its EMA -> record. `non_private=True`: the same without clipping, noise or accounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dpprobe import accounting
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import (
+    files,
+    model_files,
+    preflight,
+    processes,
+    records,
+    reporting,
+    run_folder,
+)
+from dpprobe.pipelines.finetune_config import FinetuneConfig
+from dpprobe.pipelines.finetune_data import DATA_RULE, load_images
+from dpprobe.pipelines.finetune_recipe import default_model, finetune_recipe
+from dpprobe.pipelines.reporting import log
+
+__all__ = ["FinetuneConfig", "run_finetune"]
+
+# What --non-private says wherever it is recorded.
+NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
+               "accounting) on the same Poisson batches as DP-SGD; this model and its results "
+               "carry NO privacy guarantee (epsilon inf)")
+TRAIN_NOTES = {
+    "all": "every parameter",
+    "head": "the classifier head only; the rest is the initialization, unchanged",
+    "bias": "every bias and normalization offset, and the head (DP-BiTFiT); the rest is the "
+            "initialization, unchanged",
+    "lora": "low-rank adapters W + A B on the attention and MLP layers (qkv, proj, fc1, fc2), "
+            "and the head; released merged into the kernels (the model file holds W + A B)",
+}
+# In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
+OPTIONS_FILE = ".dpprobe-finetune-options.json"
+
+
+def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
+    """DP-SGD finetuning of a whole model: `run_finetune(FinetuneConfig(...))` or the config's
+    fields as keywords. Returns the results dict (also `out`/results.json).
+
+    Formal guarantee: one run of the Poisson-sampled Gaussian (`accounting.DpPlan(sigma, T, q, C)`,
+    sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public), on
+    the parameters `train` names (the others are public constants: the initialization). Noise
+    keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
+    trained model, its test accuracy), public inputs and wall-clock timings. With
+    `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
+    results and model file say so.
+    """
+    config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    multi, config = processes.active(), processes.writer_config(config, ("out",))
+    if multi and config.audit_canaries:
+        raise ValueError("`audit_canaries` needs a one-process job")
+    if not config.out:
+        return _train(config, None)
+    out = Path(config.out)
+    run_folder.check_outside_inputs(out, _input_paths(config))
+    run_folder.check_checkpoint_folder(out / "checkpoint")
+    for name in ("results.json", model_files.MODEL_FILE):
+        preflight.check_output_paths(out=out / name)
+    with run_folder.hold(out, "finetune"):  # one run at a time
+        finished = _finished_run(out, config)
+        if finished is not None and multi:  # the others would train on without it
+            raise ValueError(f"{out} holds a finished run; give a new `out`")
+        if finished is not None:
+            # A run killed after its results and before removing its checkpoint: remove it.
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+            log(f"already complete: {out / 'results.json'}", config.quiet)
+            return finished
+        return _train(config, out)
+
+
+def _input_paths(config: FinetuneConfig) -> list[str]:
+    """The local files and folders the job reads (its output must not be, nor lie in, one)."""
+    from dpprobe import extract
+
+    paths = [config.data_dir, config.weights]
+    for spec in (config.data, config.test_data):
+        try:
+            paths.append(extract.parse_data_spec(spec)[1] if spec else None)
+        except ValueError:
+            pass  # refused by the reader, in its own words
+    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
+
+
+def _train(config: FinetuneConfig, out: Path | None) -> dict:
+    """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
+    from dpprobe import finetune
+
+    if config.train == "lora" and (config.model is None
+                                   or config.model in finetune.models.MODEL_NAMES):
+        raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
+                         f"`model={config.model or 'the default'}` has none: name a timm ViT, "
+                         "or train all, head or bias")
+    if config.model is None and (config.weights or config.random_init):
+        raise ValueError("`weights` and `random_init` are for a timm model: name it (`model`); "
+                         "the default models train from scratch")
+
+    start = time.perf_counter()
+    quiet = config.quiet
+    options = _options(config)  # as given (a default model stays None: chosen again on rerun)
+
+    # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
+    # by the public per-record rule (a bad record trains as a null record; nothing counts them).
+    model_is_timm = config.model is not None and config.model not in finetune.models.MODEL_NAMES
+    train, test, class_names = load_images(config, rgb=model_is_timm)
+    log(DATA_RULE, quiet)
+    num_real, num_classes = len(train[1]), len(class_names)
+    num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
+    multi, rows = processes.active(), None
+    if multi:  # each process keeps its own rows (every process reads the spec)
+        from dpprobe.dp.distributed import process_rows
+
+        processes.check_rows(num_real)
+        first, stop = process_rows(num_real)
+        train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
+    image_size, channels = train[0].shape[1], train[0].shape[-1]
+    model_choice = None
+    if config.model is None:  # from the public input side (`finetune_recipe.default_model`)
+        config = dataclasses.replace(config, model=default_model(image_size))
+        model_choice = f"the default for {image_size} px images"
+        log(f"model: {config.model} [{model_choice}]", quiet)
+
+    # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
+    # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
+    model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
+
+    # The recipe: what the config gives, else chosen from public quantities (N, size, model).
+    chosen = finetune_recipe(config, num_examples=num_real, image_size=image_size,
+                             num_classes=num_classes)
+    log(chosen.describe(), quiet)
+    warnings = records.warnings(delta=config.delta, num_examples=num_examples)
+    if config.augmult > 1 and not config.crop_padding and not config.flip:
+        warnings.append(f"augmult {config.augmult} without crop padding or flips: the "
+                        f"{config.augmult} views of an example are the same image, so the run "
+                        f"costs {config.augmult}x for the same model")
+    for warning in warnings:
+        log(f"warning: {warning}", quiet)
+
+    # Calibrate: q = B / N, T steps, sigma for (epsilon, delta).
+    q = min(1.0, chosen.batch_size / num_examples)
+    # Epochs over the real records (an audited run takes the steps of the run it audits).
+    steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
+    if config.non_private:  # NOT private: no clipping, no noise
+        sigma, clip = 0.0, math.inf
+    elif math.isinf(config.epsilon):
+        sigma, clip = 0.0, chosen.clip_norm
+    else:
+        sigma = accounting.calibrate_noise_multiplier(
+            config.epsilon, config.delta, steps=steps, sampling_probability=q,
+            accountant=config.accountant)
+        clip = chosen.clip_norm
+    plan = accounting.DpPlan(sigma, steps, q, clip)
+    spec = finetune.FinetuneSpec(
+        num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
+        momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
+        augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
+        ema_decay=chosen.ema_decay or None, mean=mean, std=std, train=config.train)
+    flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
+                                   mixed_precision=config.mixed_precision, devices=config.devices)
+    trained_info = _trained_info(config, model, spec)
+    log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
+        f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
+        f"K = {config.augmult}, training {trained_info['parameters']:,} of "
+        f"{trained_info['of']:,} parameters ({config.train})", quiet)
+    if config.non_private:
+        log(f"NOT PRIVATE: {NON_PRIVATE}", quiet)
+
+    # Train: checkpointed under out/checkpoint, resumed from it when present.
+    checkpointer = None
+    if out is not None and not multi:  # a multi-process run does not checkpoint
+        checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
+                                             config=options)
+        if checkpointer.latest_step() is not None:
+            log(f"resuming from {out / 'checkpoint'} at step {checkpointer.latest_step()}", quiet)
+
+    def epsilon_at(done: int) -> float:
+        return (accounting.DpPlan(sigma, done, q, clip).epsilon(config.delta, config.accountant)
+                if sigma else math.inf)
+
+    log("finetune: compiling the training step (the first step includes it)", quiet)
+    progress = None if quiet else finetune.print_progress(
+        steps, q * num_examples, config.augmult, None if config.non_private else epsilon_at,
+        first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
+    audit = None
+    if config.audit_canaries:
+        from dpprobe.finetune.canaries import audit_finetune, audit_finetune_gradients
+
+        log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
+            f"probability 1/2 (seed {config.seed}); this trains an audit model", quiet)
+        auditor = audit_finetune_gradients if config.audit_kind == "gradient" else audit_finetune
+        trained, audit = auditor(model, *train, plan, spec, canaries=config.audit_canaries,
+                                 delta=config.delta, seed=config.seed,
+                                 accountant=config.accountant, flags=flags,
+                                 checkpointer=checkpointer, progress=progress)
+    else:
+        trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
+                                          checkpointer=checkpointer, progress=progress,
+                                          rows=rows)
+
+    # The released form: LoRA adapters merged into the kernels (W + A B), evaluated as saved.
+    merge = finetune.modes.merge_lora
+    trained = dataclasses.replace(trained, model=merge(trained.model), ema_model=None if
+                                  trained.ema_model is None else merge(trained.ema_model))
+
+    # Evaluate on the (public) test split.
+    accuracy = finetune.evaluate_model(trained.model, *test, spec)
+    ema_accuracy = (finetune.evaluate_model(trained.ema_model, *test, spec)
+                    if trained.ema_model is not None else None)
+
+    # Record: DP outputs and public inputs only.
+    ledger = accounting.PrivacyLedger()
+    ledger.record(f"SGD {config.model} (NOT private)" if config.non_private
+                  else f"DP-SGD {config.model}", plan, role="final" if plan.is_private
+                  else "NOT private (no clipping, no noise)" if config.non_private
+                  else "non-private reference")
+    results = {
+        "dpprobe_version": records.VERSION,
+        "job": "finetune",
+        "created": records.now(),
+        "data": {"spec": config.data, "num_classes": num_classes, "class_names": class_names,
+                 "num_train": num_real, "num_test": len(test[1]),
+                 "image_size": image_size, "channels": channels},
+        "model": model_info | ({"chosen": model_choice} if model_choice else {}),
+        "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
+            "batches_per_call": trained.batches_per_call,  # the number used (public)
+            "batch_size": chosen.batch_size, "epochs": chosen.epochs,
+            "clip_norm": clip, "chosen": chosen.chosen},
+        "trained": trained_info,
+        "warnings": warnings,
+        "privacy": {
+            "epsilon": plan.epsilon(config.delta, config.accountant) if plan.is_private
+            else math.inf,
+            "delta": config.delta,
+            "accountant": config.accountant,
+            "plan": plan.to_dict(),
+            "dp_event": accounting.event_to_dict(plan.dp_event()),
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "dataset_size_public": True,
+            "sampling": f"Poisson, q = {q:g} (expected batch {chosen.batch_size})",
+            "private": plan.is_private,
+        } | ({"claim": NON_PRIVATE} if config.non_private else {}) | records.randomness(
+            config.seed, "the model's initialization"
+            + (" and the audit's canaries' in/out coins" if audit else "")),
+        "test_accuracy": accuracy,
+        "test_accuracy_ema": ema_accuracy,
+        "ledger": ledger.to_dict(config.delta, config.accountant),
+        "wall_seconds": time.perf_counter() - start,
+        # Wall-clock, like wall_seconds: the first step run (it compiles the step) and the
+        # expected images (q N per step) per second over the steps after it (`finetune.timing`).
+        "compile_seconds": trained.compile_seconds,
+        "images_per_second": trained.images_per_second,
+    }
+    if audit is not None:
+        results["audit"] = audit.to_dict() | {"model": (
+            f"an audit model: trained on the {num_real} real records and {audit.included} "
+            f"of the {audit.canaries} canaries ({audit.canaries - audit.included} null "
+            "records), so its accuracy is not the production model's; the privacy claim "
+            "covers the real records with the canaries present")}
+        results["privacy"]["num_canaries"] = config.audit_canaries
+    released = "EMA" if trained.ema_model is not None else "final iterate"
+    results["model"]["released_parameters"] = released
+    if out is not None:
+        model_files.finetune_model(
+            out / model_files.MODEL_FILE, results,
+            trained.ema_model if released == "EMA" else trained.model, released=released,
+            name=config.model, image_size=image_size, channels=channels, resize=config.resize,
+            crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
+            timm_architecture=model_info.get("architecture"), trained=trained_info)
+        results["model_file"] = str(out / model_files.MODEL_FILE)
+        # The options before the results: a run killed between the two reruns, not refused.
+        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
+        os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
+        reporting.write_json(out / "results.json", results)
+        if checkpointer is not None:
+            checkpointer.close()
+            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
+    return results
+
+
+def _trained_info(config: FinetuneConfig, model, spec) -> dict:
+    """Which parameters the run trains, and how many of how many (public: the architecture)."""
+    from dpprobe import finetune
+
+    _, params, rest = finetune.split_trained(model, spec)
+    info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
+            "of": finetune.modes.count_params(params) + finetune.modes.count_params(rest),
+            "note": TRAIN_NOTES[config.train]}
+    if config.train == "lora":
+        info["lora_rank"] = config.lora_rank
+    return info
+
+
+def _options(config: FinetuneConfig) -> dict:
+    """The options that make a run what it is (not where it writes, not how much it prints)."""
+    return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
+                                 default=str))
+
+
+def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
+    """The results of the finished run in `out` when it ran with `config`'s options; None when
+    `out` holds no finished run. A finished run with other options is refused (one line)."""
+    results_file = out / "results.json"
+    if not results_file.is_file():
+        return None
+    try:
+        results = json.loads(results_file.read_text())
+        finished = results.get("job") == "finetune"
+    except (OSError, ValueError, AttributeError):
+        return None  # not a run of ours: the output checks refuse it
+    if not finished:
+        return None
+    try:
+        previous = json.loads((out / OPTIONS_FILE).read_text())
+    except (OSError, ValueError):
+        previous = None
+    if previous != _options(config):
+        differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
+            sorted(k for k in set(previous) | set(_options(config))
+                   if previous.get(k) != _options(config).get(k))) + ")")
+        hint = ""
+        if isinstance(previous, dict) and previous.get("model") and config.model is None:
+            hint = (f" (that run trained model {previous['model']}, and a run naming no model "
+                    f"now gets the default for its image size: add `--model "
+                    f"{previous['model']}` for that run)")
+        raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
+                         f"give a new `out` to train another model{hint}")
+    return results | {"already_complete": str(results_file)}
+
+
+def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
+    """(model, mean, std, public description)."""
+    from flax import nnx
+
+    import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
+    from dpprobe import finetune
+
+    rngs = nnx.Rngs(config.seed)
+    if config.model in finetune.models.MODEL_NAMES:
+        if config.weights or config.random_init:
+            raise ValueError(f"`model={config.model}` trains from scratch: drop `weights` and "
+                             "`random_init`")
+        model = finetune.models.create_model(config.model, num_classes, image_size=image_size,
+                                             in_channels=channels, rngs=rngs,
+                                             head_bias_init=config.head_bias_init)
+        mean, std = finetune.models.input_mean_std(config.model)
+        low, high = (0.0 - mean) / std + 0.0, (1.0 - mean) / std  # + 0.0: no "-0"
+        return model, (mean,) * channels, (std,) * channels, {
+            "name": config.model, "weights": "random init (from scratch)",
+            "input": f"{image_size} px, scaled to [{low:g}, {high:g}]"}
+    from dpprobe import extract
+
+    backbone = extract.create_backbone(config.model, weights=config.weights,
+                                       random_init=config.random_init, seed=config.seed,
+                                       crop=image_size, device="cpu")
+    model = finetune.models.vit_from_timm(backbone.module, num_classes, rngs=rngs,
+                                          head_bias_init=config.head_bias_init)
+    if config.train == "lora":
+        import dpprobe.finetune.modes  # noqa: F401 (loads the submodule)
+        from dpprobe import finetune
+
+        finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
+    prep = backbone.preprocessing
+    info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}
+    return model, tuple(prep["mean"]), tuple(prep["std"]), info | {"input": f"{image_size} px"}

@@ -1,0 +1,331 @@
+"""The probe job: a sweep of DP linear probes over epsilons x steps x learning rates x seeds on a
+feature store, trained in one program, evaluated on the test split, recorded with its ledger."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import math
+import os
+import time
+
+import numpy as np
+
+from dpprobe import accounting, extract
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import plots, preflight, processes, recipe, records, reporting
+from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
+from dpprobe.pipelines.reporting import log
+
+__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
+
+CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
+               "sampling_probability", "optimizer", "learning_rate", "replicate",
+               "test_accuracy", "test_top5_accuracy", "accountant", "neighboring_relation",
+               "guarantee")
+# The fields that name outputs: only process 0 of a multi-process job writes them.
+OUTPUTS = ("out", "csv", "plot", "diagnostics", "save_model")
+
+
+def run_probe(config: ProbeConfig | str, /, **options) -> dict:
+    """Sweep DP linear probes on a store: `run_probe(ProbeConfig(...))`, or
+    `run_probe(store, epsilons=..., delta=..., ...)` with the config's fields as keywords.
+
+    Noise multipliers are calibrated to (epsilon, delta) for zero-out neighbours (N public), and
+    each run's `epsilon_spent` is computed from its `DpEvent` by `accountant`. Noise keys and
+    batch sampling always draw from OS entropy.
+
+    Returns:
+      The results dict (also written to `out` as JSON when given).
+    """
+    config = cfg.make_config(ProbeConfig, config, "store", **options)
+    processes.start(config)  # a multi-process job: only process 0 writes outputs
+    config = processes.writer_config(config, OUTPUTS)
+    preflight.check_probe_job(config)
+    start = time.perf_counter()
+    store, quiet = config.store, config.quiet
+    train_attrs, test_attrs = _split_attrs(store)
+    num_examples = int(train_attrs["num_examples"])
+    dim = int(train_attrs["feature_shape"][-1])
+    stream = config.stream
+    if stream is None:
+        stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
+    if stream and config.sampling_probability < 1.0:
+        raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
+    processes.check_rows(num_examples)
+    if processes.active() and (config.sampling_probability < 1.0 or (config.devices or 1) > 1):
+        raise ValueError("a multi-process probe trains full batch on every device of every "
+                         "process: drop `sampling_probability` and `devices`")
+    if config.devices and config.devices > 1 and (stream or config.sampling_probability < 1.0):
+        raise ValueError("`devices` shards in-memory full-batch training; it does not combine "
+                         "with `stream` or `sampling_probability` < 1")
+    test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
+    test_in_memory = not stream and not _too_big_for_memory(test_bytes)
+    train_x, train_y, test_chunks = _read_splits(store, stream=stream,
+                                                 test_in_memory=test_in_memory,
+                                                 num_examples=num_examples)
+    from dpprobe import probe  # already imported by `_read_splits`, while it read
+
+    delta, accountant = config.delta, config.accountant
+    num_classes = records.declared_num_classes(train_attrs, test_attrs)
+    # The recipe: what the config gives, else chosen from public quantities (pipelines.recipe).
+    chosen = recipe.probe_recipe(config, train_attrs, num_examples)
+    log(chosen.describe(config.epsilons), quiet)
+    warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
+    for warning in warnings:
+        log(f"warning: {warning}", quiet)
+    spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=chosen.optimizer,
+                           bias_init=config.bias_init, normalization=chosen.normalization,
+                           groups=chosen.groups or 1)
+
+    # Calibrate the noise of each (epsilon, T). epsilon = inf is the same recipe without noise
+    # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
+    plans = {}
+    for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
+        sigma = accounting.calibrate_noise_multiplier(
+            epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
+            accountant=accountant,
+        )
+        plans[epsilon, num_steps] = accounting.DpPlan(sigma, num_steps,
+                                                      config.sampling_probability,
+                                                      config.clip_norm)
+
+    # Train every config in one program, then test.
+    grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
+        config.epsilons, chosen.steps, chosen.learning_rates or (None,), range(config.seeds))]
+    runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
+    result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
+                                              stream=stream, num_examples=num_examples, dim=dim)
+
+    # Record: DP outputs and public inputs only (pipelines.records).
+    run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
+                   for i, (e, t, lr, k) in enumerate(grid)]
+    # Every run touched the same training data: choosing among them, or reporting a summary of
+    # several, spends their composition. The summary rows say what each aggregate costs.
+    ledger = accounting.PrivacyLedger()
+    for (epsilon, num_steps, lr, replicate), run in zip(grid, runs, strict=True):
+        ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} replicate={replicate}",
+                      run.plan, role="private" if run.plan.is_private else "non-private reference")
+    summary = reporting.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
+                                       ("test_accuracy", "test_top5_accuracy"))
+    for row in summary:
+        row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
+                                               row["num_seeds"], delta, accountant)
+        row["series"] = (f"T={row['steps']}, lr = r(epsilon) / T (linear scaling rule)"
+                         if chosen.scaled else None)
+    q = config.sampling_probability
+    results = records.header("probe", store, train_attrs, test_attrs) | {
+        "wall_seconds": time.perf_counter() - start,
+        "probe": spec.to_dict() | {"driver": driver},
+        "recipe": chosen.to_dict(config.epsilons),
+        "warnings": warnings,
+        "privacy": {
+            "delta": delta,
+            "accountant": accountant,
+            "neighboring_relation": accounting.NEIGHBORING_RELATION,
+            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+            "dataset_size_public": True,
+            "sampling": "full batch (q = 1)" if q == 1.0 else f"Poisson, q = {q:g}",
+            "non_private_reference": any(not p.is_private for p in plans.values()),
+        } | records.randomness(None, ""),
+        "num_train": num_examples,
+        "num_test": int(test_attrs["num_examples"]),
+        "runs": run_records,
+        "summary": summary,
+        "ledger": ledger.to_dict(delta, accountant) | {
+            "note": "each run alone is (epsilon_spent, delta)-DP; a summary row over seeds costs "
+                    "epsilon_row (its runs composed); selecting among the runs by their results "
+                    "spends the composition of all of them (epsilon)"},
+    }
+    if config.diagnostics:
+        _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+    if config.out:
+        reporting.write_json(config.out, results)
+    if config.csv:
+        reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+    if config.plot:
+        plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
+                            warnings=warnings)
+    if config.save_model:
+        from dpprobe.pipelines import model_files
+
+        results["model_files"] = model_files.probe_models(
+            config, results, grid, plans, result.params, spec, train_attrs)
+        log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
+    results["wall_seconds"] = time.perf_counter() - start
+    return results
+
+
+def _split_attrs(store) -> tuple[dict, dict]:
+    """The attributes of the train and test splits (both must be complete)."""
+    local = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
+    if all(local.values()):
+        train_attrs, test_attrs = local["train"], local["test"]
+    else:  # or the error that says what is wrong
+        train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs)
+                                   for s in ("train", "test"))
+    if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
+        raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
+                         f"vs {test_attrs['feature_shape']}")
+    return train_attrs, test_attrs
+
+
+def _read_splits(store, *, stream: bool, test_in_memory: bool, num_examples: int):
+    """The store reads of the probe job: (train features or None when streamed, train labels,
+    test chunks or None when streamed), read while JAX is imported.
+
+    `import probe` is the first JAX import, so `dpprobe extract` never pays for it; Zarr
+    decodes in its own threads meanwhile. A process of a multi-process job reads its own rows.
+    """
+    if processes.active() and not stream:
+        return (*_own_rows(store, num_examples),
+                list(extract.iter_split_chunks(store, "test", dtype=None)) if test_in_memory
+                else None)
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dpprobe-read") as pool:
+        train_read = pool.submit(
+            _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
+            store, "train",
+        )
+        test_read = pool.submit(lambda: list(extract.iter_split_chunks(
+            store, "test", dtype=None))) if test_in_memory else None
+        from dpprobe import probe  # noqa: F401  (while the threads read)
+
+        if stream:
+            train_x, train_y = None, train_read.result()
+        else:
+            train_x, train_y, _ = train_read.result()
+        return train_x, train_y, test_read.result() if test_read else None
+
+
+def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chunks, *,
+                    stream: bool, num_examples: int, dim: int):
+    """The calls into `probe`: train every run with the driver the config asks for, evaluate on
+    the test chunks (streamed when None). Returns the `TrainResult`, the test metrics and the
+    driver's description."""
+    from dpprobe import dp, probe
+
+    keys = dp.make_keys(len(runs))
+    progress = not config.quiet
+    if config.sampling_probability < 1.0:
+        driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "
+                  f"{config.physical_batch_size})")
+        flags = probe.PerformanceFlags(physical_batch_size=config.physical_batch_size)
+        result = probe.train_probe_poisson(train_x, train_y, runs, keys, spec, flags=flags,
+                                           progress=progress)
+    elif stream:
+        driver = "full batch, streamed from disk"
+        rows, flags = None, probe.PerformanceFlags()
+        if processes.active():  # this process's rows, every chunk padded to the store's
+            rows, flags = _process_rows(num_examples), probe.PerformanceFlags(
+                rows_per_chunk=int(extract.open_split(config.store, "train")["features"]
+                                   .chunks[0]))
+            driver += f", rows split over {processes.count()} processes"
+        groups = len(probe.plan_stream(runs, dim, spec.num_classes, budget=flags.memory_budget,
+                                       chunk_rows=flags.rows_per_chunk).groups)
+        if groups > 1:  # public: the number of runs and the store's shape
+            driver += f", runs in {groups} groups (memory budget)"
+        result = probe.train_probe_streaming(
+            lambda: extract.iter_split_chunks(config.store, "train", dtype=None,
+                                              row_range=rows), runs, keys,
+            spec, num_examples=num_examples, dim=dim, flags=flags, progress=progress,
+        )
+    elif processes.active():  # every device of every process; each process holds its rows
+        driver = f"full batch, in memory, rows split over {processes.count()} processes"
+        result = probe.train_probe(train_x, train_y, runs, keys, spec, progress=progress,
+                                   flags=probe.PerformanceFlags(mesh=probe.make_data_mesh()),
+                                   num_examples=num_examples)
+    else:
+        devices = config.devices
+        mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
+        driver = "full batch, in memory" + (f", rows sharded over {devices} devices"
+                                            if mesh else "")
+        result = probe.train_probe(train_x, train_y, runs, keys, spec,
+                                   flags=probe.PerformanceFlags(mesh=mesh), progress=progress)
+    if test_chunks is None:  # streamed
+        test_chunks = extract.iter_split_chunks(config.store, "test", dtype=None)
+    metrics = probe.evaluate_chunks(result.params, test_chunks,
+                                    normalization=spec.normalization, groups=spec.groups)
+    return result, metrics, driver
+
+
+def _run_record(config: ProbeConfig, optimizer: str, epsilon: float, plan, lr: float,
+                replicate: int, metrics, i: int) -> dict:
+    """One run's results: DP outputs and public inputs only."""
+    delta, accountant = config.delta, config.accountant
+    return {
+        "epsilon": epsilon,
+        "epsilon_spent": plan.epsilon(delta, accountant),
+        "delta": delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "clip_norm": plan.clip_norm,
+        "steps": plan.steps,
+        "sampling_probability": plan.sampling_probability,
+        "optimizer": optimizer,
+        "learning_rate": lr,
+        "replicate": replicate,
+        "test_accuracy": float(metrics["top1"][i]),
+        "test_top5_accuracy": float(metrics["top5"][i]),
+        "per_class_accuracy": metrics["per_class"][i].tolist(),
+        "accountant": accountant,
+        "neighboring_relation": accounting.NEIGHBORING_RELATION,
+        "guarantee": ("none: non-private reference" if not plan.is_private else
+                      f"({plan.epsilon(delta, accountant):.4g}, {delta:g})-DP alone"),
+        "dp_event": accounting.event_to_dict(plan.dp_event()),
+    }
+
+
+def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
+    """Epsilon of `count` runs of `plan` on the same data, composed (what a mean over seeds
+    costs)."""
+    ledger = accounting.PrivacyLedger()
+    for _ in range(count):
+        ledger.record("run", plan)
+    return ledger.epsilon(delta, accountant)
+
+
+def _write_diagnostics(path, grid, result, train_attrs) -> None:
+    """Exact statistics of the private data, for local debugging only (never published)."""
+    batch_sizes = result.batch_sizes
+    reporting.write_json(path, {
+        "warning": records.DIAGNOSTICS_WARNING,
+        "dpprobe_version": records.VERSION,
+        "created": records.now(),
+        "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
+        "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
+                  "clipped_fraction": float(result.clipped_fraction[i]),
+                  **({"batch_sizes": batch_sizes[:t, i].tolist()} if batch_sizes is not None
+                     else {})}
+                 for i, (e, t, lr, k) in enumerate(grid)],
+    })
+
+
+def _process_rows(num_examples: int) -> tuple[int, int]:
+    from dpprobe.dp.distributed import process_rows
+
+    return process_rows(num_examples)
+
+
+def _own_rows(store, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
+    """This process's train rows, padded with null rows (zero features, label -1: they
+    contribute nothing) to ceil(N / processes), the same count on every process."""
+    chunks = list(extract.iter_split_chunks(store, "train", dtype=None,
+                                            row_range=_process_rows(num_examples)))
+    features = np.concatenate([c[0] for c in chunks])
+    labels = np.concatenate([c[1] for c in chunks]).astype(np.int32)
+    padded = -(-num_examples // processes.count())
+    return (np.concatenate([features, np.zeros((padded - len(labels), *features.shape[1:]),
+                                               features.dtype)]),
+            np.concatenate([labels, np.full(padded - len(labels), -1, np.int32)]))
+
+
+def _too_big_for_memory(num_bytes: int) -> bool:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return False
+    return num_bytes > total // 4
+
+
+def _stored_labels(store, split) -> np.ndarray:
+    return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)

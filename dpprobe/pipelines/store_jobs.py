@@ -1,0 +1,116 @@
+"""The data owner's checks: verify (a feature store's every chunk, optionally against the
+source data; or raw data alone, `--data` without a store: the records a publishing job's rule
+would change) and info (a store's provenance). Their output is private to the owner."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from dpprobe import extract
+from dpprobe.pipelines import config as cfg
+from dpprobe.pipelines import reporting
+from dpprobe.pipelines.options import num_classes_option, option
+
+__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """The store to verify; `data` (with `data_dir` for fashion-mnist) re-fingerprints a data
+    spec and compares it with the recorded one. Without a store, `data` is checked alone
+    (`extract.check_data`: the records a publishing job would null, clamp or resize)."""
+
+    store: str | None = option(None, positional=True, nargs="?",
+                               help="feature store (omit it to check --data alone)")
+    data: str | None = option(
+        None, help="also re-fingerprint this data spec and compare with the recorded one; "
+        "without STORE, list the records a publishing job would train as null records, clamp "
+        "or resize (for the data's owner, not a DP output)")
+    data_dir: str | None = option(None, help="Fashion-MNIST directory for --data")
+    num_classes: int | None = num_classes_option()
+    progress: bool = option(True, "--quiet", action="store_false")
+
+    def __post_init__(self):
+        if self.store is None and self.data is None:
+            raise cfg.ConfigError("store", "give a store to verify, or `data` to check raw data")
+        if self.num_classes is not None:
+            cfg.check_int("num_classes", self.num_classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoConfig:
+    """The store whose provenance to show."""
+
+    store: str = option(positional=True)
+
+
+def verify(config: VerifyConfig | str | None = None, /,
+           **options) -> extract.VerifyReport | extract.DataReport:
+    """`extract.verify_store`, optionally re-fingerprinting the source data; or, without a
+    store, `extract.check_data` on the data alone.
+
+    Takes a `VerifyConfig`, or the store and the config's other fields as keywords. A source
+    with its own splits (fashion-mnist, digits, cifar) is compared split by split. A
+    single-split source (npz, imagefolder) is compared with the split it was extracted into:
+    the one that recorded this data spec, else the one whose fingerprint it matches.
+
+    Returns:
+      the store's `VerifyReport`, or for data alone a `DataReport` (private to the data's
+      owner: it names records and quotes their values). Either has `ok`.
+    """
+    config = cfg.make_config(VerifyConfig, config, "store", **options)
+    if config.store is None:
+        return extract.check_data(config.data, data_dir=config.data_dir,
+                                  num_classes=config.num_classes)
+    fingerprints, extra_problems = None, []
+    if config.data:
+        fingerprints, extra_problems = _source_fingerprints(config)
+    bar = None
+    if config.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(unit="chunk", desc="verify", file=sys.stderr, dynamic_ncols=True,
+                   leave=False)
+
+    def tick(split, chunk, total):
+        if bar is not None:
+            bar.set_description(f"verify {split}")
+            bar.update(1)
+
+    try:
+        report = extract.verify_store(config.store, fingerprints=fingerprints, progress=tick)
+    finally:
+        if bar is not None:
+            bar.close()
+    report.problems.extend(extra_problems)
+    return report
+
+
+def _source_fingerprints(config: VerifyConfig) -> tuple[dict, list[str]]:
+    """{split: fingerprint of the source data it should hold}, and the problems found."""
+    data = config.data
+    recorded = extract.store_summary(config.store)["splits"]
+    precomputed = any((a.get("backbone") or {}).get("name") == "none" for a in recorded.values())
+    kind, _ = extract.parse_data_spec(data)
+    num_classes = next((len(a["class_names"]) for a in recorded.values()
+                        if a.get("class_names") and kind == "npz"), None)
+    splits = extract.open_source(data, data_dir=config.data_dir, split=None,
+                                 precomputed=precomputed, num_classes=num_classes)
+    if kind not in ("npz", "imagefolder"):
+        return {name: one.fingerprint for name, one in splits.items()}, []
+    (one,) = splits.values()
+    spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec") == data]
+    print_match = [n for n, a in recorded.items()
+                   if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
+    target = (print_match or spec_match or [None])[0]
+    if target is None:
+        return {}, [f"--data {data} matches no split of the store (its fingerprint "
+                    f"{one.fingerprint} is recorded by none of {sorted(recorded)})"]
+    return {target: one.fingerprint}, []
+
+
+def store_info(config: InfoConfig | str, /) -> str:
+    """The provenance of a store, for people."""
+    store = config.store if isinstance(config, InfoConfig) else config
+    return reporting.format_store_info(store, extract.store_summary(store))

@@ -1,0 +1,165 @@
+"""DP training of linear probes with the features in memory, optionally sharded over devices.
+
+All steps of all configs of a sweep run in a few compiled programs: the first step (shared by
+every config that starts from zero, `probe.step`), then blocks of steps in a `fori_loop`.
+The input boundary checks public metadata only (shapes, dtypes: `prepare_inputs`), and every
+row that cannot contribute (non-finite features, a label outside [0, C)) becomes a null row,
+so no outcome depends on whether one private row is bad.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpprobe.dp.accumulate import FLOAT64_SUMS, x64_jit
+from dpprobe.dp.clipping import valid_labels, zero_nonfinite_rows
+from dpprobe.probe.clipping import clipped_grad_sum, feature_gram
+from dpprobe.probe.normalization import normalize_features
+from dpprobe.probe.sharding import shard_rows
+from dpprobe.probe.specs import PerformanceFlags, ProbeSpec, RunSpec, TrainResult
+from dpprobe.probe.step import (
+    RunArrays,
+    dp_update,
+    init_state,
+    result,
+    run_arrays,
+    shared_start_sums,
+    step_bar,
+    step_blocks,
+)
+
+__all__ = ["check_full_batch", "check_labels", "prepare_features", "prepare_inputs",
+           "train_probe"]
+
+
+def check_labels(labels) -> np.ndarray:
+    """The labels as a 1-D integer array (shape and dtype only: values are private)."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    return labels
+
+
+def prepare_features(features, spec: ProbeSpec, feature_dtype: str | None = None) -> np.ndarray:
+    """Shape and dtype checked (public metadata), each example normalized, optionally cast to
+    `feature_dtype`; float16 stays float16. The values are not inspected here: each compiled
+    program first turns rows that are not finite into null rows (`zero_nonfinite_rows`, fused
+    with the float32 cast, so it costs no extra pass over the features)."""
+    features = np.asarray(features)
+    if features.ndim not in (2, 3):
+        raise ValueError(f"features must be (N, d) or (N, views, d), got shape {features.shape}")
+    if not np.issubdtype(features.dtype, np.floating):
+        raise ValueError(f"features must be floating point, got {features.dtype}")
+    features = np.asarray(normalize_features(features, spec.normalization, groups=spec.groups))
+    return features if feature_dtype is None else features.astype(feature_dtype)
+
+
+def prepare_inputs(features, labels, spec: ProbeSpec, feature_dtype: str | None = None):
+    """(features, one-hot labels (N, C), mask (N,)): `prepare_features`; a label outside
+    [0, C) gives a masked row (it contributes nothing) rather than an error whose occurrence
+    would depend on one private record."""
+    features = prepare_features(features, spec, feature_dtype)
+    labels = check_labels(labels)
+    if len(features) != len(labels):
+        raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
+    valid = valid_labels(labels, spec.num_classes)
+    onehot = np.eye(spec.num_classes, dtype=np.float32)[np.where(valid, labels, 0)]
+    return features, onehot * valid[:, None], valid.astype(np.float32)
+
+
+def check_full_batch(runs: Sequence[RunSpec]) -> None:
+    for run in runs:
+        if run.plan.sampling_probability != 1.0:
+            raise ValueError("this trainer is full batch; use train_probe_poisson for q < 1")
+
+
+def _sum_fn(features, onehot, mask, spec: ProbeSpec):
+    """The clipped-sum function of the in-memory rows (non-finite rows nulled once per
+    program, fused with the float32 cast); the Gram matrix is computed once per program."""
+    features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
+    gram = feature_gram(features if features.ndim == 3 else features[:, None, :])
+    # The features in float64 once per program, for the sums' float64 reduction (`dp.accumulate`;
+    # converting them at every step would cost a pass over them per step).
+    wide = features.astype(jax.dtypes.canonicalize_dtype(FLOAT64_SUMS))
+
+    def sum_fn(params, clip):
+        return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
+                                gram=gram, finite_rows=True, wide_features=wide)
+
+    return sum_fn
+
+
+@functools.partial(x64_jit, static_argnames=("spec",))
+def _first_step(features, onehot, mask, runs: RunArrays, *, spec):
+    sum_fn = _sum_fn(features, onehot, mask, spec)
+    state = init_state(spec, runs, features.shape[-1])
+    sums, num_clipped = shared_start_sums(spec, runs, features.shape[-1], sum_fn)
+    return dp_update(spec, runs, state, sums, num_clipped, 0, runs.denominator)
+
+
+@functools.partial(x64_jit, static_argnames=("spec",), donate_argnames=("state",))
+def _more_steps(state, start, stop, features, onehot, mask, runs: RunArrays, *, spec):
+    sum_fn = _sum_fn(features, onehot, mask, spec)
+
+    def body(step, state):
+        sums, num_clipped = sum_fn(state.params, runs.clip)
+        return dp_update(spec, runs, state, sums, num_clipped, step, runs.denominator)
+
+    return jax.lax.fori_loop(start, stop, body, state)
+
+
+def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec: ProbeSpec, *,
+                flags: PerformanceFlags | None = None, progress: bool = False,
+                num_examples: int | None = None) -> TrainResult:
+    """Train one zero-initialized linear probe per run, full batch, all runs in one program.
+
+    Args:
+      features: (N, d) or (N, views, d) training features; views are averaged per example
+        before clipping (augmentation multiplicity, De et al. 2022 eq. 4,
+        https://arxiv.org/abs/2204.13650).
+      labels: (N,) integer labels in [0, num_classes).
+      runs: the configs; every `run.plan` must be full batch (sampling_probability 1).
+      keys: (len(runs),) secret noise keys from `dp.make_keys` (OS entropy).
+      spec: loss, optimizer, normalization.
+      flags: speed knobs (`flags.mesh` shards rows over devices; `flags.feature_dtype`);
+        None gives the defaults.
+      progress: show a progress bar over steps.
+      num_examples: N (public), when `features` are this process's rows of a multi-process
+        job (`dp.distributed.process_rows`, padded with null rows to the same count on every
+        process); default: the rows given, times the processes when `flags.mesh` is set.
+
+    Returns:
+      TrainResult with params {"w": (P, d, C), "b": (P, C)} (NumPy).
+
+    Formal guarantee:
+      rows are distinct individuals; the neighbouring relation is zero-out (one row replaced by a
+      null row that contributes nothing; N public); each run is then exactly the mechanism of its
+      `DpPlan`, if `keys` are secret (`make_keys`). Rows with non-finite features or labels outside
+      [0, C) are such null rows. In floating point: the clipped sum is accumulated in float64
+      over blocks of rows and noised in float64, so one row moves the computed sum by at most
+      C (1 + 1e-6) for N up to 10^9 (`dp.accumulate`; on D devices, N up to 3.4e9 / (D + 1)).
+    """
+    flags = flags or PerformanceFlags()
+    check_full_batch(runs)
+    feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
+    # N is public; in a multi-host job each process passes its own, equally many rows.
+    if num_examples is None:
+        num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
+    arrays = run_arrays(runs, keys, num_examples)
+    if flags.mesh is None:  # on the device once, not once per block of steps
+        data = jax.device_put((feats, onehot, mask))
+    else:  # each device sums its own rows; XLA reduces the partial sums
+        feats, onehot, mask, padding = shard_rows(flags.mesh, feats, onehot, mask)
+        data = (feats, onehot, mask * padding)
+    total = int(arrays.steps.max())
+    with step_bar(total, progress, "probe steps") as bar:
+        state = _first_step(*data, arrays, spec=spec)
+        bar.update(1)
+        for start, stop in step_blocks(total, bar):
+            state = _more_steps(state, start, stop, *data, arrays, spec=spec)
+        return result(state, arrays)
