@@ -38,7 +38,7 @@ def main():
     from flax import nnx
 
     from dpprobe import accounting, finetune
-    from dpprobe.finetune.models.vit import vit_from_timm
+    from dpprobe.finetune.models.timm_weights import vit_from_timm
 
     k, p = args.batches_per_step, 2
     model = vit_from_timm(timm.models.VisionTransformer(

@@ -25,10 +25,10 @@ from pathlib import Path
 import _path  # noqa: F401 - first: keeps this folder off the import path
 
 VARIANTS = {
-    "as shipped": "from pipelines.cli import entry; entry()",
-    "without accounting._dp_event": "import dp_accounting; from pipelines.cli import entry; "
-                                    "entry()",
-    "without pipelines._fast_exit": "import sys; from pipelines.cli import main; "
+    "as shipped": "from dpprobe.pipelines.cli import entry; entry()",
+    "without accounting._dp_event": ("import dp_accounting; "
+                                     "from dpprobe.pipelines.cli import entry; entry()"),
+    "without pipelines._fast_exit": "import sys; from dpprobe.pipelines.cli import main; "
                                     "sys.exit(main())",
 }
 

@@ -111,7 +111,7 @@ def feats(rows=20, dim=8, value=None):
 def holder_script() -> str:
     """A process that opens emb.zarr/train as a writer (the same job: it resumes) and waits."""
     return (
-        "import sys, time, extract\n"
+        "import sys, time\nfrom dpprobe import extract\n"
         "a = extract.split_attrs('emb.zarr', 'train')\n"
         "w = extract.SplitWriter('emb.zarr', 'train', num_rows=a['num_examples'], "
         "feature_shape=tuple(a['feature_shape']), dtype=a['dtype'], provenance={k: a[k] for k in "

@@ -162,7 +162,8 @@ def test_events_without_importing_the_accountants():
     import sys
 
     code = """
-import sys, accounting
+import sys
+from dpprobe import accounting
 assert "dp_accounting" not in sys.modules and "scipy" not in sys.modules
 plan = accounting.DpPlan(1.5, 7)
 event = plan.dp_event()

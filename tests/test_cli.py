@@ -130,8 +130,8 @@ def test_choices_are_the_library_constants():
 
 
 def test_a_bad_value_names_its_option_and_a_command_imports_only_what_it_needs():
-    code = ("import sys; from pipelines import cli; code = cli.main(['account', '--epsilon', "
-            "'1', '-q', '2']); print(code, 'jax' in sys.modules, 'torch' in sys.modules)")
+    code = ("import sys; from dpprobe.pipelines import cli; "
+            "code = cli.main(['account', '--epsilon', '1', '-q', '2']); print(code, 'jax' in sys.modules, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.split() == ["2", "False", "False"], result.stderr
@@ -140,7 +140,7 @@ def test_a_bad_value_names_its_option_and_a_command_imports_only_what_it_needs()
 
 def test_probe_parses_without_jax_unless_a_probe_choice_is_given():
     """`dpprobe probe` imports JAX while it reads the store, not while it parses."""
-    code = ("import sys; from pipelines import cli; p = cli.build_parser('probe'); "
+    code = ("import sys; from dpprobe.pipelines import cli; p = cli.build_parser('probe'); "
             "p.parse_args(['probe', 's.zarr', '--seeds', '2']); a = 'jax' in sys.modules; "
             "p.parse_args(['probe', 's.zarr', '--optimizer', 'sgd']); print(a, 'jax' in "
             "sys.modules)")

@@ -23,16 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dpprobe.probe.specs import RunSpec
+from dpprobe.probe.specs import DEFAULT_MEMORY_BUDGET, RunSpec
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "MIN_ROWS", "StreamPlan", "plan_stream"]
 
-# The working set a streamed job aims to stay within, beyond the process's fixed footprint
-# (the runtime, the compiled programs: about 0.5 GiB).
-DEFAULT_MEMORY_BUDGET = 1 << 30
 STATE_BYTES_PER_PARAM = 96
 ROW_BYTES_PER_FEATURE = 16
 ROW_BYTES_PER_LOGIT = 32

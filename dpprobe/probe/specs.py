@@ -18,11 +18,14 @@ import numpy as np
 
 from dpprobe.accounting import DpPlan
 from dpprobe.dp.optimizers import OPTIMIZERS, make_optimizer
-from dpprobe.probe.budget import DEFAULT_MEMORY_BUDGET
 from dpprobe.probe.clipping import LOSSES, Loss
 from dpprobe.probe.normalization import NORMALIZATIONS
 
 __all__ = ["FEATURE_DTYPES", "Params", "PerformanceFlags", "ProbeSpec", "RunSpec", "TrainResult"]
+
+# The working set a streamed job aims to stay within, beyond the process's fixed footprint
+# (the runtime, the compiled programs: about 0.5 GiB; `probe.budget` plans within it).
+DEFAULT_MEMORY_BUDGET = 1 << 30
 
 Params = dict[str, Any]  # {"w": (P, d, C), "b": (P, C)}: P stacked linear models
 FEATURE_DTYPES = ("float16", "float32")

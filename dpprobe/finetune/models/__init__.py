@@ -17,12 +17,8 @@ from dpprobe.finetune.models import taps as _taps  # noqa: F401 - registers the 
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
 from dpprobe.finetune.models.factory import MODEL_NAMES, create_model, input_mean_std
-from dpprobe.finetune.models.vit import (
-    VisionTransformer,
-    ViTConfig,
-    vit_config_from_timm,
-    vit_from_timm,
-)
+from dpprobe.finetune.models.timm_weights import vit_from_timm
+from dpprobe.finetune.models.vit import VisionTransformer, ViTConfig, vit_config_from_timm
 from dpprobe.finetune.models.wrn import WideResNet, WSConv, standardize_weight
 
 __all__ = [

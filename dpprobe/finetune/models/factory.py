@@ -10,7 +10,7 @@ from flax import nnx
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import check_no_batchnorm
 from dpprobe.finetune.models.scatter import ScatterCNN
-from dpprobe.finetune.models.vit import vit_from_timm
+from dpprobe.finetune.models.timm_weights import vit_from_timm
 from dpprobe.finetune.models.wrn import WideResNet
 
 __all__ = ["MODEL_NAMES", "create_model", "input_mean_std"]

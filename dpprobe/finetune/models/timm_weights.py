@@ -14,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["copy_from_timm", "copy_to_timm", "weight_pairs"]
+from dpprobe.finetune.models.common import check_no_batchnorm, zero_head
+from dpprobe.finetune.models.vit import VisionTransformer, vit_config_from_timm
+
+__all__ = ["copy_from_timm", "copy_to_timm", "vit_from_timm", "weight_pairs"]
 
 
 def weight_pairs(model, timm_model: Any, *, include_head: bool) -> list:
@@ -65,7 +68,6 @@ def copy_to_timm(model, timm_model: Any) -> None:
     classes."""
     import torch
 
-    from dpprobe.finetune.models.vit import vit_config_from_timm
 
     if vit_config_from_timm(timm_model) != model.config:
         raise ValueError("the timm model's architecture differs from the NNX model's")
@@ -93,3 +95,46 @@ def _linear_pairs(linear: nnx.Linear, torch_linear: Any) -> list:
     if linear.bias is not None:
         pairs.append((linear.bias, torch_linear.bias))
     return pairs
+
+
+def vit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
+                  head_bias_init: float = 0.0) -> VisionTransformer:
+    """Our NNX `VisionTransformer` with the weights of a timm (torch) `VisionTransformer`.
+
+    The caller builds the timm model (`timm.create_model(name, pretrained=..., img_size=...,
+    in_chans=...)`), so timm does the weight loading and resamples the position embedding to
+    the image size; this copies the tensors (NCHW/OIHW to NHWC/HWIO, Linear (out, in) to
+    (in, out)). For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals
+    `timm_model.eval()(b)` up to float rounding.
+
+    Args:
+      timm_model: a timm `VisionTransformer` instance (see the module docstring for which).
+      num_classes: None keeps timm's head (its Linear weights); an int replaces it with a new
+        zero-initialized head of that many classes with bias `head_bias_init`.
+      rngs: for the head's construction (its values are constants: zero kernel, constant bias).
+      head_bias_init: bias of a new head.
+
+    Returns:
+      A `VisionTransformer`.
+
+    Raises:
+      ValueError: for a BatchNorm anywhere in `timm_model` (`check_no_batchnorm`) or an
+        architecture this module does not reproduce.
+    """
+    check_no_batchnorm(timm_model)
+    config = vit_config_from_timm(timm_model)
+    keep_head = num_classes is None
+    if keep_head:
+        import torch.nn as tnn
+
+        if not isinstance(timm_model.head, tnn.Linear):
+            raise ValueError("num_classes=None keeps timm's head, but this model has none "
+                             "(num_classes=0); pass the number of classes")
+        num_classes = timm_model.head.out_features
+    # Abstract body (no random init to overwrite), every Param then set from timm.
+    model = nnx.eval_shape(lambda: VisionTransformer(config, num_classes, rngs=nnx.Rngs(0)))
+    model.head = zero_head(config.embed_dim, num_classes, head_bias_init=head_bias_init,
+                           rngs=rngs)
+    copy_from_timm(model, timm_model, include_head=keep_head)
+    check_no_batchnorm(model)
+    return model

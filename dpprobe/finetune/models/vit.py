@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpprobe.finetune.models.common import check_no_batchnorm, float32_logits, zero_head
+from dpprobe.finetune.models.common import float32_logits, zero_head
 
-__all__ = ["ViTConfig", "VisionTransformer", "vit_config_from_timm", "vit_from_timm"]
+__all__ = ["ViTConfig", "VisionTransformer", "vit_config_from_timm"]
 
 _POOLS = ("token", "avg")
 
@@ -320,48 +320,3 @@ def vit_config_from_timm(timm_model: Any) -> ViTConfig:
         layer_scale=layer_scale.pop(),
         norm_eps=float(eps.pop()),
     )
-
-
-def vit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
-                  head_bias_init: float = 0.0) -> VisionTransformer:
-    """Our NNX `VisionTransformer` with the weights of a timm (torch) `VisionTransformer`.
-
-    The caller builds the timm model (`timm.create_model(name, pretrained=..., img_size=...,
-    in_chans=...)`), so timm does the weight loading and resamples the position embedding to
-    the image size; this copies the tensors (NCHW/OIHW to NHWC/HWIO, Linear (out, in) to
-    (in, out)). For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals
-    `timm_model.eval()(b)` up to float rounding.
-
-    Args:
-      timm_model: a timm `VisionTransformer` instance (see the module docstring for which).
-      num_classes: None keeps timm's head (its Linear weights); an int replaces it with a new
-        zero-initialized head of that many classes with bias `head_bias_init`.
-      rngs: for the head's construction (its values are constants: zero kernel, constant bias).
-      head_bias_init: bias of a new head.
-
-    Returns:
-      A `VisionTransformer`.
-
-    Raises:
-      ValueError: for a BatchNorm anywhere in `timm_model` (`check_no_batchnorm`) or an
-        architecture this module does not reproduce.
-    """
-    check_no_batchnorm(timm_model)
-    config = vit_config_from_timm(timm_model)
-    keep_head = num_classes is None
-    if keep_head:
-        import torch.nn as tnn
-
-        if not isinstance(timm_model.head, tnn.Linear):
-            raise ValueError("num_classes=None keeps timm's head, but this model has none "
-                             "(num_classes=0); pass the number of classes")
-        num_classes = timm_model.head.out_features
-    # Abstract body (no random init to overwrite), every Param then set from timm.
-    model = nnx.eval_shape(lambda: VisionTransformer(config, num_classes, rngs=nnx.Rngs(0)))
-    model.head = zero_head(config.embed_dim, num_classes, head_bias_init=head_bias_init,
-                           rngs=rngs)
-    from dpprobe.finetune.models.timm_weights import copy_from_timm
-
-    copy_from_timm(model, timm_model, include_head=keep_head)
-    check_no_batchnorm(model)
-    return model
