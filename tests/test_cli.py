@@ -131,7 +131,8 @@ def test_choices_are_the_library_constants():
 
 def test_a_bad_value_names_its_option_and_a_command_imports_only_what_it_needs():
     code = ("import sys; from dpprobe.pipelines import cli; "
-            "code = cli.main(['account', '--epsilon', '1', '-q', '2']); print(code, 'jax' in sys.modules, 'torch' in sys.modules)")
+            "code = cli.main(['account', '--epsilon', '1', '-q', '2']); "
+            "print(code, 'jax' in sys.modules, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.split() == ["2", "False", "False"], result.stderr
