@@ -139,4 +139,4 @@ def test_render_command_on_a_small_parser():
         "| `--mode {x,y}` | one of x, y. Choices: `x`, `y`. Excludes `--auto`. |  |",
         "| `--auto` | choose the mode. Excludes `--mode`. |  |",
     ]
-    assert text.endswith("\n\nSee \\<here\\>.")
+    assert text.endswith("\n\nSee &lt;here&gt;.")

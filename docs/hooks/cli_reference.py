@@ -164,8 +164,12 @@ def _escape(text: str) -> str:
     """Help text as Markdown: one line; outside `code spans`, the characters Markdown would
     read as emphasis, table cells or HTML are escaped."""
     parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
-    return "".join(part if part.startswith("`") else re.sub(r"([\\*_|<>\[\]])", r"\\\1", part)
-                   for part in parts)
+    return "".join(part if part.startswith("`") else _escape_prose(part) for part in parts)
+
+
+def _escape_prose(text: str) -> str:
+    text = re.sub(r"([\\*_|\[\]])", r"\\\1", text)  # Markdown's own escapes
+    return text.replace("<", "&lt;").replace(">", "&gt;")  # Markdown does not escape these
 
 
 # ---- The MkDocs hook (mkdocs.yml: `hooks: [docs/hooks/cli_reference.py]`) ---------------------
