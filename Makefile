@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-sweep bench-tune bench-extract bench-audit bench-predict bench-export bench-load \
+.PHONY: install demo test lint docs bench bench-sweep bench-tune bench-extract bench-audit bench-predict bench-export bench-load \
 	data clean
 
 install: $(STAMP)
@@ -40,6 +40,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# The docs site (mkdocs.yml, docs/): built strictly, so a broken link or reference fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: install
 	$(BIN)/python benchmarks/probe_step.py

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pipelines.cli import build_parser
+from dpprobe.pipelines.cli import build_parser
 
 _HOOK = pathlib.Path(__file__).resolve().parent.parent / "docs" / "hooks" / "cli_reference.py"
 

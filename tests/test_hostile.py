@@ -206,10 +206,10 @@ def test_info_shows_the_random_init_seed(world, capsys):
     assert "random-init, seed 0" in capsys.readouterr().out
 
 
-def test_the_readme_example_for_embeddings_works_as_written(world, capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    match = re.search(r"`(dpprobe extract --backbone none [^`]*)`", readme)
-    assert match, "the README's 'Already have embeddings?' example"
+def test_the_docs_example_for_embeddings_works_as_written(world, capsys):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "your-data.md").read_text()
+    match = re.search(r"`(dpprobe extract --backbone none [^`]*)`", page)
+    assert match, "the docs' embeddings example (docs/your-data.md)"
     argv = match.group(1).split()[1:]
     assert "--out" in argv
     assert cli.main(argv + ["--quiet"]) == 0

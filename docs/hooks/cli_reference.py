@@ -23,7 +23,7 @@ USAGE_WIDTH = 96  # usage lines wrapped as a 96-column terminal would, whatever 
 
 def cli_markdown() -> str:
     """The reference of every `dpprobe` subcommand, as Markdown."""
-    from pipelines.cli import build_parser  # the one import of the CLI (see the docstring)
+    from dpprobe.pipelines.cli import build_parser  # the one import of the CLI (see the docstring)
 
     return render_parser(build_parser())
 
