@@ -11,7 +11,7 @@
      (expected: at most 5%); on 200 rows of a 32-d, 10-class store, where the same code runs
      far faster (the canary's coordinates depend on neither);
   4. bugs: the noise halved, and the canary's gradient left unclipped (swapped into the
-     production code in this process only, as `tests/test_audit.py` does; never a flag): the
+     production code in this process only, as `tests/dp/test_audit.py` does; never a flag): the
      95% bounds against the claim, 10^4 runs per side, 200 rows of the 32-d store.
 
 Run: .venv/bin/python benchmarks/audit.py [--workdir /tmp/dpprobe-bench] [--quick]
@@ -146,7 +146,7 @@ def soundness(features, labels, repetitions: int, runs: int) -> list[dict]:
 
 
 def bugs(features, labels, runs: int) -> list[dict]:
-    """The broken mechanisms of tests/test_audit.py, in this process only."""
+    """The broken mechanisms of tests/dp/test_audit.py, in this process only."""
     import jax
 
     import dpprobe.dp.noise  # noqa: F401 (loads the submodule)

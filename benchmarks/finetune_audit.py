@@ -3,7 +3,7 @@
   1. the CNN on digits at 16 px, epsilon 2, delta 1e-5, 5,000 gradient canaries:
      epsilon_lower and epsilon_estimate against the claim, over --repeats audited runs;
   2. the same run with the noise halved (swapped into the production code in this process only,
-     as tests/test_gradient_canaries.py does; never a flag): epsilon_lower must exceed 2;
+     as tests/dp/test_gradient_canaries.py does; never a flag): epsilon_lower must exceed 2;
   3. ViT-tiny (random init) at 16 px, epsilon 8, 50 steps of batch 64, 5,000 canaries:
      epsilon_estimate against the claim;
   4. time: the CNN run with and without the audit, side by side (same steps and batch).

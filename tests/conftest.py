@@ -110,7 +110,7 @@ def timm_probe(tmp_path_factory):
     import torch
 
     from dpprobe.pipelines import cli
-    from tests.test_finetune_job import _images
+    from tests.pipelines.test_finetune_job import _images
 
     folder = tmp_path_factory.mktemp("timm_probe")
     rng = np.random.default_rng(1)

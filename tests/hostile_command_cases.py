@@ -1,5 +1,5 @@
 """The hostile-input table, part 2: damaged stores and the commands that read them (probe, tune,
-predict, verify, info, account, demo) and the CLI itself. Run by tests/test_hostile.py."""
+predict, verify, info, account, demo) and the CLI itself. Run by tests/pipelines/test_hostile.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The hostile-input table, part 1: `dpprobe extract`'s outputs, stores and inputs (npz files,
 image folders, CIFAR-10 and Fashion-MNIST files, backbones and weights, options). Run by
-tests/test_hostile.py."""
+tests/pipelines/test_hostile.py."""
 
 from __future__ import annotations
 

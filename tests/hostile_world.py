@@ -1,5 +1,5 @@
-"""The world of the hostile-input table (tests/test_hostile.py) and what its cases use: the
-world itself (an image folder of PNGs, `emb.npz` / `emb_test.npz` and the store `emb.zarr`
+"""The world of the hostile-input table (tests/pipelines/test_hostile.py) and what its cases use:
+the world itself (an image folder of PNGs, `emb.npz` / `emb_test.npz` and the store `emb.zarr`
 built from them with `--backbone none`), the hostile modifications a case makes to it, the
 case record, and the check every case ends with."""
 

@@ -1,6 +1,6 @@
-"""One process of the multi-process tests (`tests/test_processes.py`): joins a job of N processes
-on loopback, trains the probe (in memory and streamed) and a finetune step on its own rows with
-the tests' keys, and saves what it trained to OUT/process{i}.npz.
+"""One process of the multi-process tests (`tests/pipelines/test_processes.py`): joins a job of N
+processes on loopback, trains the probe (in memory and streamed) and a finetune step on its own
+rows with the tests' keys, and saves what it trained to OUT/process{i}.npz.
 
     python -m tests.processes_worker HOST:PORT N I OUT [--idle]
 

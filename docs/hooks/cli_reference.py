@@ -5,7 +5,7 @@ line, its help texts, and one row per option (flags and metavar as `--help` show
 help text, the choices, the default and the options it excludes). The docs page
 `reference/cli.md` holds the marker `<!-- cli-reference -->`, which the MkDocs hook
 `on_page_markdown` below replaces at build time, so the reference cannot drift from `--help`.
-`tests/test_docs_cli.py` checks the same function against every subcommand's `--help`.
+`tests/pipelines/test_docs_cli.py` checks the same function against every subcommand's `--help`.
 
 The one line that names where the parser lives is the import in `cli_markdown`.
 """

@@ -38,8 +38,8 @@ Formal guarantee:
   on one device, C (1 + 9.1e-7) on two, and within C (1 + 1e-6) for N up to
   3.4 x 10^9 / (D + 1) on D devices (3.8 x 10^8 on eight). With K views
   per example the block's terms are the K view products, and the bound is relative to the sum
-  of their norms instead of C. Measured on the adversarial aligned rows: tests/test_sensitivity.py
-  and benchmarks/sensitivity.py.
+  of their norms instead of C. Measured on the adversarial aligned rows:
+  tests/dp/test_sensitivity.py and benchmarks/sensitivity.py.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ Steinke, Nasr & Jagielski (2023). The AUROC is computed here (`empirical_auroc`,
 Mann-Whitney statistic), not by `CanaryScoreAuditor.attack_auroc`: that is the area under the
 convex hull of the empirical ROC (classifiers randomizing between thresholds), the best any
 such test does on *these* scores, so it is biased high on few scores: 0.712 on average against
-the true 0.638 for 20 + 20 scores of N(0.5, 1) and N(0, 1) (`tests/test_audit.py`).
+the true 0.638 for 20 + 20 scores of N(0.5, 1) and N(0, 1) (`tests/dp/test_audit.py`).
 The Gaussian-DP bound (Nasr et al. 2023) is computed here
 (`gdp_mu_bounds`), not by `CanaryScoreAuditor.epsilon_from_gdp`: in 2.0.0 that maximizes |mu|
 over thresholds, so where FPR + FNR > 1 it bounds the reversed test with the one-sided *upper*
 confidence bounds, the wrong side for it; two samples of one distribution (epsilon 0) then get
-a "lower bound" near 4 at delta 1e-5 with 10^4 scores each (`tests/test_audit.py`).
+a "lower bound" near 4 at delta 1e-5 with 10^4 scores each (`tests/dp/test_audit.py`).
 
 Thresholds. A bound at one threshold fixed before the scores are seen holds at its confidence.
 The best of many thresholds on the same scores does not, unless paid for: a Bonferroni
@@ -280,7 +280,7 @@ def one_run_epsilon_bound(scores, included, delta: float, significance: float = 
     It is much weaker than the many-run audit: even perfect guesses of the ~m/2 included
     canaries refute only epsilon of about log(m/2 / log(1/significance)); with m = 1,000 at
     95% that is ~5 (the paper's 5.8 guesses every canary, in and out), and the threshold search
-    below costs more (`tests/test_audit.py` measures it).
+    below costs more (`tests/dp/test_audit.py` measures it).
 
     Args:
       scores: (m,) one score per canary, higher meaning "more likely included".

@@ -49,8 +49,9 @@ def sum_over_processes(tree: Any) -> Any:
     One all-reduce per leaf (`multihost_utils.broadcast_one_to_all`'s pattern, with every
     process contributing): each process's leaf becomes one row of a global array sharded over
     the processes, and a compiled sum over that axis is replicated back to all of them (the
-    all-reduce hands every process the same bits: `tests/test_processes.py` checks the models
-    of 2 and 3 processes bit for bit). Dtypes are kept: float64 partial sums add in float64."""
+    all-reduce hands every process the same bits:
+    `tests/pipelines/test_processes.py` checks the models of 2 and 3 processes bit for
+    bit). Dtypes are kept: float64 partial sums add in float64."""
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils

@@ -22,7 +22,7 @@ per-path temporaries stay in cache), so extraction and `torch` exports keep kyma
 `dft="fft"` is kymatio's arithmetic: the same products, Fourier periodization as means in the
 same order, `torch.fft` of the same sizes, and kymatio's output order (order 0, then order 1 in
 its filter order, then order 2 by (n1, n2)); it checks the batching against kymatio's module
-(within 1e-6 of the largest coefficient, `tests/test_extract.py`; bit for bit in its J = 2
+(within 1e-6 of the largest coefficient, `tests/extract/test_extract.py`; bit for bit in its J = 2
 cases on this machine: batched FFTs may round differently from single ones). `dft="matrix"`
 differs from kymatio by float32 rounding (~1e-6 of the largest coefficient).
 

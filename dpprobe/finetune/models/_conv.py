@@ -2,7 +2,8 @@
 kernel (im2col) while tracing vmapped per-example gradients.
 
 The two compute the same cross-correlation up to float rounding (tested directly and through
-every golden test against torch in tests/test_finetune_models.py). Which is faster depends on
+every golden test against torch in
+tests/finetune/test_finetune_models.py). Which is faster depends on
 how the gradient is taken (2 CPU cores, jaxlib 0.10.2, ms per physical batch, medians of 5-7,
 alternated in one process):
 

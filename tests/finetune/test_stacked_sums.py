@@ -17,7 +17,7 @@ from dpprobe import accounting, dp, finetune
 from dpprobe.finetune.batch_sums import stacked_sums
 from dpprobe.finetune.batches import STACK_BYTES, batches_per_call, stacked_rows
 from dpprobe.finetune.graph_key import graph_key
-from tests.test_finetune_train import NUM_CLASSES, TinyConvNet, _flat
+from tests.finetune.test_finetune_train import NUM_CLASSES, TinyConvNet, _flat
 
 
 def _stack(rng, m, p):

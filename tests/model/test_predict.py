@@ -11,7 +11,7 @@ import pytest
 from dpprobe import model as dpmodel
 from dpprobe import probe
 from dpprobe.pipelines import cli
-from tests.test_finetune_job import _finetune, _images, _write
+from tests.pipelines.test_finetune_job import _finetune, _images, _write
 
 # ----------------------------------------------------------------------------------------------
 # Agreement: the saved model predicts, row by row, what its job scored.

@@ -12,7 +12,7 @@ import pytest
 
 from dpprobe.pipelines.cli import build_parser
 
-_HOOK = pathlib.Path(__file__).resolve().parent.parent / "docs" / "hooks" / "cli_reference.py"
+_HOOK = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hooks" / "cli_reference.py"
 
 
 def _load_hook():

@@ -86,13 +86,13 @@ def test_the_table_is_large_enough():
 
 
 def _run(argv, cwd, **kwargs) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.run([sys.executable, "-m", "dpprobe.pipelines.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, **kwargs)
 
 
 def test_info_into_a_closed_pipe_is_quiet(world):
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, "-m", "dpprobe.pipelines.cli", "info", "emb.zarr"],
                              cwd=world, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()  # like `dpprobe info STORE | head -0`
@@ -207,7 +207,7 @@ def test_info_shows_the_random_init_seed(world, capsys):
 
 
 def test_the_docs_example_for_embeddings_works_as_written(world, capsys):
-    page = (Path(__file__).resolve().parents[1] / "docs" / "your-data.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "your-data.md").read_text()
     match = re.search(r"`(dpprobe extract --backbone none [^`]*)`", page)
     assert match, "the docs' embeddings example (docs/your-data.md)"
     argv = match.group(1).split()[1:]

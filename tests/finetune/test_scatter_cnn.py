@@ -2,7 +2,7 @@
 front is kymatio's torch ScatterNet and torch's GroupNorm; training on the front's features
 computed once is training on the images; the job trains, records, predicts and exports them.
 (Book-keeping on them, against per-example clipping and on hostile rows:
-tests/test_bookkeeping.py.)"""
+tests/dp/test_bookkeeping.py.)"""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from dpprobe import accounting, finetune
 from dpprobe.finetune.models import create_model
 from dpprobe.finetune.models.scatter import ScatterCNN, scatter_groupnorm, scattering
 from dpprobe.pipelines import cli
-from tests.test_bookkeeping import _flat
-from tests.test_finetune_job import CLASSES, _images, _write
+from tests.dp.test_bookkeeping import _flat
+from tests.pipelines.test_finetune_job import CLASSES, _images, _write
 
 SIDE, CHANNELS, NUM_CLASSES = 16, 2, 4
 

@@ -23,7 +23,7 @@ import pytest
 from tests import processes_worker as worker
 from tests.conftest import with_test_xla_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("memory_w", "memory_b", "stream_w", "stream_b", "finetune")
 # Multi-process vs one process: the same sums added in another order, then 4 steps (the probe)
 # or 2 (finetune). Measured: <= 3e-8 on parameters up to 0.78 (the noise once per process

@@ -90,7 +90,7 @@ def test_canaries_are_public_noise_and_excluded_ones_are_null_records():
 @pytest.mark.parametrize("kind", ["image", "gradient"])
 def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monkeypatch, kind):
     """The job's wiring, on the tiny model (the CNN's compilation alone takes ~25 s here;
-    `tests/test_finetune_job.py` runs it), for both kinds of canaries."""
+    `tests/pipelines/test_finetune_job.py` runs it), for both kinds of canaries."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(finetune_job, "_build_model", lambda config, *shape: (
         TinyMLP(nnx.Rngs(0)), (0.5,), (0.5,), {"name": "tiny"}))

@@ -17,7 +17,7 @@ from dpprobe.extract import defects, open_source
 from dpprobe.model import read_model_file
 from dpprobe.pipelines import cli
 from dpprobe.pipelines.finetune_data import DATA_RULE
-from tests.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
+from tests.pipelines.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])
 BAD_ROW = 7  # the defective record (its file: b/07.*)

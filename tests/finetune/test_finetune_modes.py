@@ -24,7 +24,7 @@ from dpprobe.dp.taps import rule_for
 from dpprobe.finetune.modes import count_params
 from tests.conftest import fixed_keys
 from tests.model_helpers import network_file, perturb_nnx, uint8_images
-from tests.test_finetune_job import FAST, _finetune, _images, _write
+from tests.pipelines.test_finetune_job import FAST, _finetune, _images, _write
 
 CLASSES = 4
 TINY_VIT = fm.ViTConfig(image_size=(16, 16), patch_size=(8, 8), in_channels=3, embed_dim=16,
@@ -156,7 +156,7 @@ def test_a_lora_vit_exports_to_torch_onnx_and_timm_as_the_adapter_model(tmp_path
     """timm's ViT-tiny with trained-looking adapters (random A and B, rank 4): the merged
     model file, its `to_torch` (timm's own ViT, as `--format timm` fills it), torch.export and
     ONNX exports equal the adapter model within 1e-4."""
-    from tests.test_export import TOLERANCE, _compare, _tiny_timm_vit
+    from tests.model.test_export import TOLERANCE, _compare, _tiny_timm_vit
 
     model = finetune.add_lora(fm.vit_from_timm(_tiny_timm_vit(0), None, rngs=nnx.Rngs(0)), 4,
                               rngs=nnx.Rngs(1))
@@ -259,7 +259,7 @@ def test_modes_that_cannot_run_are_refused_in_one_line(rng, tmp_path, monkeypatc
 @pytest.mark.slow
 def test_a_lora_vit_run_releases_a_plain_vit_that_reproduces_its_accuracy(rng, tmp_path,
                                                                           monkeypatch):
-    from tests.test_predict import _accuracy, _predict
+    from tests.model.test_predict import _accuracy, _predict
 
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 40, 32, 3))
     monkeypatch.chdir(tmp_path)

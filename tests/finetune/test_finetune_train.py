@@ -4,6 +4,7 @@ of single-example gradients, augmentation multiplicity and EMA against their for
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -283,7 +284,7 @@ _SHARDED = """
 import numpy as np
 from flax import nnx
 from dpprobe import accounting, dp, finetune
-from tests.test_finetune_train import TinyConvNet, _flat
+from tests.finetune.test_finetune_train import TinyConvNet, _flat
 images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
 labels = np.arange(64) % 3
 keys = dp.make_keys(2)
@@ -313,7 +314,7 @@ def test_data_parallel_over_four_devices_equals_one(tmp_path):
     four_devices = with_test_xla_flags("--xla_force_host_platform_device_count=4")
     env = dict(os.environ, XLA_FLAGS=four_devices, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
-                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          text=True, cwd=Path(__file__).resolve().parents[2],
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
