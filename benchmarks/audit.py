@@ -2,7 +2,8 @@
 
   1. speed: `pipelines.run_audit` with 10^4 runs per side (2 x 10^4 probes), single-step DP-SGD,
      on 1,000 rows of a 768-d, 10-class float16 store (the shape of `probe_sweep.py`'s):
-     wall time of the job (store to bounds) and of its training alone; medians over --repeats;
+     wall time of the job (store to bounds) and of its training alone, read from the job's
+     owner's timing file (`pipelines.timings`; results JSON holds none); medians over --repeats;
      also DP-SGD T = 10 and single-step DP-Adam, once each;
   2. tightness: the Gaussian-DP-fit bound / the claim for single-step DP-SGD with 10^4 runs per
      side at epsilon 1, 2, 4, 8 (delta 1e-5), and mu estimate / claimed mu;
@@ -43,7 +44,9 @@ def _store(workdir: Path, dim: int, num_train: int) -> Path:
 
 def speed(store: Path, repeats: int) -> list[dict]:
     from dpprobe.pipelines import run_audit
+    from dpprobe.pipelines.timings import read_timings
 
+    out = store.with_name("audit-speed.json")  # its timing file lies beside it
     rows = []
     for optimizer, steps, times in (("sgd", 1, repeats), ("sgd", 10, 1), ("adam", 1, 1)):
         run_audit(str(store), epsilon=1.0, runs=200, optimizer=optimizer, steps=steps,
@@ -51,9 +54,10 @@ def speed(store: Path, repeats: int) -> list[dict]:
         walls, trains = [], []
         for _ in range(times):
             result = run_audit(str(store), epsilon=1.0, runs=10_000, optimizer=optimizer,
-                               steps=steps, quiet=True)
-            walls.append(result["wall_seconds"])
-            trains.append(result["train_seconds"])
+                               steps=steps, quiet=True, out=str(out))
+            timings = read_timings(out)
+            walls.append(timings["wall_seconds"])
+            trains.append(timings["train_seconds"])
         rows.append({"optimizer": optimizer, "steps": steps, "repeats": times,
                      "wall_s": statistics.median(walls), "train_s": statistics.median(trains),
                      "all_wall_s": walls, "bounds": result["bounds"],

@@ -41,7 +41,9 @@ def sweep_grid(runs: int, seeds: int) -> tuple[tuple[float, ...], int]:
 
 def run_sweep(store: Path, out: Path, cache: Path, runs: int, seeds: int) -> dict:
     """One `dpprobe probe --stream` sweep in a child process: wall seconds, peak RSS, the job's
-    own wall time and driver."""
+    own wall time (from its owner's timing file beside `out`) and driver."""
+    from dpprobe.pipelines.timings import read_timings
+
     epsilons, seeds = sweep_grid(runs, seeds)
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "dpprobe.pipelines.cli", "probe", str(store), "--stream",
@@ -59,7 +61,8 @@ def run_sweep(store: Path, out: Path, cache: Path, runs: int, seeds: int) -> dic
     results = json.loads(out.read_text())
     assert len(results["runs"]) == runs
     return {"runs": runs, "epsilons": len(epsilons), "seeds": seeds, "seconds": seconds,
-            "job_seconds": results["wall_seconds"], "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "job_seconds": read_timings(out)["wall_seconds"],
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
             "driver": results["probe"]["driver"],
             "mean_accuracy": float(np.mean([r["test_accuracy"] for r in results["runs"]]))}
 

@@ -1,6 +1,11 @@
 """How fast a run trains: the first step's time (it compiles the step) and the images per second
-of the steps after it, for results.json and the benchmarks (`StepClock`); the progress lines a
-run prints (`print_progress`).
+of the steps after it, for the owner's timing file and the benchmarks (`StepClock`); the
+progress lines a run prints on stderr (`print_progress`).
+
+Timings depend on the private records (a record that decodes or trains slowly slows the run),
+so they are never published: the job writes them to the owner's timing file
+(`pipelines.timings`), and the progress lines are the operator's terminal (off with `--quiet`);
+neither is covered by the privacy guarantee.
 
 The device runs asynchronously, so the clock waits for the parameters of the first step and of
 the last one (`jax.block_until_ready`) and for nothing in between: timing does not slow the run.

@@ -6,12 +6,14 @@ that every framework reads without running code, unlike pickle: a model file can
 with `safetensors.safe_open` or any other safetensors reader. The JSON document says what the
 arrays are (README, "Model file format"):
 
-    format "dpprobe-model", format_version, dpprobe_version, created, job, kind ("linear" for a
+    format "dpprobe-model", format_version, dpprobe_version, job, kind ("linear" for a
     probe on features, "network" for a fine-tuned model on images), class_names, input,
     transforms (every step from the raw input to the logits, in order), head / architecture,
     parameters (which were released: the final iterate or its EMA), backbone (the store's
     public provenance), privacy (epsilon, delta, accountant, neighbouring relation, the
-    ledger), training (the recipe, the reported test accuracy).
+    ledger), training (the recipe, the reported test accuracy). No time of the run (it depends
+    on the private records); files written before dpprobe dropped it hold a `created` time,
+    which readers ignore.
 
 Formal guarantee: a file holds only what its job publishes, DP outputs (the noised parameters,
 the privately released standardization, accuracies on the public test split) and public inputs

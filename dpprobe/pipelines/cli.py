@@ -78,8 +78,6 @@ def _probe(config: ProbeConfig, args) -> int:
     if not processes.is_writer():  # process 0 of a multi-process job prints and writes
         return 0
     print(reporting.probe_table(results))
-    if config.out and not config.quiet:
-        print(f"wrote {config.out} ({results['wall_seconds']:.2f} s)", file=sys.stderr)
     return 0
 
 

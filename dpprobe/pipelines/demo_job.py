@@ -85,7 +85,9 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
 
     Returns:
       {"data", "store", "sweep" (the probe's results), "tune" (the tune's results, without
-      its parameters), "files" (what it wrote), "reused_features", "wall_seconds"}.
+      its parameters), "files" (what it wrote), "reused_features", "wall_seconds"}. The demo's
+      data is public, so its duration may be shown; its sweep and tune write their timings to
+      their owner's files all the same (`pipelines.timings`).
     """
     config = cfg.make_config(DemoConfig, config, "out_dir", **options)
     out = Path(config.out_dir)
@@ -94,6 +96,8 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
     preflight.check_demo_job(config.out_dir)
     for path in files.values():
         preflight.check_output_paths(out_dir=path)
+    for results_path in (files["sweep"], files["tune"]):  # and the owner's timings beside them
+        preflight.check_timings_file(results_path)
     start = time.perf_counter()
     quiet = not config.progress
     data = config.data or demo_data()

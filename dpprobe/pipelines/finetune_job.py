@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 from dpprobe import accounting
@@ -27,6 +26,7 @@ from dpprobe.pipelines import (
     records,
     reporting,
     run_folder,
+    timings,
 )
 from dpprobe.pipelines.finetune_config import FinetuneConfig
 from dpprobe.pipelines.finetune_data import DATA_RULE, load_images
@@ -59,7 +59,8 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public), on
     the parameters `train` names (the others are public constants: the initialization). Noise
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
-    trained model, its test accuracy), public inputs and wall-clock timings. With
+    trained model, its test accuracy) and public inputs; the run's wall-clock timings go to
+    the owner's `out`/results.timings.json (`pipelines.timings`), which is not covered. With
     `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
     results and model file say so.
     """
@@ -75,6 +76,7 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     run_folder.check_checkpoint_folder(out / "checkpoint")
     for name in ("results.json", model_files.MODEL_FILE):
         preflight.check_output_paths(out=out / name)
+    preflight.check_timings_file(out / "results.json")
     with run_folder.hold(out, "finetune"):  # one run at a time
         finished = _finished_run(out, config)
         if finished is not None and multi:  # the others would train on without it
@@ -113,7 +115,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         raise ValueError("`weights` and `random_init` are for a timm model: name it (`model`); "
                          "the default models train from scratch")
 
-    start = time.perf_counter()
+    stopwatch = timings.Stopwatch()
     quiet = config.quiet
     options = _options(config)  # as given (a default model stays None: chosen again on rerun)
 
@@ -234,7 +236,6 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     results = {
         "dpprobe_version": records.VERSION,
         "job": "finetune",
-        "created": records.now(),
         "data": {"spec": config.data, "num_classes": num_classes, "class_names": class_names,
                  "num_train": num_real, "num_test": len(test[1]),
                  "image_size": image_size, "channels": channels},
@@ -263,11 +264,6 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         "test_accuracy": accuracy,
         "test_accuracy_ema": ema_accuracy,
         "ledger": ledger.to_dict(config.delta, config.accountant),
-        "wall_seconds": time.perf_counter() - start,
-        # Wall-clock, like wall_seconds: the first step run (it compiles the step) and the
-        # expected images (q N per step) per second over the steps after it (`finetune.timing`).
-        "compile_seconds": trained.compile_seconds,
-        "images_per_second": trained.images_per_second,
     }
     if audit is not None:
         results["audit"] = audit.to_dict() | {"model": (
@@ -289,6 +285,13 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         # The options before the results: a run killed between the two reruns, not refused.
         files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
         os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
+        # The owner's, never published (how long the run took depends on its records): the
+        # first step run (it compiles the step) and the expected images (q N per step) per
+        # second over the steps after it (`finetune.timing`). Before the results, whose
+        # presence marks a finished run.
+        timings.write_timings(out / "results.json", "finetune", stopwatch, quiet=quiet,
+                              compile_seconds=trained.compile_seconds,
+                              images_per_second=trained.images_per_second)
         reporting.write_json(out / "results.json", results)
         if checkpointer is not None:
             checkpointer.close()

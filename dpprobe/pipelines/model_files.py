@@ -30,8 +30,9 @@ def write_model(path, arrays: dict, document: dict) -> None:
 
 
 def header(job: str, class_names, **extra) -> dict:
-    """What every model file's description begins with."""
-    return {"dpprobe_version": records.VERSION, "created": records.now(), "job": job,
+    """What every model file's description begins with (no time of the run: it depends on the
+    private records, `pipelines.timings`)."""
+    return {"dpprobe_version": records.VERSION, "job": job,
             "class_names": [str(c) for c in class_names]} | extra
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "check_demo_job",
     "check_output_paths",
     "check_probe_job",
+    "check_timings_file",
     "check_tune_job",
     "require_module",
 ]
@@ -50,6 +51,15 @@ def check_output_paths(**paths: str | os.PathLike | None) -> None:
     for name, path in paths.items():
         if path is not None:
             _check_output_file(f"`{name}`", os.fspath(path))
+
+
+def check_timings_file(out: str | os.PathLike | None) -> None:
+    """The owner's timing file that a job writes beside its results file `out`
+    (`pipelines.timings`); nothing when there is no `out`."""
+    if out is not None:
+        from dpprobe.pipelines.timings import timings_path
+
+        _check_output_file("the timing file beside `out`:", os.fspath(timings_path(out)))
 
 
 def _check_output_file(option: str, path: str) -> None:
@@ -150,6 +160,7 @@ def check_probe_job(config) -> None:
     values): outputs, that the store's splits agree, that the devices are present."""
     check_output_paths(out=config.out, csv=config.csv, plot=config.plot,
                        diagnostics=config.diagnostics)
+    check_timings_file(config.out)
     if config.save_model:
         check_model_folder(config)
     check_store_splits_agree(config.store)
@@ -181,6 +192,7 @@ def check_model_folder(config) -> None:
 def check_tune_job(config) -> None:
     """What `run_tune` can check before its search: the output paths, the store's splits."""
     check_output_paths(out=config.out, save_model=config.save_model)
+    check_timings_file(config.out)
     check_store_splits_agree(config.store)
 
 

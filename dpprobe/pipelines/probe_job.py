@@ -8,13 +8,12 @@ import functools
 import itertools
 import math
 import os
-import time
 
 import numpy as np
 
 from dpprobe import accounting, extract
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, processes, recipe, records, reporting
+from dpprobe.pipelines import plots, preflight, processes, recipe, records, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
 
@@ -43,7 +42,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     config = processes.writer_config(config, OUTPUTS)
     preflight.check_probe_job(config)
-    start = time.perf_counter()
+    stopwatch = timings.Stopwatch()
     store, quiet = config.store, config.quiet
     train_attrs, test_attrs = _split_attrs(store)
     num_examples = int(train_attrs["num_examples"])
@@ -116,7 +115,6 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
                          if chosen.scaled else None)
     q = config.sampling_probability
     results = records.header("probe", store, train_attrs, test_attrs) | {
-        "wall_seconds": time.perf_counter() - start,
         "probe": spec.to_dict() | {"driver": driver},
         "recipe": chosen.to_dict(config.epsilons),
         "warnings": warnings,
@@ -142,6 +140,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         _write_diagnostics(config.diagnostics, grid, result, train_attrs)
     if config.out:
         reporting.write_json(config.out, results)
+        log(f"wrote {config.out}", quiet)  # no duration: it depends on the records
     if config.csv:
         reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
     if config.plot:
@@ -153,7 +152,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         results["model_files"] = model_files.probe_models(
             config, results, grid, plans, result.params, spec, train_attrs)
         log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
-    results["wall_seconds"] = time.perf_counter() - start
+    if config.out:  # the owner's, never published: how long depends on the records
+        timings.write_timings(config.out, "probe", stopwatch, quiet=quiet)
     return results
 
 

@@ -6,10 +6,13 @@ Published (results JSON, CSV, plots, stdout):
   * public inputs: the job's arguments, the privacy parameters and accounting, the store's
     description that does not depend on the private records: backbone, weights identity,
     preprocessing, the declared class list, shapes, dtype, the dataset size N (public under
-    zero-out neighbours), timestamps.
+    zero-out neighbours).
 Never published: fingerprints of the data, clipping counts, sampled batch sizes, anything the
 noise or the batches could be replayed from (seeds of a mechanism), label-derived shapes. Such
 statistics go to the local diagnostics file (`write_diagnostics`), which must not be shared.
+Nor any time of a run over private data: its duration, a rate, the time it ended, the store's
+created/completed times (each as long as the records took); those go to the owner's timing
+file (`pipelines.timings`), which must not be shared either.
 """
 
 from __future__ import annotations
@@ -34,25 +37,24 @@ VERSION = importlib.metadata.version("dpprobe")
 DIAGNOSTICS_WARNING = ("PRIVATE: exact statistics of the private training data (not DP). For "
                        "local debugging only; never share or publish this file.")
 
-# The split attributes that describe a store without depending on its private records.
+# The split attributes that describe a store without depending on its private records (not its
+# created/completed times: extraction lasts as long as its records take).
 _PUBLIC_SPLIT_KEYS = ("split", "num_examples", "feature_shape", "feature_dim", "views", "dtype",
-                      "num_classes", "backbone", "preprocessing", "created", "completed",
-                      "complete")
+                      "num_classes", "backbone", "preprocessing", "complete")
 _PUBLIC_DATASET_KEYS = ("name", "spec", "split", "num_examples", "num_classes", "class_names")
 
 
 def now() -> str:
-    """UTC time, ISO 8601 to the second."""
+    """UTC time, ISO 8601 to the second (for the private files only: diagnostics, timings)."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def header(job: str, store, train_attrs: dict, test_attrs: dict) -> dict:
-    """What every job's results begin with: version, job, time, store and its public
-    description."""
+    """What every job's results begin with: version, job, store and its public description
+    (no time: the owner's timing file has it, `pipelines.timings`)."""
     return {
         "dpprobe_version": VERSION,
         "job": job,
-        "created": now(),
         "store": str(store),
         "provenance": {"train": public_split_attrs(train_attrs),
                        "test": public_split_attrs(test_attrs)},
@@ -60,7 +62,8 @@ def header(job: str, store, train_attrs: dict, test_attrs: dict) -> dict:
 
 
 def public_split_attrs(attrs: dict) -> dict:
-    """A split's attributes without what depends on its records (the data fingerprint)."""
+    """A split's attributes without what depends on its records (the data fingerprint, the
+    created/completed times)."""
     out = {k: attrs[k] for k in _PUBLIC_SPLIT_KEYS if k in attrs}
     dataset = attrs.get("dataset") or {}
     out["dataset"] = {k: dataset[k] for k in _PUBLIC_DATASET_KEYS if k in dataset}

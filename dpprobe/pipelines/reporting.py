@@ -327,7 +327,8 @@ def audit_report(results: dict) -> str:
 
 
 def finetune_line(results: dict) -> str:
-    """One line: the model, its test accuracy (and its EMA's) and the guarantee."""
+    """One line: the model, its test accuracy (and its EMA's) and the guarantee; no duration
+    or speed (they depend on the records: the owner's timing file, `pipelines.timings`)."""
     privacy = results["privacy"]
     ema = results.get("test_accuracy_ema")
     ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
@@ -335,12 +336,9 @@ def finetune_line(results: dict) -> str:
              if "claim" in privacy else
              f"(epsilon {privacy['epsilon']:.3g}, delta {privacy['delta']:g}), "
              f"{privacy['accountant']}, {privacy['neighboring_relation_text']}")
-    speed = (f", {results['images_per_second']:.0f} img/s"
-             if results.get("images_per_second") else "")
     return "\n".join([
         f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
-        f"{100 * results['test_accuracy']:.2f}%{ema_text} at {claim}; "
-        f"{results['wall_seconds']:.0f} s{speed}",
+        f"{100 * results['test_accuracy']:.2f}%{ema_text} at {claim}",
         *warning_lines(results)])
 
 

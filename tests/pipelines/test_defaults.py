@@ -237,7 +237,8 @@ def test_the_default_model_is_chosen_from_the_input_side(tmp_path, capsys):
     assert "model: scatternet_cnn_linear [the default for 8 px images]" in capsys.readouterr().err
     assert json.loads((tmp_path / "run" / ".dpprobe-finetune-options.json").read_text())[
         "model"] is None
-    assert run_finetune(**options)["created"] == results["created"]  # done: not refused
+    again = run_finetune(**options)  # done: not refused, not retrained
+    assert again["already_complete"] and again["test_accuracy"] == results["test_accuracy"]
     with pytest.raises(ValueError, match="name a timm ViT"):
         run_finetune(data="digits", train="lora", steps=1)
     with pytest.raises(ValueError, match="are for a timm model"):

@@ -208,6 +208,8 @@ def test_cli_processes_write_once(mode, tmp_path):
     assert codes == [0, 0], [text(tmp_path / "logs" / f"err{i}")[-2000:] for i in range(2)]
     assert (tmp_path / "r0.json").is_file() and any((tmp_path / "m0").iterdir())
     assert not (tmp_path / "r1.json").exists() and not (tmp_path / "m1").exists()
+    assert (tmp_path / "r0.timings.json").is_file()  # the owner's, from the writer alone
+    assert not (tmp_path / "r1.timings.json").exists()
     assert "epsilon" in text(tmp_path / "logs" / "out0")
     assert "epsilon" not in text(tmp_path / "logs" / "out1")
     driver = json.loads((tmp_path / "r0.json").read_text())["probe"]["driver"]
