@@ -7,8 +7,10 @@ dimension, images for a model that takes features, or features for one that take
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -46,12 +48,11 @@ def open_input(config, model) -> Input:
 
 
 def _is_store(path: str) -> bool:
-    import json
+    from dpprobe.extract import FORMAT  # light: extract imports torch and zarr lazily
 
     try:
         with open(os.path.join(path, "zarr.json")) as f:
-            return json.load(f).get("attributes", {}).get("format") == __import__(
-                "extract").FORMAT
+            return json.load(f).get("attributes", {}).get("format") == FORMAT
     except (OSError, ValueError):
         return False
 
@@ -149,7 +150,7 @@ def _files(paths, model) -> Input:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(str(p) for p in __import__("pathlib").Path(path).rglob("*")
+            found = sorted(str(p) for p in Path(path).rglob("*")
                            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
             if not found:
                 raise ValueError(f"{path} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
