@@ -1,7 +1,7 @@
 """dpprobe's feature extractor: a frozen backbone, run once, into a chunked Zarr store.
 
 Modules, in the order data flows through them:
-  sources     data specs and `open_source` (datasets: the file readers; hf: Hugging Face
+  sources     data specs and `open_source` (datasets, cifar: the file readers; hf: Hugging Face
               `datasets` folders and cache; splits: what they yield)
   defects     the per-record rule a publishing job reads data by (`open_source(strict=False)`);
               data_check: what it would change, for the data's owner (`check_data`)

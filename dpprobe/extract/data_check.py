@@ -98,11 +98,10 @@ def _file_defects(split, null: set[int]) -> list[Defect]:
 
 
 def _size_and_mode(split, row: int) -> tuple[tuple[int, int], str]:
-    """Image `row` decoded; its size and its mode as stored (a file's own, before the reader
-    converts a mode other than L or RGB)."""
+    """Image `row` decoded by the rule (which raises for a record it makes null); its size and
+    its mode as stored (a file's own, before the reader converts a mode other than L or RGB)."""
+    image = split.load(row)
     if split.files is None:
-        image = split.load(row)
         return image.size, image.mode
-    with open_image(split.files[row]) as image:
-        image.load()
-        return image.size, image.mode
+    with open_image(split.files[row]) as stored:  # its header alone
+        return stored.size, stored.mode

@@ -1,6 +1,6 @@
 """Readers of dataset files, each into labelled splits (`extract.splits`): Fashion-MNIST (Debian's
 gzipped IDX files), scikit-learn digits, npz archives (images or precomputed features), image
-folders (ROOT/CLASS/IMAGE) and CIFAR-10/100 python-pickle batches.
+folders (ROOT/CLASS/IMAGE); CIFAR-10/100's python-pickle batches are `extract.cifar`'s.
 
 Every reader refuses a damaged or unexpected file with a message naming it, before anything is
 written. With `strict=False` (a publishing job's reader) a fault of one record is not refused:
@@ -12,32 +12,29 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import pickle
 from pathlib import Path
 
 import numpy as np
 
-from dpprobe.extract import defects as defects_module
 from dpprobe.extract.defects import (
-    NULL,
-    Defect,
     decoding,
     first_line,
     image_error,
-    integer_pixels,
     label_values,
+    load_image,
     open_image,
     pixel_rule,
+    read_capped,
     strict_decoding,
     unreadable,
 )
+from dpprobe.extract.npz_objects import object_array, object_images_split
 from dpprobe.extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
 
 __all__ = [
     "FASHION_MNIST_DIR",
     "FASHION_MNIST_SHA256",
     "IMAGE_EXTENSIONS",
-    "read_cifar",
     "read_digits",
     "read_fashion_mnist",
     "read_imagefolder",
@@ -131,7 +128,11 @@ def read_digits() -> dict[str, ImageSplit]:
     }
 
 
-def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _load_npz(path: Path, keys: tuple[str, ...], *,
+              objects: bool = False) -> dict[str, np.ndarray]:
+    """The arrays `keys` (and `class_names`, when there) of an npz; an object array is read by
+    `extract.npz_objects` when `objects` (a publishing job's images and labels), else
+    refused."""
     if not path.exists():
         raise FileNotFoundError(f"npz file {path} does not exist")
     if not path.is_file():
@@ -150,10 +151,16 @@ def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
             raise ValueError(f"{path} lacks arrays {missing}; it holds {data.files}")
         wanted = keys + tuple(k for k in ("class_names",) if k in data.files)
         try:
-            return {k: data[k] for k in wanted}
+            return {k: _member(data, k) if objects and k in keys else data[k] for k in wanted}
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"{path}: an array cannot be read ({type(err).__name__}: "
                              f"{first_line(err)})") from err
+
+
+def _member(data, key: str) -> np.ndarray:
+    """An npz member, an object array read by `extract.npz_objects` (a publishing job's)."""
+    array = object_array(data, key)
+    return data[key] if array is None else array
 
 
 def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
@@ -175,9 +182,20 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
                     strict: bool = True) -> ImageSplit:
     """An npz of `images` (N, H, W[, 1 or 3]) and `labels` (N,): refused by value when a
     pixel or label is out of range (`strict`, extract), else by the publishing rule
-    (`extract.defects`: clamped, or null records)."""
-    data = _load_npz(path, ("images", "labels"))
+    (`extract.defects`: clamped, or null records; an object array's rows each on its own,
+    `extract.npz_objects`)."""
+    data = _load_npz(path, ("images", "labels"), objects=not strict)
     images, labels = data["images"], np.asarray(data["labels"])
+    if images.dtype.hasobject or labels.dtype.hasobject:  # not strict: the rule, row by row
+        if images.ndim < 1 or labels.ndim != 1 or len(labels) != len(images):
+            raise ValueError(f"{path}: labels must be (N,) with N={len(images)}, got "
+                             f"{labels.shape}")
+        if images.dtype.hasobject:
+            return object_images_split(path, split, images, labels,
+                                       _class_names(path, data, num_classes))
+        labels, found = label_values(labels)
+    else:
+        found = []
     if images.ndim == 4 and images.shape[-1] == 1:
         images = images[..., 0]
     if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
@@ -190,6 +208,7 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
             images, defects = pixel_rule(images)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+        defects += found
     elif images.dtype != np.uint8:
         if not np.issubdtype(images.dtype, np.floating) or not np.isfinite(images).all():
             raise ValueError(f"{path}: images must be uint8 or finite floats in [0, 1]")
@@ -278,10 +297,7 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
     digest, defects = hashlib.sha256(), None if strict else []
     for row, (file, label) in enumerate(zip(files, labels, strict=True)):
         try:
-            if not strict and file.stat().st_size > defects_module.MAX_FILE_BYTES:
-                raise ValueError(f"more than {defects_module.MAX_FILE_BYTES} bytes, the most a "
-                                 "publishing job reads")  # not read: a null record
-            content = file.read_bytes()
+            content = file.read_bytes() if strict else read_capped(file)
         except OSError as err:
             if strict:
                 raise ValueError(f"cannot read image {file}: {err.strerror}") from err
@@ -302,10 +318,9 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
         digest.update(f"{file.relative_to(root).as_posix()}\0{label}\0".encode())
         digest.update(hashlib.sha256(content or b"").digest())
 
-    def load(i: int):
-        with (Image.open if strict else open_image)(files[i]) as image:
-            image.load()
-            return image.convert("RGB") if image.mode not in ("L", "RGB") else image.copy()
+    def load(i: int):  # the rule, not strict: both caps, and the pixel rule for float images
+        return load_image(files[i].read_bytes() if strict else read_capped(files[i]),
+                          strict=strict)
 
     return ImageSplit(
         dataset=f"imagefolder:{root.name}",
@@ -317,79 +332,3 @@ def read_imagefolder(root: Path, split: str, *, strict: bool = True) -> ImageSpl
         files=files,
         defects=defects,
     )
-
-
-def read_cifar(root: Path, kind: str, *, strict: bool = True) -> dict[str, ImageSplit]:
-    """CIFAR-10/100 python-pickle batches (data_batch_1..5 + test_batch, or train + test); a
-    label outside the classes is refused (`strict`), else a null record."""
-    if not root.is_dir():
-        raise FileNotFoundError(f"CIFAR directory {root} does not exist")
-    if kind == "cifar10":
-        parts = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
-        label_key, meta_file, names_key = b"labels", "batches.meta", b"label_names"
-    else:
-        parts = {"train": ["train"], "test": ["test"]}
-        label_key, meta_file, names_key = b"fine_labels", "meta", b"fine_label_names"
-    class_names = None
-    if (root / meta_file).exists():
-        meta = _unpickle(root / meta_file, (names_key,))
-        try:
-            class_names = [n.decode() for n in meta[names_key]]
-        except (TypeError, AttributeError) as err:
-            raise ValueError(f"{root / meta_file}: {names_key!r} is not a list of names") from err
-    splits = {}
-    for split, names in parts.items():
-        images, labels, defects = [], [], []
-        for name in names:
-            file = root / name
-            if not file.exists():
-                raise FileNotFoundError(f"CIFAR batch {file} is missing")
-            batch = _unpickle(file, (b"data", label_key))
-            try:
-                if strict:
-                    data = np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32)
-                    batch_labels = np.asarray(batch[label_key], np.int64).reshape(-1)
-                else:  # the rule: each pixel and label on its own
-                    data, bad_rows = integer_pixels(batch[b"data"], (3, 32, 32))
-                    data, clamped = pixel_rule(data)
-                    batch_labels, found = label_values(batch[label_key])
-            except (ValueError, TypeError) as err:
-                raise ValueError(f"{file}: not a CIFAR batch of 3x32x32 images ("
-                                 f"{first_line(err) if strict else type(err).__name__})") from err
-            if len(batch_labels) != len(data):
-                raise ValueError(f"{file}: {len(data)} images but {len(batch_labels)} labels")
-            if not strict:
-                found += clamped + [Defect(int(r), NULL, "pixels that are not integers")
-                                    for r in bad_rows]
-                defects += [Defect(d.row + len(labels), d.kind, d.detail) for d in found]
-            images.append(data)
-            labels.extend(batch_labels.tolist())
-        array = np.concatenate(images).transpose(0, 2, 3, 1).copy()
-        labels = np.asarray(labels, np.int64)
-        names_out = class_names or [str(c) for c in range(10 if kind == "cifar10" else 100)]
-        if strict:
-            check_label_range(root / names[0], labels, names_out)
-        splits[split] = ImageSplit(
-            dataset=kind,
-            split=split,
-            labels=labels,
-            class_names=names_out,
-            fingerprint=arrays_sha256(array, labels.astype(np.int32)),
-            array=array,
-            defects=None if strict else defects,
-        )
-    return splits
-
-
-def _unpickle(file: Path, keys: tuple) -> dict:
-    """A CIFAR python-pickle file (trusted local dataset files), refused by name if it is not
-    a dict holding `keys`."""
-    try:
-        with open(file, "rb") as f:
-            value = pickle.load(f, encoding="bytes")  # noqa: S301
-    except Exception as err:  # noqa: BLE001 - unpickling raises anything for a bad file
-        raise ValueError(f"{file} is not a readable CIFAR pickle ({type(err).__name__}: "
-                         f"{first_line(err)})") from err
-    if not isinstance(value, dict) or any(k not in value for k in keys):
-        raise ValueError(f"{file} is not a CIFAR batch (expected a dict with keys {keys})")
-    return value

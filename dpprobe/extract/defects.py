@@ -9,13 +9,16 @@ the dataset:
   - a label outside the declared classes, a NaN or Inf pixel, or an image that cannot be read
     makes a null record (label `NULL_LABEL`, zero pixels), which the trainer turns into a zero
     gradient (`dp.clipping.valid_labels`); so does a label that is not an integer or is
-    missing, a missing image, an image file of more than `MAX_PIXELS` pixels (width x
-    height, read from its header: it is never decoded) and one of more than
-    `MAX_FILE_BYTES` bytes (told from its size: it is never read);
+    missing, a missing image, a row of pixels that is None, ragged, of another length or
+    holds a value of another type (`integer_pixels`, `array_image`), an image of more than
+    `MAX_PIXELS` pixels (width x height, read from its header: it is never decoded) and an
+    encoded image of more than `MAX_FILE_BYTES` bytes (told from its size: it is never read),
+    whatever its source (`read_capped`, `check_bytes`, `load_image`);
   - Pillow's warnings about a record (its size, its EXIF, its palette) are never shown while
     it is decoded (`decoding`): a decompression-bomb warning makes a null record, the others
     are ignored;
-  - float pixels are clamped to [0, 1], integer pixels to [0, 255];
+  - float pixels are clamped to [0, 1], integer pixels to [0, 255], those of float and 16- or
+    32-bit image files too (`image_mode`);
   - images of other sizes or modes are brought to the model's input by the public resize,
     crop and channel rule (`finetune.images`).
 
@@ -29,23 +32,28 @@ row there, by name and value, is what the owner needs.
 Formal guarantee:
   Each record's outcome (kept, clamped, resized, or made a null record) is a function of that
   record alone, the same function for every record; the rule raises only for faults of the
-  whole source that no record's content decides (a dtype that is not a number). So replacing
-  one record by a null record changes one row of the trainer's input and nothing else, which
-  is the zero-out neighbouring relation the accounting assumes.
+  whole source that no record's content decides (a dtype that is not a number, an array's
+  shape). So replacing one record by a null record changes one row of the trainer's input
+  and nothing else, which is the zero-out neighbouring relation the accounting assumes; and
+  loading one record costs at most what the two caps allow, whatever its source.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import math
+import os
 import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_FILE_BYTES", "MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "decoding",
-           "first_line", "image_error", "integer_pixels", "label_defects", "label_values",
-           "open_image", "pixel_rule", "strict_decoding", "unreadable"]
+__all__ = ["MAX_FILE_BYTES", "MAX_PIXELS", "NULL", "NULL_LABEL", "Defect", "array_image",
+           "check_bytes", "decoding", "first_line", "image_error", "image_mode",
+           "integer_pixels", "label_defects", "label_values", "load_image", "open_image",
+           "pixel_rule", "read_capped", "strict_decoding", "unreadable"]
 
 # The label of a null record: outside every class list, as the trainer's canaries use it.
 NULL_LABEL = -1
@@ -114,16 +122,21 @@ def pixel_rule(images: np.ndarray) -> tuple[np.ndarray, list[Defect]]:
     finite = (np.isfinite(rows).all(axis=1) if scale != 1.0
               else np.ones(len(images), dtype=bool))
     defects = [Defect(int(i), NULL, "pixels hold NaN or Inf") for i in np.flatnonzero(~finite)]
+    every = finite.all()
     if rows.shape[1]:
-        safe = np.where(finite[:, None], rows, low)
+        safe = rows if every else np.where(finite[:, None], rows, low)
         smallest, largest = safe.min(axis=1), safe.max(axis=1)
         for i in np.flatnonzero(finite & ((smallest < low) | (largest > high))):
             defects.append(Defect(int(i), CLAMPED, f"pixels in [{smallest[i]}, {largest[i]}], "
                                   f"clamped to [{low}, {high}]"))
-    clamped = np.clip(np.where(finite.reshape((-1,) + (1,) * (images.ndim - 1)), images, low),
-                      low, high)
-    out = np.round(clamped.astype(np.float64) * scale).astype(np.uint8)
-    return out, sorted(defects, key=lambda d: d.row)
+    # One float64 copy, clamped, scaled and rounded in place: a record at the pixel cap then
+    # holds it once, not once a step.
+    out = (images if every else np.where(finite.reshape((-1,) + (1,) * (images.ndim - 1)),
+                                         images, low)).astype(np.float64)
+    np.clip(out, low, high, out=out)
+    out *= scale
+    np.round(out, out=out)
+    return out.astype(np.uint8), sorted(defects, key=lambda d: d.row)
 
 
 @contextlib.contextmanager
@@ -169,6 +182,107 @@ def open_image(source):
     return image
 
 
+def check_bytes(size: int) -> None:
+    """The byte cap, told from a size alone, before anything is read: a ValueError for an
+    encoded image of more than `MAX_FILE_BYTES` bytes (a null record)."""
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"more than {MAX_FILE_BYTES} bytes, the most a publishing job reads")
+
+
+def read_capped(path) -> bytes:
+    """An image file's bytes under the byte cap: its size checked before it is read, and at most
+    `MAX_FILE_BYTES` + 1 bytes read (a file that grew since is refused all the same)."""
+    check_bytes(os.stat(path).st_size)
+    with open(path, "rb") as f:
+        content = f.read(MAX_FILE_BYTES + 1)
+    check_bytes(len(content))
+    return content
+
+
+def load_image(content: bytes, *, strict: bool = False):
+    """One record's encoded image by the rule, whatever its source (an image file's bytes from
+    `read_capped`, a dataset's embedded bytes): the byte cap (`check_bytes`), the pixel cap from
+    its header (`open_image`), then decoded and brought to L or RGB (`image_mode`). Use it
+    within `decoding`. Its memory and time are bounded by the two caps.
+
+    Args:
+      content: the encoded image (bytes, or a buffer).
+      strict: an owner's reader (`extract`, within `strict_decoding`): no caps but Pillow's
+        bomb check, and `image_mode`'s strict float rule.
+
+    Raises:
+      ValueError, OSError (or another of Pillow's errors): a record the rule makes null.
+    """
+    from PIL import Image
+
+    if not strict:
+        check_bytes(len(content))
+    with (Image.open if strict else open_image)(io.BytesIO(content)) as image:
+        image.load()
+        out = image_mode(image, strict=strict)
+        return image.copy() if out is image else out  # closing `image` frees its pixels
+
+
+def image_mode(image, *, strict: bool = False):
+    """A decoded image as L or RGB (itself when it is one), any other mode as RGB. Float and
+    32- or 16-bit integer images (Pillow's modes F, I, I;16) go through `pixel_rule` (NaN or
+    Inf: a null record; floats clamped to [0, 1] and scaled to 255, integers clamped to
+    [0, 255]), never Pillow's conversion (which reads floats as 0-255, and NaN as 0); other
+    modes are converted by Pillow.
+
+    Args:
+      image: a loaded PIL image.
+      strict: an owner's reader (`extract`): a float image outside [0, 1] is refused too.
+
+    Raises:
+      ValueError: a record the rule makes null (or, `strict`, a float image it would clamp),
+        quoting its pixels.
+    """
+    from PIL import Image
+
+    if image.mode in ("L", "RGB"):
+        return image
+    if image.mode != "F" and not image.mode.startswith("I"):
+        return image.convert("RGB")
+    pixels = np.asarray(image)
+    out, found = pixel_rule(pixels[None])
+    null = [d for d in found if d.kind == NULL]
+    if null:
+        raise ValueError(null[0].detail)
+    if strict and found and pixels.dtype.kind == "f":
+        raise ValueError(f"float pixels must lie in [0, 1], got [{pixels.min()}, "
+                         f"{pixels.max()}]")
+    return Image.fromarray(out[0]).convert("RGB")  # RGB, as Pillow's conversion of any mode
+
+
+def array_image(value):
+    """One record given as pixels (a row of an `hf:` array column or of an npz object array:
+    nested lists or an array), by the rule: (H, W), (H, W, 1) or (H, W, 3) numbers through
+    `pixel_rule`, at most `MAX_PIXELS` pixels; anything else (None, ragged, strings, another
+    shape, more pixels, NaN) raises ValueError: a null record.
+    """
+    from PIL import Image
+
+    if value is None:
+        raise ValueError("no image")
+    pixels = np.asarray(value)
+    if pixels.dtype.hasobject:  # Python numbers to a numeric dtype; None or ragged raise here
+        pixels = np.array(pixels.tolist())
+    if pixels.ndim == 3 and pixels.shape[-1] == 1:
+        pixels = pixels[..., 0]
+    if pixels.ndim not in (2, 3) or (pixels.ndim == 3 and pixels.shape[-1] != 3) or (
+            0 in pixels.shape):
+        raise ValueError(f"pixels of shape {pixels.shape}, not (H, W[, 1 or 3])")
+    if pixels.shape[0] * pixels.shape[1] > MAX_PIXELS:
+        raise ValueError(f"{pixels.shape[1]}x{pixels.shape[0]} pixels, more than the "
+                         f"{MAX_PIXELS} a publishing job decodes")
+    out, found = pixel_rule(pixels[None])
+    null = [d for d in found if d.kind == NULL]
+    if null:
+        raise ValueError(null[0].detail)
+    return Image.fromarray(out[0])
+
+
 def unreadable(row: int, err: BaseException) -> Defect:
     """The null record of an image that cannot be read, and why (for the owner)."""
     return Defect(row, NULL, f"not a readable image ({image_error(err)})")
@@ -206,19 +320,60 @@ def label_values(values) -> tuple[np.ndarray, list[Defect]]:
 
 
 def integer_pixels(values, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Records of pixels, as (N, *shape): an array as it is (`pixel_rule` clamps it, or refuses
-    its dtype); Python objects element by element, as int64 clipped to [-1, 256] for
-    `pixel_rule` to clamp, a record holding a value that is not an integer being null.
+    """Records of pixels as (N, *shape), each record on its own (CIFAR's `data`).
+
+    A numeric array shaped (N, *shape) or (N, prod(shape)) is taken as it is (`pixel_rule`
+    clamps it, or refuses its dtype). A sequence of records (a list, an object array) is read
+    record by record: a record of prod(shape) integers, flat or nested as `shape` (a list or an
+    integer array), is kept as int64 clipped to [-1, 256] for `pixel_rule` to clamp; any other
+    record (None, a row a pixel short or long, ragged, a float, a string) is a null record.
+
+    Args:
+      values: the records.
+      shape: one record's shape (public: the format's).
 
     Returns:
-      (the pixels, the rows holding a value that is not an integer: null records).
+      (the pixels, with zeros for a null record; the rows of the null records).
+
+    Raises:
+      ValueError: for a fault of the whole source, which no record decides: an array of
+        another shape, or `values` neither an array nor a sequence of records.
     """
+    size = math.prod(shape)
     if isinstance(values, np.ndarray) and values.dtype != object:
+        if values.ndim < 1 or values.shape[1:] not in (tuple(shape), (size,)):
+            raise ValueError(f"an array of shape {values.shape}, not (N, {size}) or "
+                             f"(N, {', '.join(map(str, shape))})")
         return values.reshape((-1, *shape)), np.zeros(0, np.int64)
-    array = np.array(values, dtype=object).reshape((-1, *shape))
-    flat = array.reshape(-1)
-    bad = np.array([not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_))
-                    for v in flat], bool)
-    out = np.array([0 if b else min(max(int(v), -1), 256)
-                    for v, b in zip(flat, bad, strict=True)], np.int64)
-    return out.reshape(array.shape), np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))
+    if not isinstance(values, (list, tuple, np.ndarray)) or getattr(values, "ndim", 1) == 0:
+        raise ValueError(f"{type(values).__name__}, not an array or a list of records")
+    out, bad = np.zeros((len(values), *shape), np.int64), []
+    for row, record in enumerate(values):
+        pixels = _record_integers(record, tuple(shape), size)
+        if pixels is None:
+            bad.append(row)
+        else:
+            out[row] = pixels
+    return out, np.asarray(bad, np.int64)
+
+
+def _record_integers(record, shape: tuple[int, ...], size: int) -> np.ndarray | None:
+    """One record's integers as int64 (`shape`) clipped to [-1, 256], or None: a null record."""
+    if isinstance(record, np.ndarray) and record.dtype != object:
+        if record.shape not in (shape, (size,)) or record.dtype.kind not in "iu":
+            return None
+        # Through float64, which orders any integer rightly: a cast to int64 could wrap one.
+        return np.clip(record.astype(np.float64), -1, 256).astype(np.int64).reshape(shape)
+    if not isinstance(record, (list, tuple, np.ndarray)):
+        return None
+    try:
+        array = np.array(record, dtype=object)
+    except (ValueError, TypeError):  # nested and ragged
+        return None
+    if array.shape not in (shape, (size,)):
+        return None
+    values = array.reshape(-1)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+               for v in values):
+        return None
+    return np.array([min(max(int(v), -1), 256) for v in values], np.int64).reshape(shape)

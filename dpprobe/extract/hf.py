@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import os
 import urllib.parse
 from pathlib import Path
@@ -23,12 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from dpprobe.extract.defects import (
-    NULL,
-    decoding,
+    array_image,
+    check_bytes,
     first_line,
+    image_mode,
     label_values,
-    open_image,
-    pixel_rule,
+    load_image,
+    read_capped,
 )
 from dpprobe.extract.splits import ImageSplit
 
@@ -170,39 +170,70 @@ def _split(spec: HfSpec, name: str, dataset, num_classes: int | None,
                              f"declared {feature}")
         labels, found = label_values(dataset[label_column])
     image_feature = dataset.features[image_column]
-    raw = (dataset.cast_column(image_column, datasets.Image(decode=False))
-           if isinstance(image_feature, datasets.Image) else dataset)
+    encoded = isinstance(image_feature, datasets.Image)
+    rows = dataset.with_format("arrow")  # the rule reads each row's size before its values
 
     def load(i: int):
         from PIL import Image
 
-        if strict:
-            image = dataset[i][image_column]
-        else:  # the rule: opened here, under the pixel cap, with Pillow's warnings silenced
-            image = raw[i][image_column]
-            if image is None:
-                raise ValueError("no image")
-            if isinstance(image_feature, datasets.Image):
-                source = image.get("bytes")
-                source = io.BytesIO(source) if source is not None else image.get("path")
-                if not source:
-                    raise ValueError("no image")
-                with decoding():
-                    image = open_image(source)
-                    image.load()
-        if not isinstance(image, Image.Image) and strict:
-            image = Image.fromarray(np.asarray(image, np.uint8))
-        elif not isinstance(image, Image.Image):  # the pixel rule, on this record alone
-            pixels, found = pixel_rule(np.asarray(image)[None])
-            if any(defect.kind == NULL for defect in found):
-                raise ValueError(found[0].detail)
-            image = Image.fromarray(pixels[0])
-        return image if image.mode in ("L", "RGB") else image.convert("RGB")
+        if not strict:  # the rule, as for image files: the caps first, then the pixel rule
+            if encoded:
+                content = next(_encoded(_cells(rows, i, image_column)))
+                if isinstance(content, Exception):
+                    raise content
+                return load_image(content)
+            return array_image(_array_cell(dataset, rows, i, image_column))
+        image = dataset[i][image_column]
+        if not isinstance(image, Image.Image):
+            return Image.fromarray(np.asarray(image, np.uint8))
+        return image_mode(image, strict=True)
 
     return ImageSplit(dataset=f"hf:{Path(spec.location).name or spec.location}", split=name,
                       labels=labels, class_names=class_names,
-                      fingerprint=_fingerprint(raw, image_column, labels, strict), load=load,
-                      defects=found)
+                      fingerprint=(_fingerprint(dataset, image_column, labels) if strict else
+                                   _rule_fingerprint(dataset, rows, image_column, labels,
+                                                     encoded)),
+                      load=load, defects=found)
+
+
+def _cells(rows, i: int, column: str):
+    """Row i's cell of `column` as a one-row Arrow array: a view of the (memory-mapped) table,
+    never a copy (a scalar, or `combine_chunks`, would copy the row whatever its size)."""
+    return next(chunk for chunk in rows[i][column].chunks if len(chunk))
+
+
+def _encoded(cells):
+    """Each row of an Arrow struct array of images (`bytes`, `path`), in turn, by the byte cap:
+    a view of its embedded bytes (their length read from the offsets before anything is
+    copied), or the bytes of the file at its path (`read_capped`); or, for a null record (no
+    image, over the cap, an unreadable file), the ValueError or OSError that says why."""
+    import pyarrow as pa
+
+    valid = cells.is_valid().to_numpy(zero_copy_only=False)
+    content, paths = cells.field("bytes"), cells.field("path").to_pylist()
+    present = content.is_valid().to_numpy(zero_copy_only=False)
+    _, offsets, data = content.buffers()
+    offsets = np.frombuffer(offsets, np.int64 if pa.types.is_large_binary(content.type)
+                            else np.int32)[content.offset:content.offset + len(content) + 1]
+    for row in range(len(cells)):
+        try:
+            if valid[row] and present[row]:
+                size = int(offsets[row + 1] - offsets[row])
+                check_bytes(size)
+                yield data.slice(int(offsets[row]), size)
+            elif valid[row] and paths[row]:
+                yield read_capped(paths[row])
+            else:
+                raise ValueError("no image")
+        except (ValueError, OSError) as err:
+            yield err
+
+
+def _array_cell(dataset, rows, i: int, column: str):
+    """Row i of an array column as NumPy (its own dtype), its size as stored checked against
+    the byte cap before it is converted. ValueError: over the cap (a null record)."""
+    check_bytes(_cells(rows, i, column).nbytes)
+    return dataset.with_format("numpy")[i][column]
 
 
 def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
@@ -213,10 +244,9 @@ def _only(candidates: list[str], kind: str, where: str, dataset) -> str:
     return candidates[0]
 
 
-def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = True) -> str:
-    """sha256 of every image's encoded bytes (or file) and of the labels. Not `strict` (the
-    fingerprint of a publishing job's data, never published): a missing or unreadable image
-    counts as no bytes."""
+def _fingerprint(dataset, image_column: str, labels: np.ndarray) -> str:
+    """sha256 of every image's encoded bytes (or file) and of the labels (a strict reader's:
+    every image read in full)."""
     import datasets
 
     digest = hashlib.sha256()
@@ -224,23 +254,35 @@ def _fingerprint(dataset, image_column: str, labels: np.ndarray, strict: bool = 
         raw = dataset.cast_column(image_column, datasets.Image(decode=False))
         for batch in raw.iter(batch_size=1024):
             for item in batch[image_column]:
-                if item is None and not strict:
-                    continue
                 content = item.get("bytes")
                 if content is None and item.get("path"):
-                    try:
-                        content = Path(item["path"]).read_bytes()
-                    except OSError:
-                        if strict:
-                            raise
+                    content = Path(item["path"]).read_bytes()
                 digest.update(content or b"")
     else:
-        for batch in dataset.with_format("numpy" if strict else None).iter(batch_size=1024):
-            if strict:
-                digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
-                continue
-            for item in batch[image_column]:  # each on its own: None or ragged is no bytes
-                with contextlib.suppress(Exception):
-                    digest.update(np.asarray(item).tobytes())
+        for batch in dataset.with_format("numpy").iter(batch_size=1024):
+            digest.update(np.ascontiguousarray(batch[image_column]).tobytes())
+    digest.update(np.ascontiguousarray(labels.astype(np.int64)).tobytes())
+    return digest.hexdigest()
+
+
+def _rule_fingerprint(dataset, rows, image_column: str, labels: np.ndarray,
+                      encoded: bool) -> str:
+    """The fingerprint of a publishing job's data (never published): sha256 of each row's
+    image as the rule reads it (encoded bytes, or an array row's values), a row the rule makes
+    null before decoding (no image, over the byte cap, unreadable) counting as no bytes, and
+    of the labels. Each row is read under the byte cap, as `load` reads it."""
+    digest = hashlib.sha256()
+    if encoded:
+        for batch in rows.iter(batch_size=1024):
+            for chunk in batch[image_column].chunks:
+                for content in _encoded(chunk):
+                    if not isinstance(content, Exception):
+                        digest.update(content)
+    else:
+        for i in range(len(dataset)):
+            with contextlib.suppress(Exception):  # as `load`'s: any error is a null record's
+                pixels = np.asarray(_array_cell(dataset, rows, i, image_column))
+                if pixels.dtype != object:  # ragged: no bytes (an object array's are pointers)
+                    digest.update(np.ascontiguousarray(pixels).tobytes())
     digest.update(np.ascontiguousarray(labels.astype(np.int64)).tobytes())
     return digest.hexdigest()

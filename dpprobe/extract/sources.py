@@ -3,9 +3,9 @@
 A data spec is `fashion-mnist`, `digits`, `npz:PATH`, `imagefolder:PATH`, `cifar10:PATH` /
 `cifar100:PATH` (the python-pickle batches directory), or `hf:PATH_OR_NAME[:SPLIT][?image=COL&
 label=COL]` (Hugging Face `datasets`: a `save_to_disk` folder or a dataset of the local cache,
-`extract.hf`); the file formats are read by `extract.datasets`. `from_torch_dataset` wraps
-any torch `Dataset` (Python API). Every split carries a sha256 fingerprint of its exact content,
-which goes into the store's provenance.
+`extract.hf`); the file formats are read by `extract.datasets` (CIFAR's by `extract.cifar`).
+`from_torch_dataset` wraps any torch `Dataset` (Python API). Every split carries a sha256
+fingerprint of its exact content, which goes into the store's provenance.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dpprobe.extract.cifar import read_cifar
 from dpprobe.extract.datasets import (
     FASHION_MNIST_DIR,
     FASHION_MNIST_SHA256,
     IMAGE_EXTENSIONS,
-    read_cifar,
     read_digits,
     read_fashion_mnist,
     read_imagefolder,

@@ -6,8 +6,8 @@ public per-record rule (`extract.defects`, `open_source(strict=False)`), never r
 record's content, and nothing here prints a record's value or counts the records the rule
 changed. Resizing, cropping and channel conversion are functions of each image alone (no
 privacy cost); the model's input size and channels are public: the arrays' own shape (one for
-every record), or `--resize` / `--crop` for sources of image files (each file has its own size,
-so its size must not decide the model's).
+every record), or `--resize` / `--crop` for sources of images each of its own size (image files,
+`hf:` images, an npz object array: no record's size may decide the model's).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ __all__ = ["DATA_RULE", "load_images"]
 
 # The one line the job prints about its data, the same whatever the data holds.
 DATA_RULE = ("data: a record with a missing label or one outside the class list, a NaN/Inf "
-             "pixel, or a missing, unreadable or too large image (over 40M pixels or 256 MiB) "
-             "trains as a null record, pixels are clamped to their range, images are resized "
-             "and converted to the model's input (`dpprobe verify --data SPEC` lists such "
-             "records, for the data's owner)")
+             "pixel, or a missing, malformed, unreadable or too large image (over 40M pixels "
+             "or 256 MiB) trains as a null record, pixels are clamped to their range, images "
+             "are resized and converted to the model's input (`dpprobe verify --data SPEC` "
+             "lists such records, for the data's owner)")
 
 
 def load_images(config, *, rgb: bool):
@@ -61,8 +61,9 @@ def load_images(config, *, rgb: bool):
                          f"{len(splits['train'].class_names)}")
     for split in splits.values():
         if split.array is None and not (config.resize or config.crop):
-            raise ValueError(f"{split.spec or split.dataset} holds image files, each of its own "
-                             "size: give the model's input size with `resize` or `crop`")
+            raise ValueError(f"{split.spec or split.dataset} holds images each of its own "
+                             "size (files, or rows of an object array): give the model's input "
+                             "size with `resize` or `crop`")
     out = [(_as_array(splits[name], config.resize, config.crop, rgb),
             splits[name].labels.astype(np.int32)) for name in ("train", "test")]
     _refuse_null_test_records(splits["test"])
@@ -88,9 +89,10 @@ def _as_array(split, resize: int | None, crop: int | None, rgb: bool) -> np.ndar
 
 
 def _files_as_array(split, resize: int | None, crop: int | None) -> np.ndarray:
-    """Image files as uint8 (N, S, S, 3), S = `crop` or `resize`: each read as RGB, resized
-    and cropped; a file that cannot be decoded is a null record (zero pixels, label
-    `NULL_LABEL`), as is a record already null (its file is not read)."""
+    """Images of their own sizes as uint8 (N, S, S, 3), S = `crop` or `resize`: each loaded
+    by the split's rule (`extract.defects`: the caps, the pixel rule), read as RGB, resized and
+    cropped; one the rule refuses is a null record (zero pixels, label `NULL_LABEL`), as is a
+    record already null (it is not read)."""
     from dpprobe.extract.defects import NULL_LABEL, decoding, unreadable
     from dpprobe.finetune.images import resize_and_crop
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from dpprobe.extract import defects, open_source
 from dpprobe.model import read_model_file
-from dpprobe.pipelines import cli
+from dpprobe.pipelines import cli, finetune_data, finetune_job
 from dpprobe.pipelines.finetune_data import DATA_RULE
 from tests.pipelines.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
@@ -109,10 +109,19 @@ def _masked(text: str) -> str:
 
 
 def _run(directory, writer, defect, capsys, monkeypatch):
+    """`finetune` on the data `writer` writes: (stdout, stderr, the run's text files, the model
+    file's description, the trainer's input (train images, labels))."""
     directory.mkdir()
     monkeypatch.chdir(directory)
     data = writer(directory, np.random.default_rng(0), defect)
     capsys.readouterr()
+    given = []  # what the trainer is given: the data after the rule
+
+    def load_images(config, **options):
+        given.append(finetune_data.load_images(config, **options))
+        return given[-1]
+
+    monkeypatch.setattr(finetune_job, "load_images", load_images)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         status = cli.main([*JOB, *data])
@@ -126,24 +135,35 @@ def _run(directory, writer, defect, capsys, monkeypatch):
                for f in sorted((directory / "run").rglob("*")) if f.is_file()}
     texts = {name: f.read_text() for name, f in written.items() if f.suffix != ".safetensors"}
     model = read_model_file(directory / "run" / "model.safetensors")[1]
-    return printed.out, printed.err, texts, model
+    return printed.out, printed.err, texts, model, given[0][0]
+
+
+# The cases whose record the rule changes but keeps (clamped, resized, converted).
+KEPT = {"float-pixel-above-1", "odd-size", "odd-mode"}
 
 
 @pytest.fixture(params=list(DEFECTS))
 def defect_case(request, monkeypatch):
-    """(writer, defect, secrets) of one `DEFECTS` case; the "bytes" case under `BYTE_CAP`."""
+    """(writer, defect, secrets, whether the rule nulls the record) of one `DEFECTS` case; the
+    "bytes" case under `BYTE_CAP`."""
     writer, defect, secrets = DEFECTS[request.param]
     if defect == "bytes":
         monkeypatch.setattr(defects, "MAX_FILE_BYTES", BYTE_CAP)
-    return writer, defect, secrets
+    return writer, defect, secrets, request.param not in KEPT
 
 
 def test_one_defective_record_never_decides_the_finetune_run(defect_case, tmp_path, capsys,
                                                              monkeypatch):
-    writer, defect, secrets = defect_case
+    assert_neighbours_agree(*defect_case, tmp_path, capsys, monkeypatch)
+
+
+def assert_neighbours_agree(writer, defect, secrets, nulled, tmp_path, capsys, monkeypatch):
+    """`finetune` on D (`writer`'s data with `defect`) and on D with that record nulled: both
+    exit 0 and print and write the same but for DP outputs and timings, none of `secrets`
+    appears; when the rule nulls the record (`nulled`), the trainer is given the same input."""
     runs = [_run(tmp_path / name, writer, kind, capsys, monkeypatch)
             for name, kind in (("D", defect), ("D_nulled", None))]
-    (out, err, texts, model), (out_n, err_n, texts_n, model_n) = runs
+    (out, err, texts, model, given), (out_n, err_n, texts_n, model_n, given_n) = runs
     assert _masked(out) == _masked(out_n)
     assert _masked(err) == _masked(err_n)
     assert "dpprobe verify --data" in err  # the one fixed line, the same whatever the data
@@ -158,11 +178,19 @@ def test_one_defective_record_never_decides_the_finetune_run(defect_case, tmp_pa
     everything = out + err + json.dumps(texts) + json.dumps(model)
     for secret in secrets:
         assert secret not in everything, f"{secret!r} published"
+    if nulled:  # the record became exactly the null record, and nothing else changed
+        np.testing.assert_array_equal(given[1], given_n[1])
+        np.testing.assert_array_equal(given[0], given_n[0])
 
 
 def test_verify_data_lists_the_record_with_its_value_for_the_owner(defect_case, tmp_path,
                                                                    capsys, monkeypatch):
-    writer, defect, secrets = defect_case
+    assert_owner_sees(*defect_case[:3], tmp_path, capsys, monkeypatch)
+
+
+def assert_owner_sees(writer, defect, secrets, tmp_path, capsys, monkeypatch):
+    """`dpprobe verify --data` on `writer`'s data with `defect` lists that one record, by file
+    or row, with `secrets[0]` (its value or why)."""
     monkeypatch.chdir(tmp_path)
     spec = writer(tmp_path, np.random.default_rng(0), defect)[1]
     capsys.readouterr()
@@ -170,7 +198,7 @@ def test_verify_data_lists_the_record_with_its_value_for_the_owner(defect_case, 
     out = capsys.readouterr().out
     assert out.startswith("for the data's owner only, not a DP output")
     (line,) = [line for line in out.splitlines() if line.startswith("  ")]
-    assert ("row 7" in line or "07.png" in line) and secrets[0] in line
+    assert ("row 7" in line or "07." in line) and secrets[0] in line
 
 
 def test_the_rule_is_per_record_and_extract_still_refuses_by_value(tmp_path):
