@@ -19,6 +19,7 @@ from finetune.train import (
     model_inputs,
     split_trained,
     train_finetune,
+    trained_sizes,
 )
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "model_inputs",
     "print_progress",
     "train_finetune",
+    "trained_sizes",
 ]
