@@ -195,9 +195,11 @@ def likelihood_ratio_scores(projections: np.ndarray, sampling_probability: float
       * s: 1.4826 times the median absolute deviation of the array's centred projections
         over all steps and canaries (robust to the in canaries sampled).
 
-    On the CNN on digits (module docstring) the centring lifted the median bound from 0.57
-    to 0.67 (the exact mechanism without real gradients: 0.84), its 320 head weights' false
-    "in" guesses from 9 to 0 of 75."""
+    Simulated with the real gradients recorded at 5,000 coordinates of a run of the CNN on
+    digits (module docstring; 10 draws, k = 75), the centring lifted the median bound from
+    0.57 to 0.67 (without the real gradients: 0.84) and cut the false "in" guesses on the 320
+    head weights from 9 to 0 of 75; centring on the canary's mean instead let an unclipped
+    canary's own signal into its centre (bound 0.54 where the median gives 3.06)."""
     z = np.array(projections, np.float64)
     steps = z.shape[0]
     arrays = np.zeros(z.shape[1], int) if arrays is None else np.asarray(arrays)

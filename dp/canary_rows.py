@@ -4,7 +4,7 @@ placed on coordinates of the trained parameters themselves.
 A canary row is an example whose gradient is `value` e_c, a Dirac on one coordinate c of the
 trained parameters (their leaves flattened in `jax.tree.leaves` order and concatenated), in
 place of its loss's gradient (Nasr et al. 2023, Tight Auditing of Differentially Private
-Machine Learning, https://arxiv.org/abs/2302.07956, Sec. 5's Dirac canary). The clipper then
+Machine Learning, https://arxiv.org/abs/2302.07956: their Dirac canary). The clipper then
 treats it as any example: its norm enters the per-example norm by the layer's own code (the
 ghost norm of its A and B, or the norm of its instantiated gradient), it is scaled by the
 same clipping factor, summed by the same per-layer sum and noised with the rest. So a fault in
@@ -16,12 +16,14 @@ any layer's clipping or noise meets the canaries placed on that layer:
   * the auditor reads the privatized sum at c (`coordinates_of`), so noise missing on the
     layer, or on the whole model, leaves the canary's C bare.
 
-How each representation of a layer's per-example gradients holds a Dirac (`dirac_rows` for
-instantiated gradients and per-example offsets, `dirac_ghost` for a ghost layer's A and B):
-the whole row is replaced, so the canary's own forward (a public zero image) counts for
-nothing; a ghost layer's A^T B is a (d, p) matrix and the kernel's flat coordinate f is its
-entry (f // p, f % p) (the kernel is that matrix reshaped, row-major), made by A's first token
-row e_(f // p) and B's value e_(f % p), every other token row zero.
+How each representation of a layer's per-example gradients holds a Dirac: an instantiated
+gradient's (or an offset's) canary rows are replaced in its norm (`dirac_rows`), and its sum
+adds the canary rows' Diracs (`dirac_piece`) beside the other rows', with the same factors;
+a ghost layer's A and B rows are replaced (`dirac_ghost`): its A^T B is a (d, p) matrix and
+the kernel's flat coordinate f is its entry (f // p, f % p) (the kernel is that matrix
+reshaped, row-major), made by A's first token row e_(f // p) and B's value e_(f % p), every
+other token row zero. Either way the canary's own forward (a public zero image, a loss of 0)
+counts for nothing.
 """
 
 from __future__ import annotations
