@@ -16,7 +16,9 @@
   * `dp.optimizers`: the privatizer as an optax transformation, and the DP step as
     `optax.chain(privatizer(stddev, key), optax.scale(1 / expected_batch_size), optimizer)`
     with any optax optimizer and schedule;
-  * `dp.auditing`: lower bounds on epsilon from canary scores, for any trainer.
+  * `dp.auditing`: lower bounds on epsilon from canary scores, for any trainer;
+  * `dp.canaries`, `dp.canary_rows`: the white-box audit's Dirac gradient canaries on the
+    model's own coordinates, inside both clippers, and their one-run bound and estimate.
 
 `probe/` (the linear probe) and `finetune/` (whole networks) both stand on it; neither imports
 the other.

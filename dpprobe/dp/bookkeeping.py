@@ -87,6 +87,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpprobe.dp.accumulate import FLOAT64_SUMS, weighted_rows_sum
+from dpprobe.dp.canary_rows import CanaryRows, dirac_ghost, dirac_piece, dirac_rows, leaf_starts
 from dpprobe.dp.clipping import ClippedSum, Clipper
 from dpprobe.dp.norm_bounds import HIGHEST, gamma, ghost_norm, scaled_norm
 from dpprobe.dp.scaling import unit_scale, unscale
@@ -139,7 +140,8 @@ def reduction_slack(examples: int, ghost_layers: list[tuple[int, int, int]],
 
 def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
                         notices: Callable[[str], None] | None = None,
-                        dtype: Any = None, ghost: bool | None = None) -> Clipper:
+                        dtype: Any = None, ghost: bool | None = None,
+                        canaries: CanaryRows | None = None) -> Clipper:
     """The book-keeping clipper of an NNX model (module docstring).
 
     Args:
@@ -152,6 +154,12 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         A, B and every gradient are cast to float32 before norms and sums.
       ghost: None chooses ghost norm or instantiation per layer by cost (`layer_plan`); True
         uses the ghost norm wherever a rule allows it, False never (tests and benchmarks).
+      canaries: batch -> (coordinate, value) per row (`dp.canary_rows`): a row with a
+        coordinate >= 0 is a Dirac canary, whose gradient is value e_coordinate in every
+        layer's norm and sum: a ghost layer's A and B are replaced, an instantiated layer's
+        (or offset's) gradients are replaced in its norm and its sum adds the canary rows'
+        Diracs beside the other rows' (two float64 sums of n terms and their sum: within
+        kappa's margin); a rule's own ghost norm is then not used (its data has no such form).
 
     Returns:
       A `dp.Clipper` whose `params` is the trained `nnx.State` or (that state, extra).
@@ -198,17 +206,26 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
 
         (off_grads, outs), inputs = jax.grad(total, argnums=(0, 1), has_aux=True)(
             (st_off, ex_off), perturb)
+        canary = None if canaries is None else canaries(batch)
         return _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm,
-                             mask, ghost, called[0] if called else None)
+                             mask, ghost, called[0] if called else None, canary)
 
     return clip
 
 
 def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_norm, mask,
-                  ghost, first):
+                  ghost, first, canary=None):
     """Norms, factors and the clipped sum from the offsets' gradients and the taps' A and B;
-    `first`: the name of the tapped layer the forward pass called first (None: no layer)."""
+    `first`: the name of the tapped layer the forward pass called first (None: no layer);
+    `canary`: (coordinate, value) per row, the Dirac canaries (`dp.canary_rows`), or None."""
     n = mask.shape[0]
+    extras = [("extra", i) for i in range(len(jax.tree.leaves(extra)))]
+    start = dict(zip([_leaf_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(
+        state)[0]] + extras, leaf_starts((state, extra)), strict=False))  # state, then extra
+
+    def as_canaries(key, g):  # a leaf's per-example gradients with the canary rows' Diracs
+        return g if canary is None else dirac_rows(g, start[key], *canary)
+
     parts, norms = {}, []  # tap name -> ("ghost", a, b), ("rule", data), ("inst", {param: g})
     # A rule's per-example gradients are formed once the backward pass is over (the b of the
     # layer called first is its last value) and one layer after another (the previous ones'
@@ -229,10 +246,11 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         if rule.row_grads is not None:
             grads = rule.row_grads(module, a, b)
             parts[name] = ("inst", grads)
-            norms += [scaled_norm(v) for v in grads.values()]
+            norms += [scaled_norm(as_canaries((*path, p), v)) for p, v in grads.items()]
             continue
-        if rule.ghost is not None and (rule.ghost.prefer(n, a.shape[1], a.shape[2], b.shape[2])
-                                       if ghost is None else ghost):
+        if canary is None and rule.ghost is not None and (
+                rule.ghost.prefer(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None
+                else ghost):
             norm, data = rule.ghost.norm(module, a, b)
             parts[name] = ("rule", data)
             norms.append(norm)
@@ -240,6 +258,8 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         plan = layer_plan(n, a.shape[1], a.shape[2], b.shape[2]) if ghost is None else (
             "ghost" if ghost else "instantiate")
         if rule.grads is None and plan == "ghost":
+            if canary is not None:
+                a, b = dirac_ghost(a, b, start[(*path, rule.params[0])], *canary)
             parts[name] = ("ghost", a, b)
             norms.append(ghost_norm(a, b))
             continue
@@ -253,8 +273,12 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         else:
             grads = jax.vmap(lambda gi, m=module, r=rule: r.grads(m, gi))(g)
         parts[name] = ("inst", grads)
-        norms += [scaled_norm(v) for v in grads.values()]
-    small = [g.reshape(n, -1) for g in jax.tree.leaves(off_grads) if g is not None]
+        norms += [scaled_norm(as_canaries((*path, p), v)) for p, v in grads.items()]
+    st_off, ex_off = off_grads  # the parameters no rule covers, then extra's
+    offsets = [(_leaf_path(kp), o) for kp, o in jax.tree_util.tree_flatten_with_path(
+        st_off, is_leaf=lambda x: x is None)[0] if o is not None]
+    offsets += list(zip(extras, jax.tree.leaves(ex_off), strict=True))
+    small = [as_canaries(key, o).reshape(n, -1) for key, o in offsets]
     leaves = len(norms) + len(small)  # kappa counts every leaf, as if normed one by one
     if small:  # one norm of them all (exact concatenation): a few large reductions, not ~100
         norms.append(scaled_norm(jnp.concatenate(small, axis=1)))
@@ -278,8 +302,15 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
     keep = factor > 0
     factor, keep = _materialized(factor, keep)
 
-    def weighted(g):
-        return weighted_sum(g, factor, keep, acc)
+    def weighted(g, key):  # a leaf's clipped sum
+        if canary is None:
+            return weighted_sum(g, factor, keep, acc)
+        # Its canary rows' Diracs (`dp.canary_rows`), with the same factors, beside the other
+        # rows' gradients: in a selected copy of g, XLA:CPU fused g's whole computation into the
+        # sum's row loop (the CNN's conv2 at a physical batch of 64: 7 -> 42 ms).
+        piece = dirac_piece(g.shape[1:], start[key], *canary, g.dtype)
+        return (weighted_sum(g, factor, keep & (canary[0] < 0), acc)
+                + weighted_sum(piece, factor, keep, acc))
 
     sums = {}
     for path, name in names.items():
@@ -294,13 +325,13 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
                 sums[(*path, param)] = g
         else:
             for param, g in data[0].items():
-                sums[(*path, param)] = weighted(g)
-    st_off, ex_off = off_grads
+                sums[(*path, param)] = weighted(g, (*path, param))
     grads = jax.tree_util.tree_map_with_path(
-        lambda kp, v, o: sums[_leaf_path(kp)] if o is None else weighted(o),
+        lambda kp, v, o: sums[_leaf_path(kp)] if o is None else weighted(o, _leaf_path(kp)),
         state, st_off, is_leaf=lambda x: x is None)
     if extra is not None:
-        grads = (grads, jax.tree.map(weighted, ex_off))
+        grads = (grads, jax.tree.unflatten(jax.tree.structure(ex_off), [
+            weighted(o, key) for key, o in zip(extras, jax.tree.leaves(ex_off), strict=True)]))
     return ClippedSum(grads, total)
 
 

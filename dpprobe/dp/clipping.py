@@ -20,6 +20,11 @@ by a rule that looks at that example alone (`valid_labels`, `zero_nonfinite_rows
 `null_if_nonfinite`), so no outcome depends on whether one private record is bad. A trainer's
 input that holds a null record on purpose (an excluded canary) gives it the label `NULL_LABEL`.
 
+Canary rows. Both clippers take `canaries` (`dp.canary_rows`): a row it marks has the gradient
+value e_c on one coordinate c of the parameters in place of its loss's (the white-box audit's
+Dirac canaries, `dp.canaries`), and is clipped and summed like any row, so that the audit sees
+each layer's clipping and noise.
+
 Formal guarantee:
   For every clipper here and any input values, each example with mask 1 contributes to
   `grads` a vector of L2 norm at most `clip_norm`, and each example with mask 0 contributes
@@ -35,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from dpprobe.dp.accumulate import FLOAT64_SUMS
+from dpprobe.dp.canary_rows import CanaryRows, dirac_example
 
 __all__ = ["NULL_LABEL", "ClippedSum", "Clipper", "null_if_nonfinite", "per_example_clipper",
            "valid_labels", "zero_nonfinite_rows"]
@@ -81,8 +87,8 @@ def null_if_nonfinite(grads: Any) -> Any:
     return jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
 
 
-def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int | None = None
-                        ) -> Clipper:
+def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int | None = None,
+                        canaries: CanaryRows | None = None) -> Clipper:
     """The general clipper: each example's gradient of `loss`, clipped and summed
     (`jax_privacy.clipping.clipped_fun` over `jax.grad`, as `jax_privacy.clipped_grad` builds
     it, with the norms its clipping used: asking `clipped_grad` for them would compute every
@@ -93,6 +99,9 @@ def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int 
         batch axis of 1 (how `jax_privacy.clipped_grad` calls it).
       microbatch_size: examples per vmapped chunk inside a batch (less memory, more
         sequential work); None: the whole batch at once.
+      canaries: batch -> (coordinate, value) per row (`dp.canary_rows`): a row with a
+        coordinate >= 0 is a Dirac canary, its gradient value e_coordinate over the flattened
+        parameters in place of its loss's, then clipped and summed as any row's.
 
     Returns:
       A `Clipper`. A gradient with a non-finite coordinate is zeroed before clipping
@@ -102,9 +111,15 @@ def per_example_clipper(loss: Callable[..., jax.Array], *, microbatch_size: int 
     from jax_privacy.clipping import clipped_fun
 
     def example_grad(params, *example):
-        return null_if_nonfinite(jax.grad(loss)(params, *example))
+        if canaries is None:
+            return null_if_nonfinite(jax.grad(loss)(params, *example))
+        *example, coordinate, value = example  # (1,) each: one example with its batch axis
+        grads = dirac_example(jax.grad(loss)(params, *example), coordinate[0], value[0])
+        return null_if_nonfinite(grads)
 
     def clip(params, batch: tuple, clip_norm, mask) -> ClippedSum:
+        if canaries is not None:
+            batch = (*batch, *canaries(batch))
         clipped = clipped_fun(example_grad, batch_argnums=tuple(range(1, 1 + len(batch))),
                               l2_clip_norm=clip_norm, return_norms=True,
                               microbatch_size=microbatch_size,

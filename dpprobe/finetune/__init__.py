@@ -30,6 +30,7 @@ from dpprobe.finetune.train import (
     model_inputs,
     split_trained,
     train_finetune,
+    trained_sizes,
 )
 
 __all__ = [
@@ -59,4 +60,5 @@ __all__ = [
     "model_inputs",
     "print_progress",
     "train_finetune",
+    "trained_sizes",
 ]

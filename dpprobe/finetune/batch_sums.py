@@ -43,27 +43,26 @@ def _example_loss_fn(graphdef, rest, spec: FinetuneSpec, flags: FinetuneFlags, a
                      canaries: tuple[int, float] | None):
     """The loss of one example (leading batch axis of 1, as `clipped_grad` calls it):
     `_model_loss_fn` on the model merged from `params` (cast to bfloat16 for mixed
-    precision). With gradient canaries, params = (the model's, the canary block)."""
+    precision)."""
     model_loss = _model_loss_fn(spec, aug_key, canaries)
 
     def loss(params, image, label, row):
-        model_params, block = params if canaries is not None else (params, None)
         if flags.mixed_precision:
-            model_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), model_params)
-        return model_loss(nnx.merge(graphdef, model_params, rest), block, image[0], label[0],
-                          row[0])
+            params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        return model_loss(nnx.merge(graphdef, params, rest), None, image[0], label[0], row[0])
 
     return loss
 
 
 def _model_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | None):
     """The loss of one example (no batch axis) given the model (`dp.bookkeeping_clipper` calls
-    it with the tapped model) and the canary block: the mean over its K views of the
+    it with the tapped model; no extra parameters): the mean over its K views of the
     cross-entropy. With gradient canaries (`canaries` = (N, norm)), row N + j is canary j,
-    whose loss is norm * block[j] (`dp.canaries`): its whole gradient is norm e_j in the
-    block."""
+    whose loss is 0: the clipper gives its row the Dirac gradient norm e_c instead
+    (`_canary_rows`)."""
 
-    def loss(model, block, image, label, row):
+    def loss(model, extra, image, label, row):
+        del extra
         views = model_inputs(views_of(image, jax.random.fold_in(aug_key, row), views=spec.augmult,
                                       padding=spec.crop_padding, flip=spec.flip), spec)
         logits = model(views.astype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype))
@@ -71,21 +70,34 @@ def _model_loss_fn(spec: FinetuneSpec, aug_key, canaries: tuple[int, float] | No
             logits.astype(jnp.float32), jnp.broadcast_to(label, logits.shape[:1])).mean()
         if canaries is None:
             return value
-        num_real, norm = canaries
-        canary = row - num_real
-        return jnp.where(canary >= 0, norm * block[jnp.clip(canary, 0, block.shape[0] - 1)],
-                         value)
+        return jnp.where(row >= canaries[0], 0.0, value)
 
     return loss
+
+
+def _canary_rows(canaries: tuple[int, float] | None, coordinates):
+    """The clippers' canary rows (`dp.canary_rows`): row N + j has the gradient norm e_c,
+    c = coordinates[j] over the trained leaves; None without canaries."""
+    if canaries is None:
+        return None
+    num_real, norm = canaries
+
+    def rows_of(batch):
+        canary = batch[2] - num_real  # batch = (images, labels, global rows)
+        inside = jnp.clip(canary, 0, coordinates.shape[0] - 1)
+        return (jnp.where(canary >= 0, coordinates[inside], -1).astype(jnp.int32),
+                jnp.full(canary.shape, norm, jnp.float32))
+
+    return rows_of
 
 
 def _notice(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
-                spec: FinetuneSpec, flags: FinetuneFlags,
-                canaries: tuple[int, float] | None = None, structure: tuple | None = None):
+def _clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key,
+                 coordinates=None, *, spec: FinetuneSpec, flags: FinetuneFlags,
+                 canaries: tuple[int, float] | None = None, structure: tuple | None = None):
     """The sum over one physical batch of each example's view-averaged gradient clipped to
     `clip`; masked rows and null records contribute exactly zero. Traced with x64 on so that
     the reduction over the batch's examples is float64 (`dp.bookkeeping`'s guarantee: one
@@ -96,7 +108,8 @@ def _clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_k
         uint8 or float.
       labels, mask, rows: (p,) labels, 0/1 mask, and global row indices (they pick each
         example's augmentation key, so a view never depends on the batch).
-      canaries: (N, norm) when rows N.. are gradient canaries (`_example_loss_fn`).
+      coordinates: (m,) int32, canary j's coordinate over the trained leaves (`canaries`).
+      canaries: (N, norm) when rows N.. are gradient canaries (`_canary_rows`).
       structure: None, or the treedefs of (params, rest) when both come as lists of arrays
         (the trainer: no `nnx.Variable` is built or flattened per call); the sums then come
         back as a list too. `graphdef` may be its `graph_key` (hashed once).
@@ -108,24 +121,26 @@ def _clipped_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_k
     if flags.clipping == "bookkeeping":
         clipper = bookkeeping_clipper(
             _model_loss_fn(spec, aug_key, canaries), graphdef, rest, notices=_notice,
-            dtype=jnp.bfloat16 if flags.mixed_precision else None)
+            dtype=jnp.bfloat16 if flags.mixed_precision else None,
+            canaries=_canary_rows(canaries, coordinates))
         return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
                                         clip, mask * valid).grads)
     clipper = per_example_clipper(
         _example_loss_fn(graphdef, rest, spec, flags, aug_key, canaries),
-        microbatch_size=flags.microbatch_size)
+        microbatch_size=flags.microbatch_size, canaries=_canary_rows(canaries, coordinates))
     with im2col_convolutions():  # vmapped kernel gradients as batched matmuls (models._conv)
         return _pack(structure, clipper(params, (images, jnp.where(valid, labels, 0), rows),
                                         clip, mask * valid).grads)
 
 
-def _gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key, *,
-                 spec: FinetuneSpec, flags: FinetuneFlags,
-                 canaries: tuple[int, float] | None = None, structure: tuple | None = None):
+def _gradient_sum(graphdef, params, rest, images, labels, mask, rows, clip, aug_key,
+                  coordinates=None, *, spec: FinetuneSpec, flags: FinetuneFlags,
+                  canaries: tuple[int, float] | None = None, structure: tuple | None = None):
     """NOT private: `clipped_sum` without the clipping (`clip` is ignored), for the
     non-private reference: one backward pass of the sum over the batch's unmasked rows of each
-    example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero."""
-    del clip
+    example's (view-averaged) loss. Masked rows, bad labels and non-finite images count zero.
+    No canaries (they audit a privacy claim)."""
+    del clip, coordinates
     graphdef, params, rest = _unpack(graphdef, params, rest, structure)
     if jnp.issubdtype(images.dtype, jnp.floating):
         images, mask = zero_nonfinite_rows(images.astype(jnp.float32), mask)
@@ -162,8 +177,9 @@ def _pack(structure, sums):
 
 @functools.partial(x64_jit, static_argnames=_STATIC + ("private",))
 def stacked_sums(graphdef, params, rest, total, images, labels, mask, rows, count, clip,
-                 aug_base, step, *, spec: FinetuneSpec, flags: FinetuneFlags,
-                 canaries: tuple[int, float] | None = None, structure: tuple, private: bool):
+                 aug_base, step, coordinates=None, *, spec: FinetuneSpec,
+                 flags: FinetuneFlags, canaries: tuple[int, float] | None = None,
+                 structure: tuple, private: bool):
     """`total` plus the sums of the first `count` physical batches stacked on the leading
     axis, each added in float64 in turn: `clipped_sum` (`private`) or `gradient_sum` of each
     (m, p, ...) slice, with step `step`'s augmentation key `fold_in(aug_base, step)`.
@@ -174,6 +190,7 @@ def stacked_sums(graphdef, params, rest, total, images, labels, mask, rows, coun
       images, labels, mask, rows: (m, p, ...) physical batches; those past `count` (clipped
         to [0, m]) are never read (a traced trip count: one compiled program for every
         sampled batch size).
+      coordinates, canaries: the gradient canaries' coordinates and (N, norm) (`clipped_sum`).
       structure: the treedefs of (params, rest), which come as lists of arrays.
     Returns the new total's leaves (float64)."""
     one = _clipped_sum if private else _gradient_sum
@@ -181,8 +198,8 @@ def stacked_sums(graphdef, params, rest, total, images, labels, mask, rows, coun
 
     def add(acc, index):
         part = one(graphdef, params, rest, images[index], labels[index], mask[index],
-                   rows[index], clip, aug_key, spec=spec, flags=flags, canaries=canaries,
-                   structure=structure)
+                   rows[index], clip, aug_key, coordinates, spec=spec, flags=flags,
+                   canaries=canaries, structure=structure)
         return add_float64(acc, part)
 
     total = [t.astype(jnp.float64) for t in total]

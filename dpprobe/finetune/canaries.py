@@ -6,8 +6,9 @@ one model trained by the production `train_finetune`, one score per canary, and
 Two kinds of canaries:
   * gradient canaries (`audit_finetune_gradients`, the default of `dpprobe finetune
     --audit-canaries`): white-box, tight (`dp.canaries`: Dirac canary gradients of norm far
-    above C through the trainer's own sampling, clipping and noise, scored on every step's
-    privatized sum), with a rigorous lower bound and an estimate of epsilon;
+    above C on coordinates of the model's own parameters, through the trainer's own sampling,
+    clipping and noise, scored on every step's privatized sum at those coordinates), with a
+    rigorous lower bound and an estimate of epsilon;
   * image canaries (`audit_finetune`, below): black-box, loose by nature.
 
 Image canaries.
@@ -55,7 +56,7 @@ from dpprobe.dp.canaries import GradientCanaries, GradientCanaryAudit, audit_gra
 from dpprobe.dp.clipping import NULL_LABEL
 from dpprobe.finetune.graph_key import graph_key, graph_of
 from dpprobe.finetune.specs import FinetuneResult, FinetuneSpec
-from dpprobe.finetune.train import model_inputs, train_finetune
+from dpprobe.finetune.train import model_inputs, split_trained, train_finetune, trained_sizes
 
 __all__ = [
     "NOTE",
@@ -189,18 +190,23 @@ def audit_finetune_gradients(model: nnx.Module, images, labels, plan: DpPlan,
                              spec: FinetuneSpec, *, canaries: int = 5000, delta: float = 1e-5,
                              confidence: float = 0.95, seed: int = 0, accountant: str = "pld",
                              **train_options) -> tuple[FinetuneResult, GradientCanaryAudit]:
-    """Train one model with `canaries` white-box gradient canaries (`dp.canaries`) and bound
-    and estimate epsilon from every step's privatized sum on them.
+    """Train one model with `canaries` white-box gradient canaries (`dp.canaries`: Dirac
+    gradients on coordinates of the model's trained parameters) and bound and estimate
+    epsilon from every step's privatized sum at those coordinates.
 
     Args:
       model, images, labels, plan, spec, canaries, delta, confidence, accountant,
-        **train_options: as for `audit_finetune`.
-      seed: the canaries' in/out coins (the auditor's public randomness).
+        **train_options: as for `audit_finetune`; `canaries` at most the number of trained
+        parameters (one coordinate each).
+      seed: the canaries' coordinates and in/out coins (the auditor's public randomness; the
+        mechanism's noise and sampling still come from OS entropy).
 
     Returns:
-      (the trained audit model's `FinetuneResult`, the `GradientCanaryAudit`).
+      (the trained audit model's `FinetuneResult`: an audit artefact, its trained parameters
+      moved by the included canaries; the `GradientCanaryAudit`).
     """
-    drawn = GradientCanaries.draw(canaries, np.random.default_rng(seed))
+    sizes = trained_sizes(split_trained(model, spec)[1])
+    drawn = GradientCanaries.draw(canaries, sizes, np.random.default_rng(seed))
     result = train_finetune(model, images, labels, plan, spec, canaries=drawn, **train_options)
     audit = audit_gradient_canaries(result.canary_projections, drawn, plan, delta=delta,
                                     confidence=confidence, accountant=accountant)

@@ -165,7 +165,7 @@ class FinetuneResult:
 
     `batch_sizes` (each sampled logical batch size) is an exact statistic of the private data:
     for local debugging only, never to be published. `canary_projections` (an audited run's
-    (T, m) privatized sums on the gradient canaries' block, over C) are DP outputs.
+    (T, m) privatized sums at the gradient canaries' coordinates, over C) are DP outputs.
 
     `compile_seconds` (the first step run, compiling included) and `images_per_second` (the
     steps after it, counted at the expected batch size q N: `finetune.timing`) are wall-clock

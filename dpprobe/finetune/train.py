@@ -56,6 +56,7 @@ from flax import nnx
 from dpprobe.accounting import DpPlan
 from dpprobe.dp.accumulate import x64_jit
 from dpprobe.dp.canaries import GradientCanaries, canary_tap
+from dpprobe.dp.canary_rows import coordinates_of
 from dpprobe.dp.clipping import NULL_LABEL
 from dpprobe.dp.distributed import local_batches, shared_generator, sum_over_processes
 from dpprobe.dp.noise import make_keys, noise_stddev
@@ -70,7 +71,7 @@ from dpprobe.finetune.specs import FinetuneFlags, FinetuneResult, FinetuneSpec, 
 from dpprobe.finetune.timing import StepClock
 
 __all__ = ["clipped_sum", "ema_decay_at", "gradient_sum", "init_state", "model_inputs",
-           "split_trained", "train_finetune"]
+           "split_trained", "train_finetune", "trained_sizes"]
 
 
 def ema_decay_at(step: int | jax.Array, decay: float):
@@ -84,25 +85,27 @@ def ema_decay_at(step: int | jax.Array, decay: float):
 
 
 def _transform(spec: FinetuneSpec, steps: int, stddev, key, denominator, clip,
-               canaries: int = 0, private: bool = True):
+               canaries: int = 0, private: bool = True, coordinates=None):
     """The run's DP update (`dp.private_optimizer`): noise, the mean over the expected batch,
     then the recipe's optimizer with its learning-rate schedule (post-processing); with
-    `canaries` > 0, the auditor's tap records each step's noisy sum on the canary block.
+    `canaries` > 0, the auditor's tap records each step's noisy sum at the canaries'
+    `coordinates` of the model's parameters (none needed to initialize its state).
     `private=False` (the non-private reference): the same without the noise."""
     optimizer = make_optimizer(spec.optimizer, spec.learning_rate_schedule(steps),
                                momentum=spec.momentum)
     if not private:
         return optax.chain(optax.scale(1.0 / denominator), optimizer)
-    tap = (canary_tap(lambda sums: sums[1], steps=steps, count=canaries, clip_norm=clip)
-           if canaries else None)
+    tap = (canary_tap(lambda sums: coordinates_of(sums, coordinates), steps=steps,
+                      count=canaries, clip_norm=clip) if canaries else None)
     return private_optimizer(optimizer, stddev=stddev, key=key, expected_batch_size=denominator,
                              observer=tap)
 
 
 @functools.partial(x64_jit, static_argnames=("spec", "steps", "canaries", "private", "trees"),
                    donate_argnums=(0,))
-def dp_update(state, sums, step, stddev, key, denominator, clip, *, spec: FinetuneSpec,
-              steps: int, canaries: int = 0, private: bool = True, trees: tuple):
+def dp_update(state, sums, step, stddev, key, denominator, clip, coordinates=None, *,
+              spec: FinetuneSpec, steps: int, canaries: int = 0, private: bool = True,
+              trees: tuple):
     """Noise, mean, optimizer (`_transform`), then the EMA at step `step`'s decay, on the
     leaves of (params, opt_state, ema) and of the step's sums (`trees`: their treedefs; lists
     of arrays, so that no `nnx.Variable` is built on the host per step); returns the new
@@ -112,7 +115,7 @@ def dp_update(state, sums, step, stddev, key, denominator, clip, *, spec: Finetu
     sums = jax.tree.unflatten(trees[1], sums)
     if not private:
         sums = jax.tree.map(lambda v: v.astype(jnp.float32), sums)
-    tx = _transform(spec, steps, stddev, key, denominator, clip, canaries, private)
+    tx = _transform(spec, steps, stddev, key, denominator, clip, canaries, private, coordinates)
     updates, opt_state = tx.update(sums, opt_state, params)
     params = optax.apply_updates(params, updates)
     if spec.ema_decay is not None:
@@ -123,15 +126,19 @@ def dp_update(state, sums, step, stddev, key, denominator, clip, *, spec: Finetu
 
 def init_state(params, spec: FinetuneSpec, plan: DpPlan, noise_key: jax.Array,
                num_examples: int, canaries: int = 0) -> TrainState:
-    """Step 0: the model's parameters (with `canaries` > 0: and a zero canary block), the run's
-    optimizer state (the transformation its updates use), the EMA at the parameters."""
+    """Step 0: the model's parameters, the run's optimizer state (the transformation its
+    updates use; with `canaries` > 0, the auditor's tap), the EMA at the parameters."""
     params = jax.tree.map(jnp.copy, params)  # the update donates them; the model keeps its own
-    if canaries:
-        params = (params, jnp.zeros((canaries,), jnp.float32))
     tx = _transform(spec, plan.steps, *_noise_and_mean(plan, noise_key, num_examples),
                     jnp.float32(plan.clip_norm), canaries, _clipped(plan))
     ema = jax.tree.map(jnp.copy, params) if spec.ema_decay is not None else None
     return TrainState(params, tx.init(params), ema, 0)
+
+
+def trained_sizes(params) -> tuple[int, ...]:
+    """The sizes of the trained parameters' leaves (`jax.tree.leaves` order): where gradient
+    canaries may go (`dp.GradientCanaries.draw`)."""
+    return tuple(int(np.prod(np.shape(v))) for v in jax.tree.leaves(params))
 
 
 def _clipped(plan: DpPlan) -> bool:
@@ -199,8 +206,10 @@ def train_finetune(
       on_step: called after every step with the state and the sampler.
       progress: called after every step with the number of steps done.
       canaries: white-box gradient canaries (`dp.canaries`): m more rows, N..N+m-1, sampled,
-        clipped and noised with the real ones (`plan` is then of N + m rows); each step's
-        privatized sum on their block is returned in `canary_projections`.
+        clipped and noised with the real ones (`plan` is then of N + m rows), canary j's
+        gradient a Dirac on coordinate `canaries.coordinates[j]` of the trained parameters
+        (which it moves: the model is an audit artefact); each step's privatized sum at those
+        coordinates is returned in `canary_projections`.
       rows: (start, stop, N) in a multi-process job (`dp.distributed`): `images` and `labels`
         are rows [start, stop) of the job's N; every process samples the same batches (`rng`
         None: `dp.distributed.shared_generator`), sums the clipped gradients of its own rows,
@@ -218,7 +227,7 @@ def train_finetune(
     p = flags.physical_batch_size
     count = 0 if canaries is None else canaries.count
     num_examples = num_real + count
-    if count:  # canary j's row: any image (its loss ignores it), label 0 if in, else null
+    if count:  # canary j's row: a zero image (its gradient is a Dirac), label 0 if in, else null
         labels = np.concatenate([labels, np.where(canaries.included, 0, NULL_LABEL)])
     static_canaries = (num_real, canaries.norm) if count else None
     private = _clipped(plan)
@@ -226,6 +235,10 @@ def train_finetune(
         raise ValueError("canaries audit a privacy claim; a non-private plan (clip_norm = inf) "
                          "has none")
     graphdef, params, rest = split_trained(model, spec)
+    coordinates = None
+    if count:
+        canaries.check_sizes(trained_sizes(params))
+        coordinates = jnp.asarray(canaries.coordinates, jnp.int32)
     key = graph_key(graphdef)  # a static jit argument hashed once, not per physical batch
     state = init_state(params, spec, plan, keys[0], num_examples, count)
     if checkpointer is not None and (restored := checkpointer.restore(state)) is not None:
@@ -261,11 +274,11 @@ def train_finetune(
             sums = stacked_sums(key, leaves[:len(zeros)], rest_leaves, sums,
                                 *place(*stacked_rows(images, labels, group, first, stack)),
                                 np.int32(len(group)), clip, aug_base, np.int32(step),
-                                spec=spec, flags=flags, canaries=static_canaries,
+                                coordinates, spec=spec, flags=flags, canaries=static_canaries,
                                 structure=structure, private=private)
         leaves = dp_update(leaves, sum_over_processes(sums), step, stddev, noise_key,
-                           denominator, clip, spec=spec, steps=plan.steps, canaries=count,
-                           private=private, trees=trees)
+                           denominator, clip, coordinates, spec=spec, steps=plan.steps,
+                           canaries=count, private=private, trees=trees)
         clock.step_done(leaves, last=step + 1 == plan.steps)
         if checkpointer is not None and checkpointer.due(step + 1):
             checkpointer.save(state_after(step), keys, rng)
@@ -275,9 +288,8 @@ def train_finetune(
             progress(step + 1)
     params, opt_state, ema, _ = state_after(plan.steps - 1)
     projections = None
-    if count:  # the tap's record (opt_state[1]: right after the privatizer), then the model's
+    if count:  # the tap's record (opt_state[1]: right after the privatizer)
         projections = np.asarray(opt_state[1].projections)
-        params, ema = params[0], None if ema is None else ema[0]
     trained = wrap(nnx.merge(graphdef, params, rest))
     ema_model = None if ema is None else wrap(nnx.merge(graphdef, ema, rest))
     return FinetuneResult(trained, ema_model, plan.steps, batch_sizes, projections,

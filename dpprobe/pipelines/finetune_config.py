@@ -69,8 +69,9 @@ class FinetuneConfig:
         `seed`), each in with probability 1/2, and the one-run bounds on epsilon
         (`finetune.canaries`); 0: off. The epochs count the real records only, so an audited
         run takes as many steps as the run it audits.
-      audit_kind: "gradient" (white-box gradient canaries, `dp.canaries`: a rigorous lower
-        bound and an estimate of epsilon) or "image" (black-box noise-image canaries, loose).
+      audit_kind: "gradient" (white-box Dirac gradient canaries on the model's own
+        coordinates, at most one per trained parameter, `dp.canaries`: a rigorous lower bound
+        and an estimate of epsilon) or "image" (black-box noise-image canaries, loose).
     """
 
     data: str = option("fashion-mnist",
@@ -161,12 +162,13 @@ class FinetuneConfig:
     audit_canaries: int = option(
         0, type=integer, metavar="M", help="one-run privacy audit (Steinke et al. 2023): add M "
         "canaries, each in with probability 1/2 (seeded by --seed), and bound epsilon from "
-        "below; the model is then an audit model. Exit status 1 when the bound exceeds the "
+        "below; the model is then an audit artefact. Exit status 1 when the bound exceeds the "
         "claim (default 0: off; 5000 gives a tight audit)")
     audit_kind: str = option(
         "gradient", choices=AUDIT_KINDS, help="gradient (default): white-box gradient "
-        "canaries, a rigorous lower bound and an estimate of epsilon; image: black-box noise "
-        "images (loose)")
+        "canaries on the model's own coordinates (M at most its trained parameters), a "
+        "rigorous lower bound and an estimate of epsilon; image: black-box noise images "
+        "(loose)")
     coordinator: str | None = processes.coordinator_option()
     num_processes: int | None = processes.num_processes_option()
     process_id: int | None = processes.process_id_option()

@@ -206,7 +206,8 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         from dpprobe.finetune.canaries import audit_finetune, audit_finetune_gradients
 
         log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
-            f"probability 1/2 (seed {config.seed}); this trains an audit model", quiet)
+            f"probability 1/2 (seed {config.seed}); this trains an audit artefact, not the "
+            "production model", quiet)
         auditor = audit_finetune_gradients if config.audit_kind == "gradient" else audit_finetune
         trained, audit = auditor(model, *train, plan, spec, canaries=config.audit_canaries,
                                  delta=config.delta, seed=config.seed,
@@ -266,12 +267,17 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         "ledger": ledger.to_dict(config.delta, config.accountant),
     }
     if audit is not None:
+        moved = (" whose Dirac gradients moved the coordinates they sit on"
+                 if config.audit_kind == "gradient" else "")
         results["audit"] = audit.to_dict() | {"model": (
-            f"an audit model: trained on the {num_real} real records and {audit.included} "
-            f"of the {audit.canaries} canaries ({audit.canaries - audit.included} null "
-            "records), so its accuracy is not the production model's; the privacy claim "
-            "covers the real records with the canaries present")}
+            f"an audit artefact, not the production model: trained on the {num_real} real "
+            f"records and {audit.included} of the {audit.canaries} canaries{moved} "
+            f"({audit.canaries - audit.included} null records), with fewer real records per "
+            "step, so its weights and accuracy are not the production model's; the privacy "
+            "claim covers the real records with the canaries present")}
         results["privacy"]["num_canaries"] = config.audit_canaries
+    # Whether the released model is an audited run's (its file says so too).
+    results["model"]["audit_artefact"] = audit is not None
     released = "EMA" if trained.ema_model is not None else "final iterate"
     results["model"]["released_parameters"] = released
     if out is not None:

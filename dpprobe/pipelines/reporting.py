@@ -353,7 +353,7 @@ def finetune_audit_line(audit: dict) -> str:
                 f"{100 * audit['confidence']:g}% confidence (rigorous), estimate "
                 f"{audit['epsilon_estimate']:.3f} (not a bound), delta {audit['delta']:g}; "
                 f"claimed {audit['claimed_epsilon']:.3f}; {verdict}; the model is an audit "
-                "model (trained with the canaries)")
+                "artefact (the canaries moved its weights)")
     verdict = ("CLAIM REFUTED" if audit["refuted"] else
                "consistent with the claim (a weak one-run lower bound, not a proof of privacy)")
     return (f"audit (one run, {audit['canaries']} canaries, {audit['included']} in): epsilon >= "

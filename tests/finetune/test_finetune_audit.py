@@ -108,7 +108,7 @@ def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monke
     audit = results["audit"]
     assert audit["canaries"] == 20 and audit["epsilon_lower"] <= audit["claimed_epsilon"]
     assert audit["claimed_epsilon"] == pytest.approx(results["privacy"]["epsilon"])
-    assert "audit model" in audit["model"]
+    assert "audit artefact" in audit["model"] and results["model"]["audit_artefact"] is True
     assert results["data"]["num_train"] == 40 and results["privacy"]["num_canaries"] == 20
     assert results["privacy"]["plan"]["sampling_probability"] == pytest.approx(40 / 60)
     assert results["privacy"]["plan"]["steps"] == 2

@@ -216,7 +216,7 @@ def test_train_modes_fail_loudly_where_they_select_nothing_or_mean_nothing():
         finetune.train_finetune(_model("cnn"), np.zeros((4, 16, 16, 1), np.uint8),
                                 np.zeros(4, int), accounting.DpPlan(0.0, 1, 1.0, math.inf),
                                 _spec("all", 1), canaries=GradientCanaries.draw(
-                                    4, np.random.default_rng(0)))
+                                    20, (100,), np.random.default_rng(0)))
 
 
 # ------------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
     model = dpmodel.load_model(tmp_path / "run" / "model.safetensors")
     assert model.document["parameters"]["released"] == "EMA"
     assert results["model"]["released_parameters"] == "EMA"
+    assert results["model"]["audit_artefact"] is False  # no canaries: the production model
+    assert model.document["backbone"]["model"]["audit_artefact"] is False
     assert model.document["training"]["reported"]["test_accuracy"] == results["test_accuracy_ema"]
     assert model.privacy.epsilon == privacy["epsilon"] and model.class_names == list(CLASSES)
     assert not (tmp_path / "run" / "checkpoint").exists()  # it held the noise key
