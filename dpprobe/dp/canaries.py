@@ -215,10 +215,10 @@ def likelihood_ratio_scores(projections: np.ndarray, sampling_probability: float
     spread = np.maximum(spread, 1e-12)
     q = float(sampling_probability)
     log_ratio = (z - 0.5) / np.square(spread)
-    # log(1 - q + q e^x), stably for large x.
-    per_step = np.where(log_ratio > 0,
-                        log_ratio + np.log(q + (1 - q) * np.exp(-np.clip(log_ratio, 0, 700))),
-                        np.log1p(q * np.expm1(np.minimum(log_ratio, 0))))
+    # log(1 - q + q e^x) as a log-sum-exp: finite for any x, also at q = 1 (full batch), where
+    # log1p(q expm1(x)) is log1p(-1) = -inf once e^x underflows.
+    with np.errstate(divide="ignore"):
+        per_step = np.logaddexp(np.log1p(-q), np.log(q) + log_ratio)
     return per_step.sum(axis=0)
 
 

@@ -20,7 +20,6 @@ from dpprobe.extract.defects import (
     decoding,
     first_line,
     image_error,
-    label_values,
     load_image,
     open_image,
     pixel_rule,
@@ -28,7 +27,6 @@ from dpprobe.extract.defects import (
     strict_decoding,
     unreadable,
 )
-from dpprobe.extract.npz_objects import object_array, object_images_split
 from dpprobe.extract.splits import ImageSplit, PrecomputedSplit, arrays_sha256, check_label_range
 
 __all__ = [
@@ -128,11 +126,10 @@ def read_digits() -> dict[str, ImageSplit]:
     }
 
 
-def _load_npz(path: Path, keys: tuple[str, ...], *,
-              objects: bool = False) -> dict[str, np.ndarray]:
-    """The arrays `keys` (and `class_names`, when there) of an npz; an object array is read by
-    `extract.npz_objects` when `objects` (a publishing job's images and labels), else
-    refused."""
+def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The arrays `keys` (and `class_names`, when there) of an npz. An object array is refused
+    whole, never unpickled: a pickle's content can run code or corrupt memory, whatever
+    allow-list reads it (save rows of their own shapes as image files or an `hf:` dataset)."""
     if not path.exists():
         raise FileNotFoundError(f"npz file {path} does not exist")
     if not path.is_file():
@@ -151,16 +148,10 @@ def _load_npz(path: Path, keys: tuple[str, ...], *,
             raise ValueError(f"{path} lacks arrays {missing}; it holds {data.files}")
         wanted = keys + tuple(k for k in ("class_names",) if k in data.files)
         try:
-            return {k: _member(data, k) if objects and k in keys else data[k] for k in wanted}
+            return {k: data[k] for k in wanted}
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"{path}: an array cannot be read ({type(err).__name__}: "
                              f"{first_line(err)})") from err
-
-
-def _member(data, key: str) -> np.ndarray:
-    """An npz member, an object array read by `extract.npz_objects` (a publishing job's)."""
-    array = object_array(data, key)
-    return data[key] if array is None else array
 
 
 def _class_names(path: Path, data: dict, num_classes: int | None) -> list[str]:
@@ -182,20 +173,9 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
                     strict: bool = True) -> ImageSplit:
     """An npz of `images` (N, H, W[, 1 or 3]) and `labels` (N,): refused by value when a
     pixel or label is out of range (`strict`, extract), else by the publishing rule
-    (`extract.defects`: clamped, or null records; an object array's rows each on its own,
-    `extract.npz_objects`)."""
-    data = _load_npz(path, ("images", "labels"), objects=not strict)
+    (`extract.defects`: clamped, or null records)."""
+    data = _load_npz(path, ("images", "labels"))
     images, labels = data["images"], np.asarray(data["labels"])
-    if images.dtype.hasobject or labels.dtype.hasobject:  # not strict: the rule, row by row
-        if images.ndim < 1 or labels.ndim != 1 or len(labels) != len(images):
-            raise ValueError(f"{path}: labels must be (N,) with N={len(images)}, got "
-                             f"{labels.shape}")
-        if images.dtype.hasobject:
-            return object_images_split(path, split, images, labels,
-                                       _class_names(path, data, num_classes))
-        labels, found = label_values(labels)
-    else:
-        found = []
     if images.ndim == 4 and images.shape[-1] == 1:
         images = images[..., 0]
     if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
@@ -208,7 +188,6 @@ def read_npz_images(path: Path, split: str, num_classes: int | None = None, *,
             images, defects = pixel_rule(images)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-        defects += found
     elif images.dtype != np.uint8:
         if not np.issubdtype(images.dtype, np.floating) or not np.isfinite(images).all():
             raise ValueError(f"{path}: images must be uint8 or finite floats in [0, 1]")

@@ -256,8 +256,8 @@ def image_mode(image, *, strict: bool = False):
 
 
 def array_image(value):
-    """One record given as pixels (a row of an `hf:` array column or of an npz object array:
-    nested lists or an array), by the rule: (H, W), (H, W, 1) or (H, W, 3) numbers through
+    """One record given as pixels (a row of an `hf:` array column: nested lists or an
+    array), by the rule: (H, W), (H, W, 1) or (H, W, 3) numbers through
     `pixel_rule`, at most `MAX_PIXELS` pixels; anything else (None, ragged, strings, another
     shape, more pixels, NaN) raises ValueError: a null record.
     """

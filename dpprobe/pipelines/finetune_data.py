@@ -7,7 +7,7 @@ record's content, and nothing here prints a record's value or counts the records
 changed. Resizing, cropping and channel conversion are functions of each image alone (no
 privacy cost); the model's input size and channels are public: the arrays' own shape (one for
 every record), or `--resize` / `--crop` for sources of images each of its own size (image files,
-`hf:` images, an npz object array: no record's size may decide the model's).
+`hf:` images and array rows: no record's size may decide the model's).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def load_images(config, *, rgb: bool):
     for split in splits.values():
         if split.array is None and not (config.resize or config.crop):
             raise ValueError(f"{split.spec or split.dataset} holds images each of its own "
-                             "size (files, or rows of an object array): give the model's input "
+                             "size (files, or rows of an array column): give the model's input "
                              "size with `resize` or `crop`")
     out = [(_as_array(splits[name], config.resize, config.crop, rgb),
             splits[name].labels.astype(np.int32)) for name in ("train", "test")]

@@ -16,7 +16,11 @@ import dpprobe.dp.bookkeeping  # noqa: F401 (loads the submodule)
 import dpprobe.dp.noise  # noqa: F401 (loads the submodule)
 import dpprobe.dp.optimizers  # noqa: F401 (loads the submodule)
 from dpprobe import accounting, dp, finetune
-from dpprobe.dp.canaries import GradientCanaries, audit_gradient_canaries
+from dpprobe.dp.canaries import (
+    GradientCanaries,
+    audit_gradient_canaries,
+    likelihood_ratio_scores,
+)
 from dpprobe.pipelines import run_finetune
 from tests.conftest import fixed_keys
 
@@ -252,3 +256,18 @@ def test_the_cnn_on_digits_job_without_noise_on_its_coordinates_is_refuted(monke
     assert results["audit"]["refuted"], results["audit"]
     assert results["model"]["audit_artefact"] is True
     assert results["audit"]["model_is_audit_artefact"]
+
+
+def test_scores_stay_finite_at_full_batch_and_are_continuous_in_q():
+    """log(1 - q + q e^x) at q = 1 (a full-batch audit) with a projection far below the
+    others (e^x underflows): finite (it was -inf, and the audit raised); as q -> 1 the other
+    canaries' scores tend to it, and that canary's stays below (at q < 1 its steps are floored
+    at log(1 - q))."""
+    rng = np.random.default_rng(0)
+    projections = rng.normal(size=(3, 50))
+    projections[0, 0] = -60.0
+    full = likelihood_ratio_scores(projections, 1.0)
+    near = likelihood_ratio_scores(projections, 1.0 - 1e-12)
+    assert np.isfinite(full).all() and np.isfinite(near).all()
+    np.testing.assert_allclose(full[1:], near[1:], rtol=1e-9, atol=1e-6)
+    assert full[0] < near[0] - 10
