@@ -3,8 +3,8 @@ image over the byte cap (embedded or by path) and a float TIFF holding a NaN eac
 record, where `finetune` used to abort or to train the record as it was (an npz object array is
 refused whole: its pickle is never read). Each has its neighbour test (`test_record_rule`'s:
 D and D with that record nulled print and write the same but for DP outputs, and the trainer
-is given the same input) and the owner's listing; then the rule's forms one by one, and the caps checked before
-anything is copied or decoded."""
+is given the same input) and the owner's listing; then the rule's forms one by one, and the
+caps checked before anything is copied or decoded."""
 
 from __future__ import annotations
 
