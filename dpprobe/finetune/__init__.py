@@ -1,37 +1,57 @@
 """Finetuning: DP-SGD on the weights of a Flax NNX model (`finetune.train`): all of them, the
 head, the biases or LoRA adapters (`finetune.modes`), on the DP mechanism of `dp` (sampling, the
 per-example clipper, the privatizer); the models in `finetune.models`; its one-run privacy audit
-in `finetune.canaries`."""
+in `finetune.canaries`.
 
-from dpprobe.finetune import models, modes
-from dpprobe.finetune.augment import augment_views
-from dpprobe.finetune.canaries import CanaryAudit, audit_finetune
-from dpprobe.finetune.checkpoint import Checkpointer
-from dpprobe.finetune.evaluation import (
-    EVAL_BATCH_SIZE,
-    evaluate_model,
-    iter_logits,
-    normalize_images,
-)
-from dpprobe.finetune.modes import TRAIN_MODES, add_lora, merge_lora
-from dpprobe.finetune.specs import (
-    SCHEDULES,
-    FinetuneFlags,
-    FinetuneResult,
-    FinetuneSpec,
-    TrainState,
-)
-from dpprobe.finetune.timing import print_progress
-from dpprobe.finetune.train import (
-    clipped_sum,
-    ema_decay_at,
-    gradient_sum,
-    init_state,
-    model_inputs,
-    split_trained,
-    train_finetune,
-    trained_sizes,
-)
+Every name is imported on first use (PEP 562), so that `import dpprobe.finetune` loads no JAX:
+the command line imports this package to build its options.
+"""
+
+import importlib
+
+_LAZY = {
+    "models": "dpprobe.finetune.models",
+    "modes": "dpprobe.finetune.modes",
+    "augment_views": "dpprobe.finetune.augment",
+    "CanaryAudit": "dpprobe.finetune.canaries",
+    "audit_finetune": "dpprobe.finetune.canaries",
+    "Checkpointer": "dpprobe.finetune.checkpoint",
+    "EVAL_BATCH_SIZE": "dpprobe.finetune.evaluation",
+    "evaluate_model": "dpprobe.finetune.evaluation",
+    "iter_logits": "dpprobe.finetune.evaluation",
+    "normalize_images": "dpprobe.finetune.evaluation",
+    "TRAIN_MODES": "dpprobe.finetune.modes",
+    "add_lora": "dpprobe.finetune.modes",
+    "merge_lora": "dpprobe.finetune.modes",
+    "SCHEDULES": "dpprobe.finetune.specs",
+    "FinetuneFlags": "dpprobe.finetune.specs",
+    "FinetuneResult": "dpprobe.finetune.specs",
+    "FinetuneSpec": "dpprobe.finetune.specs",
+    "TrainState": "dpprobe.finetune.specs",
+    "print_progress": "dpprobe.finetune.timing",
+    "clipped_sum": "dpprobe.finetune.train",
+    "ema_decay_at": "dpprobe.finetune.train",
+    "gradient_sum": "dpprobe.finetune.train",
+    "init_state": "dpprobe.finetune.train",
+    "model_inputs": "dpprobe.finetune.train",
+    "split_trained": "dpprobe.finetune.train",
+    "train_finetune": "dpprobe.finetune.train",
+    "trained_sizes": "dpprobe.finetune.train",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if _LAZY[name].endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "EVAL_BATCH_SIZE",

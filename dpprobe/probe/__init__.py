@@ -13,52 +13,75 @@ clipper interface, the privatizer, auditing).
   * `probe.evaluation`, `probe.selection`: accuracy, noisy counts for private selection;
   * `probe.canaries`: the audit's canary, trained with the production trainer (its bounds:
     `dp.auditing`).
+
+
+Every name is imported on first use (PEP 562), so that `import dpprobe.probe` loads no JAX:
+the command line imports this package to build its options.
 """
 
-from dpprobe.probe.budget import DEFAULT_MEMORY_BUDGET, StreamPlan, plan_stream
-from dpprobe.probe.canaries import (
-    CANARY_LABEL,
-    CANARY_NORM,
-    add_canary,
-    audit_learning_rate,
-    canary_direction,
-    canary_scores,
-    claimed_canary_scores,
-    train_canary_runs,
-)
-from dpprobe.probe.clipping import (
-    LOSSES,
-    clipped_grad_sum,
-    example_losses,
-    feature_gram,
-    linear_clipper,
-    linear_logits,
-    per_example_grad_norms,
-    residuals,
-)
-from dpprobe.probe.evaluation import (
-    EVAL_BLOCK_ROWS,
-    block_logits,
-    evaluate,
-    evaluate_chunks,
-    fixed_blocks,
-)
-from dpprobe.probe.normalization import NORMALIZATIONS, normalize_features, normalized_norm_bound
-from dpprobe.probe.poisson import train_probe_poisson
-from dpprobe.probe.selection import correct_counts, noisy_correct_counts
-from dpprobe.probe.sharding import make_data_mesh, shard_rows
-from dpprobe.probe.specs import (
-    FEATURE_DTYPES,
-    Params,
-    PerformanceFlags,
-    ProbeSpec,
-    RunSpec,
-    TrainResult,
-)
-from dpprobe.probe.standardization import Standardizer, private_standardizer
-from dpprobe.probe.step import init_params
-from dpprobe.probe.streaming import train_probe_streaming
-from dpprobe.probe.train import prepare_features, prepare_inputs, train_probe
+import importlib
+
+_LAZY = {
+    "DEFAULT_MEMORY_BUDGET": "dpprobe.probe.budget",
+    "StreamPlan": "dpprobe.probe.budget",
+    "plan_stream": "dpprobe.probe.budget",
+    "CANARY_LABEL": "dpprobe.probe.canaries",
+    "CANARY_NORM": "dpprobe.probe.canaries",
+    "add_canary": "dpprobe.probe.canaries",
+    "audit_learning_rate": "dpprobe.probe.canaries",
+    "canary_direction": "dpprobe.probe.canaries",
+    "canary_scores": "dpprobe.probe.canaries",
+    "claimed_canary_scores": "dpprobe.probe.canaries",
+    "train_canary_runs": "dpprobe.probe.canaries",
+    "LOSSES": "dpprobe.probe.clipping",
+    "clipped_grad_sum": "dpprobe.probe.clipping",
+    "example_losses": "dpprobe.probe.clipping",
+    "feature_gram": "dpprobe.probe.clipping",
+    "linear_clipper": "dpprobe.probe.clipping",
+    "linear_logits": "dpprobe.probe.clipping",
+    "per_example_grad_norms": "dpprobe.probe.clipping",
+    "residuals": "dpprobe.probe.clipping",
+    "EVAL_BLOCK_ROWS": "dpprobe.probe.evaluation",
+    "block_logits": "dpprobe.probe.evaluation",
+    "evaluate": "dpprobe.probe.evaluation",
+    "evaluate_chunks": "dpprobe.probe.evaluation",
+    "fixed_blocks": "dpprobe.probe.evaluation",
+    "NORMALIZATIONS": "dpprobe.probe.normalization",
+    "normalize_features": "dpprobe.probe.normalization",
+    "normalized_norm_bound": "dpprobe.probe.normalization",
+    "train_probe_poisson": "dpprobe.probe.poisson",
+    "correct_counts": "dpprobe.probe.selection",
+    "noisy_correct_counts": "dpprobe.probe.selection",
+    "make_data_mesh": "dpprobe.probe.sharding",
+    "shard_rows": "dpprobe.probe.sharding",
+    "FEATURE_DTYPES": "dpprobe.probe.specs",
+    "Params": "dpprobe.probe.specs",
+    "PerformanceFlags": "dpprobe.probe.specs",
+    "ProbeSpec": "dpprobe.probe.specs",
+    "RunSpec": "dpprobe.probe.specs",
+    "TrainResult": "dpprobe.probe.specs",
+    "Standardizer": "dpprobe.probe.standardization",
+    "private_standardizer": "dpprobe.probe.standardization",
+    "init_params": "dpprobe.probe.step",
+    "train_probe_streaming": "dpprobe.probe.streaming",
+    "prepare_features": "dpprobe.probe.train",
+    "prepare_inputs": "dpprobe.probe.train",
+    "train_probe": "dpprobe.probe.train",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if _LAZY[name].endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CANARY_LABEL",
