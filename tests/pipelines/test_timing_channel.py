@@ -188,12 +188,12 @@ def _pair(job: str, request) -> tuple[Run, Run]:
 def _masked(text: str, job: str) -> str:
     """Printed text with the DP outputs masked: finetune prints its accuracies; the reports of
     probe, tune and audit print DP outputs among public numbers, so every number is masked
-    (their values are compared in the results files). Runs of spaces collapse to one: a table
-    pads its columns to the width of the numbers in them, DP outputs included."""
+    (their values are compared in the results files), signs included. Runs of spaces collapse to
+    one: a table pads its columns to the width of the numbers in them, DP outputs included."""
     if job == "finetune":
         text = re.sub(r"\d+\.\d+%", "ACC%", text)
     else:
-        text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+        text = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
     return re.sub(r" +", " ", text)
 
 
