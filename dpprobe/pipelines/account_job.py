@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from dpprobe import accounting
+from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import records
 from dpprobe.pipelines.options import integer, number, option
 
 __all__ = ["AccountConfig", "account"]

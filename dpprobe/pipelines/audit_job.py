@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 from dpprobe import accounting, extract
+from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, records, reporting, timings
+from dpprobe.pipelines import plots, preflight, reporting, timings
 from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
 from dpprobe.pipelines.progress import RateProgress

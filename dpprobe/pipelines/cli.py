@@ -13,7 +13,8 @@ import os
 import sys
 import warnings
 
-from dpprobe.pipelines import arguments, options, processes, records, reporting
+from dpprobe.accounting import records
+from dpprobe.pipelines import arguments, options, processes, reporting
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
 from dpprobe.pipelines.config import ConfigError

@@ -33,7 +33,7 @@ class FinetuneConfig:
         test split is public (the accuracy on it is published).
       model: "cnn", "cnn_cifar", "scatternet_cnn", "scatternet_cnn_linear", "wrn16_4" or a
         timm ViT name (`finetune.models`); None: chosen from the input side
-        (`pipelines.finetune_recipe.default_model`).
+        (`finetune.recipe.default_model`).
       weights, random_init: a timm model's local weights file, or random init; the hub
         otherwise. Models trained from scratch (`finetune.models.MODEL_NAMES`) take neither.
       resize, crop: resize each image's short side to `resize`, then center-crop `crop` x
@@ -44,7 +44,7 @@ class FinetuneConfig:
       epochs, steps: the length (T = ceil(epochs N / B) unless `steps` is given).
       learning_rate, optimizer, momentum, schedule, warmup_steps, clip_norm: the DP-SGD recipe.
         `batch_size`, `epochs`, `learning_rate` and `clip_norm` left None are chosen from
-        public quantities (`pipelines.finetune_recipe`) and recorded with the results.
+        public quantities (`finetune.recipe`) and recorded with the results.
       augmult, crop_padding, flip: K views per example (crops of the padded image, flips).
       train: which parameters are trained (`finetune.modes`): all, head, bias (DP-BiTFiT) or
         lora (adapters of rank `lora_rank` on a ViT's qkv, proj, fc1, fc2; merged into the
@@ -101,7 +101,7 @@ class FinetuneConfig:
     delta: float = option(1e-5, type=number, help="target delta (default %(default)s)")
     accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
                              help="privacy accountant (default %(default)s)")
-    # None: chosen from public quantities (`pipelines.finetune_recipe`: Tramer & Boneh's recipe
+    # None: chosen from public quantities (`finetune.recipe`: Tramer & Boneh's recipe
     # for their CNN at large N, measured here at 86.4% on Fashion-MNIST at (3, 1e-5), scaled
     # down for small N); augmentation multiplicity (K = 2, crops and flips) trailed it at equal
     # steps, so it is off by default.

@@ -17,20 +17,13 @@ import shutil
 from pathlib import Path
 
 from dpprobe import accounting
+from dpprobe.accounting import records
+from dpprobe.finetune import run_folder
+from dpprobe.finetune.data import DATA_RULE, load_images
+from dpprobe.finetune.recipe import default_model, finetune_recipe
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import (
-    files,
-    model_files,
-    preflight,
-    processes,
-    records,
-    reporting,
-    run_folder,
-    timings,
-)
+from dpprobe.pipelines import files, model_files, preflight, processes, reporting, timings
 from dpprobe.pipelines.finetune_config import FinetuneConfig
-from dpprobe.pipelines.finetune_data import DATA_RULE, load_images
-from dpprobe.pipelines.finetune_recipe import default_model, finetune_recipe
 from dpprobe.pipelines.reporting import log
 
 __all__ = ["FinetuneConfig", "run_finetune"]

@@ -1,5 +1,5 @@
 """The model files the jobs write (`dpmodel.format`): what each job puts in the description
-besides the arrays, built from public inputs and DP outputs only (`pipelines.records`).
+besides the arrays, built from public inputs and DP outputs only (`accounting.records`).
 
   * `probe --save-model DIR`: one file per epsilon of the sweep (its first seed's run; with
     several --steps or --lr, per (epsilon, T, lr)), the run's own claim, and the sweep's;
@@ -14,7 +14,7 @@ import os
 
 from dpprobe import accounting, extract
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import records
+from dpprobe.accounting import records
 from dpprobe.pipelines.files import atomic_write_bytes
 
 __all__ = ["MODEL_FILE", "finetune_model", "header", "probe_model_name", "probe_models",

@@ -17,8 +17,9 @@ import sys
 
 import numpy as np
 
+from dpprobe.model import inputs as predict_inputs
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import predict_inputs, preflight
+from dpprobe.pipelines import preflight
 from dpprobe.pipelines.files import atomic_writer
 from dpprobe.pipelines.options import integer, option
 

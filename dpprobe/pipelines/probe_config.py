@@ -63,7 +63,7 @@ class ProbeConfig:
 
     Attributes:
       optimizer, steps, learning_rates, normalization: None (the defaults) chooses them from
-        public quantities (`pipelines.recipe`: the store's backbone, N, epsilon, delta):
+        public quantities (`probe.recipe`: the store's backbone, N, epsilon, delta):
         GroupNorm on ScatterNet features, full-batch momentum, T = 300, lr = r / T per epsilon
         by the linear scaling rule. A given optimizer other than sgd/momentum takes T = 1 and
         its default learning rate unless told.
@@ -73,7 +73,7 @@ class ProbeConfig:
       groups: groups of `normalization="group"` (None: the backbone's, 27 on ScatterNet,
         else 1; given, it needs that normalization).
       out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
-        outputs and public inputs only, see `pipelines.records`).
+        outputs and public inputs only, see `accounting.records`).
       diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
         sizes, the data fingerprint) to this local file, for debugging; never share it.
       save_model: a folder for one model file per epsilon (its first seed's run;

@@ -12,10 +12,12 @@ import os
 import numpy as np
 
 from dpprobe import accounting, extract
+from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, processes, recipe, records, reporting, timings
+from dpprobe.pipelines import plots, preflight, processes, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
+from dpprobe.probe import recipe
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
 
@@ -68,7 +70,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
 
     delta, accountant = config.delta, config.accountant
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
-    # The recipe: what the config gives, else chosen from public quantities (pipelines.recipe).
+    # The recipe: what the config gives, else chosen from public quantities (probe.recipe).
     chosen = recipe.probe_recipe(config, train_attrs, num_examples)
     log(chosen.describe(config.epsilons), quiet)
     warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
@@ -97,7 +99,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
                                               stream=stream, num_examples=num_examples, dim=dim)
 
-    # Record: DP outputs and public inputs only (pipelines.records).
+    # Record: DP outputs and public inputs only (accounting.records).
     run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
                    for i, (e, t, lr, k) in enumerate(grid)]
     # Every run touched the same training data: choosing among them, or reporting a summary of
