@@ -28,7 +28,7 @@ import numpy as np
 
 from dpprobe import accounting, extract
 from dpprobe.accounting import records
-from dpprobe.pipelines.reporting import log
+from dpprobe.messages import log
 from dpprobe.probe import recipe, search
 from dpprobe.probe.search_calls import (
     correct_counts,
