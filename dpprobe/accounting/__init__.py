@@ -5,7 +5,7 @@ Every reported epsilon is computed from the `DpEvent` of what ran, for zero-out 
 comparison).
 """
 
-from dpprobe.accounting.calibration import calibrate_noise_multiplier
+from dpprobe.accounting.calibration import calibrate_noise_multiplier, calibrate_plan
 from dpprobe.accounting.gaussian import gaussian_noise_multiplier, gdp_delta, gdp_epsilon, gdp_mu
 from dpprobe.accounting.ledger import LedgerEntry, PrivacyLedger
 from dpprobe.accounting.plan import (
@@ -27,6 +27,7 @@ __all__ = [
     "LedgerEntry",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
+    "calibrate_plan",
     "compute_epsilon",
     "event_to_dict",
     "gaussian_mu",

@@ -117,9 +117,9 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
 
     # The claim: the noise `dpprobe probe` would use for (epsilon, delta), and its epsilon from
     # the ledger (PLD, zero-out neighbours); each audited model is one run of this plan.
-    sigma = accounting.calibrate_noise_multiplier(config.epsilon, config.delta,
-                                                  steps=config.steps)
-    plan = accounting.DpPlan(sigma, config.steps, clip_norm=config.clip_norm)
+    plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=config.steps,
+                                     clip_norm=config.clip_norm)
+    sigma = plan.noise_multiplier
     claim = accounting.PrivacyLedger()
     claim.record("one audited model", plan)
     claimed_epsilon, claimed_mu = claim.epsilon(config.delta), claim.gdp_mu()

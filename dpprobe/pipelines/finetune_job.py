@@ -154,15 +154,12 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     # Epochs over the real records (an audited run takes the steps of the run it audits).
     steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
     if config.non_private:  # NOT private: no clipping, no noise
-        sigma, clip = 0.0, math.inf
-    elif math.isinf(config.epsilon):
-        sigma, clip = 0.0, chosen.clip_norm
-    else:
-        sigma = accounting.calibrate_noise_multiplier(
-            config.epsilon, config.delta, steps=steps, sampling_probability=q,
-            accountant=config.accountant)
-        clip = chosen.clip_norm
-    plan = accounting.DpPlan(sigma, steps, q, clip)
+        plan = accounting.DpPlan(0.0, steps, q, math.inf)
+    else:  # epsilon = inf: no noise, clipping kept
+        plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=steps,
+                                         sampling_probability=q, clip_norm=chosen.clip_norm,
+                                         accountant=config.accountant)
+    sigma, clip = plan.noise_multiplier, plan.clip_norm
     spec = finetune.FinetuneSpec(
         num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
         momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,

@@ -84,13 +84,9 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
     plans = {}
     for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
-        sigma = accounting.calibrate_noise_multiplier(
+        plans[epsilon, num_steps] = accounting.calibrate_plan(
             epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
-            accountant=accountant,
-        )
-        plans[epsilon, num_steps] = accounting.DpPlan(sigma, num_steps,
-                                                      config.sampling_probability,
-                                                      config.clip_norm)
+            clip_norm=config.clip_norm, accountant=accountant)
 
     # Train every config in one program, then test.
     grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
