@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpprobe import accounting
+from dpprobe.finetune import recipe
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
@@ -115,19 +116,21 @@ class FinetuneConfig:
     learning_rate: float | None = option(None, "--lr", type=number, help="learning rate "
                                          "(default 4 sqrt(B / 2048) for momentum 0.9: 4 at B = "
                                          "2048; 10x for sgd; 0.01 for adam, sign, lamb)")
-    optimizer: str = option("momentum", choices=OPTIMIZERS, metavar="NAME",
+    optimizer: str = option(recipe.OPTIMIZER, choices=OPTIMIZERS, metavar="NAME",
                             help="%(choices)s (default %(default)s)")
-    momentum: float = option(0.9, type=number, help="momentum (default %(default)s)")
-    schedule: str = option("constant", choices=("constant", "cosine"),
+    momentum: float = option(recipe.BASE_MOMENTUM, type=number,
+                             help="momentum (default %(default)s)")
+    schedule: str = option(recipe.SCHEDULE, choices=recipe.SCHEDULES,
                            help="learning-rate schedule (default %(default)s)")
     warmup_steps: int = option(0, type=integer,
                                help="linear warm-up steps (default %(default)s)")
     clip_norm: float | None = option(None, type=number,
-                                     help="per-example clip norm C (default 0.1)")
-    train: str = option("all", choices=TRAIN_MODES, metavar="MODE", help="which parameters "
-                        "are trained: %(choices)s (the head always; bias: every bias and norm "
-                        "offset, DP-BiTFiT; lora: low-rank adapters on a ViT's attention and MLP "
-                        "layers) (default %(default)s)")
+                                     help="per-example clip norm C (default "
+                                     f"{recipe.CLIP_NORM:g})")
+    train: str = option(recipe.TRAIN_MODE, choices=TRAIN_MODES, metavar="MODE", help="which "
+                        "parameters are trained: %(choices)s (the head always; bias: every bias "
+                        "and norm offset, DP-BiTFiT; lora: low-rank adapters on a ViT's attention "
+                        "and MLP layers) (default %(default)s)")
     lora_rank: int = option(8, type=integer, metavar="R",
                             help="rank of the LoRA adapters of --train lora (default %(default)s)")
     non_private: bool = option(False, action="store_true", help="NOT private: train with the "
@@ -141,11 +144,12 @@ class FinetuneConfig:
     flip: bool = option(False, action="store_true",
                         help="random horizontal flips of the views")
     ema_decay: float | None = option(None, type=number, help="EMA of the parameters, 0 for "
-                                     "none (default 0.999, De et al.; step t's decay is "
-                                     "min(D, (1 + t) / (10 + t)), their warm-up)")
+                                     f"none (default {recipe.EMA_DECAY:g}, De et al.; step "
+                                     "t's decay is min(D, (1 + t) / (10 + t)), their warm-up)")
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
-        256, type=integer, help="examples per clipped sum (default %(default)s)")
+        recipe.PHYSICAL_BATCH_SIZE, type=integer,
+        help="examples per clipped sum (default %(default)s)")
     # Not an option: the job's book-keeping clipping forms no per-example kernel gradients,
     # so microbatches (`FinetuneFlags.microbatch_size`, the per-example clipper's) would
     # change nothing; kept (None) so that saved runs' options still match, refused if set.

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dpprobe import accounting
+from dpprobe import accounting, extract, finetune
 from dpprobe.accounting import records
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.data import DATA_RULE, load_images
@@ -84,8 +84,6 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
 def _input_paths(config: FinetuneConfig) -> list[str]:
     """The local files and folders the job reads (its output must not be, nor lie in, one)."""
-    from dpprobe import extract
-
     paths = [config.data_dir, config.weights]
     for spec in (config.data, config.test_data):
         try:
@@ -97,8 +95,6 @@ def _input_paths(config: FinetuneConfig) -> list[str]:
 
 def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
-    from dpprobe import finetune
-
     if config.train == "lora" and (config.model is None
                                    or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
@@ -121,7 +117,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     multi, rows = processes.active(), None
     if multi:  # each process keeps its own rows (every process reads the spec)
-        from dpprobe.dp.distributed import process_rows
+        from dpprobe.dp.distributed import process_rows  # JAX: imported when the job runs
 
         processes.check_rows(num_real)
         first, stop = process_rows(num_real)
@@ -160,13 +156,10 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
                                          sampling_probability=q, clip_norm=chosen.clip_norm,
                                          accountant=config.accountant)
     sigma, clip = plan.noise_multiplier, plan.clip_norm
-    spec = finetune.FinetuneSpec(
-        num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
-        momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
-        augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
-        ema_decay=chosen.ema_decay or None, mean=mean, std=std, train=config.train)
-    flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
-                                   mixed_precision=config.mixed_precision, devices=config.devices)
+    spec = _from_config(finetune.FinetuneSpec, config, num_classes=num_classes, mean=mean,
+                        std=std, learning_rate=chosen.learning_rate,
+                        ema_decay=chosen.ema_decay or None)
+    flags = _from_config(finetune.FinetuneFlags, config)
     trained_info = _trained_info(config, model, spec)
     log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
         f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
@@ -193,7 +186,10 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
     audit = None
     if config.audit_canaries:
-        from dpprobe.finetune.canaries import audit_finetune, audit_finetune_gradients
+        from dpprobe.finetune.canaries import (  # JAX: imported when an audit runs
+            audit_finetune,
+            audit_finetune_gradients,
+        )
 
         log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
             f"probability 1/2 (seed {config.seed}); this trains an audit artefact, not the "
@@ -295,10 +291,15 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     return results
 
 
+def _from_config(cls, config: FinetuneConfig, **given):
+    """The trainer's `cls` (`FinetuneSpec`, `FinetuneFlags`) from the config's fields of the
+    same names (declared with the trainer's defaults, `finetune.recipe`) and `given` values."""
+    names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(config)}
+    return cls(**{name: getattr(config, name) for name in names - given.keys()}, **given)
+
+
 def _trained_info(config: FinetuneConfig, model, spec) -> dict:
     """Which parameters the run trains, and how many of how many (public: the architecture)."""
-    from dpprobe import finetune
-
     _, params, rest = finetune.split_trained(model, spec)
     info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
             "of": finetune.modes.count_params(params) + finetune.modes.count_params(rest),
@@ -347,10 +348,7 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
 
 def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
     """(model, mean, std, public description)."""
-    from flax import nnx
-
-    import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
-    from dpprobe import finetune
+    from flax import nnx  # JAX: imported when the job runs, not at the CLI's start
 
     rngs = nnx.Rngs(config.seed)
     if config.model in finetune.models.MODEL_NAMES:
@@ -365,17 +363,12 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
         return model, (mean,) * channels, (std,) * channels, {
             "name": config.model, "weights": "random init (from scratch)",
             "input": f"{image_size} px, scaled to [{low:g}, {high:g}]"}
-    from dpprobe import extract
-
     backbone = extract.create_backbone(config.model, weights=config.weights,
                                        random_init=config.random_init, seed=config.seed,
                                        crop=image_size, device="cpu")
     model = finetune.models.vit_from_timm(backbone.module, num_classes, rngs=rngs,
                                           head_bias_init=config.head_bias_init)
     if config.train == "lora":
-        import dpprobe.finetune.modes  # noqa: F401 (loads the submodule)
-        from dpprobe import finetune
-
         finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
     prep = backbone.preprocessing
     info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}
