@@ -10,6 +10,8 @@ from dpprobe.accounting.gaussian import gaussian_noise_multiplier, gdp_delta, gd
 from dpprobe.accounting.ledger import LedgerEntry, PrivacyLedger
 from dpprobe.accounting.plan import (
     ACCOUNTANTS,
+    DEFAULT_ACCOUNTANT,
+    DEFAULT_DELTA,
     NEIGHBORING_RELATION,
     NEIGHBORING_RELATION_TEXT,
     DpPlan,
@@ -21,6 +23,8 @@ from dpprobe.accounting.plan import (
 
 __all__ = [
     "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
+    "DEFAULT_DELTA",
     "NEIGHBORING_RELATION",
     "NEIGHBORING_RELATION_TEXT",
     "DpPlan",

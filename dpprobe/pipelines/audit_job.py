@@ -19,7 +19,7 @@ from dpprobe import accounting, extract
 from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import plots, preflight, reporting, timings
-from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, integer, number, option
+from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
 from dpprobe.pipelines.progress import RateProgress
 from dpprobe.pipelines.reporting import log
@@ -55,8 +55,7 @@ class AuditConfig:
     store: str = store_option()
     epsilon: float = option(type=number, help="the claim audited: the noise is calibrated for "
                             "it, as `dpprobe probe` does")
-    delta: float = option(1e-5, type=number,
-                          help="delta of the claim and the bounds (default %(default)s)")
+    delta: float = delta_option("delta of the claim and the bounds")
     optimizer: str = option("sgd", choices=OPTIMIZERS, metavar="NAME",
                             help="%(choices)s: update rule audited (default %(default)s, which "
                             "releases the noisy gradient itself: the tightest audit)")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprobe import accounting
 from dpprobe.finetune import recipe
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     TRAIN_MODES,
+    accountant_option,
+    delta_option,
     integer,
     num_classes_option,
     number,
@@ -99,9 +100,8 @@ class FinetuneConfig:
         "(default: a square of the short side); ViTs adapt their position embeddings")
     epsilon: float = option(3.0, type=number, help="target epsilon; inf trains without noise "
                             "(default %(default)s)")
-    delta: float = option(1e-5, type=number, help="target delta (default %(default)s)")
-    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
-                             help="privacy accountant (default %(default)s)")
+    delta: float = delta_option()
+    accountant: str = accountant_option()
     # None: chosen from public quantities (`finetune.recipe`: Tramer & Boneh's recipe
     # for their CNN at large N, measured here at 86.4% on Fashion-MNIST at (3, 1e-5), scaled
     # down for small N); augmentation multiplicity (K = 2, crops and flips) trailed it at equal

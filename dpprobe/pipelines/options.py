@@ -21,14 +21,18 @@ import importlib
 import re
 from collections.abc import Callable
 
+from dpprobe import accounting
+
 __all__ = [
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
     "Choices",
+    "delta_option",
     "Flag",
     "TRAIN_MODES",
     "RangeEnd",
+    "accountant_option",
     "add_options",
     "cli_fields",
     "cli_words",
@@ -97,6 +101,17 @@ def num_classes_option() -> dataclasses.Field:
     return option(None, type=integer, metavar="K", help="declare K classes for a source without "
                   "class names (an npz without class_names); labels must lie in [0, K). Never "
                   "inferred from the labels")
+
+
+def delta_option(text: str = "target delta") -> dataclasses.Field:
+    """`--delta`, with the one default of every job (`accounting.DEFAULT_DELTA`)."""
+    return option(accounting.DEFAULT_DELTA, type=number, help=f"{text} (default %(default)s)")
+
+
+def accountant_option(text: str = "") -> dataclasses.Field:
+    """`--accountant`, with the one default of every job (`accounting.DEFAULT_ACCOUNTANT`)."""
+    return option(accounting.DEFAULT_ACCOUNTANT, choices=accounting.ACCOUNTANTS,
+                  help=f"privacy accountant (default %(default)s{text})")
 
 
 def cli_fields(config_class) -> list[dataclasses.Field]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dpprobe import accounting
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     LOSSES,
     NORMALIZATIONS,
     OPTIMIZERS,
+    accountant_option,
+    delta_option,
     flag,
     integer,
     integers,
@@ -87,7 +88,7 @@ class ProbeConfig:
         (0.5, 1.0, 2.0, 4.0, 8.0), type=numbers, help="target epsilons, comma-separated "
         "(default 0.5,1,2,4,8); add inf for a non-private reference: the same recipe without "
         "noise, no guarantee")
-    delta: float = option(1e-5, type=number, help="target delta (default %(default)s)")
+    delta: float = delta_option()
     seeds: int = option(3, type=integer, help="independent runs per config, each with fresh "
                         "noise (default %(default)s)")
     optimizer: str | None = option(None, choices=OPTIMIZERS, metavar="NAME", help="%(choices)s: "
@@ -101,8 +102,7 @@ class ProbeConfig:
         "epsilon, delta and N; 1e-3 else)")
     loss: str = loss_option()
     clip_norm: float = clip_norm_option()
-    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
-                             help="privacy accountant (default %(default)s, tight)")
+    accountant: str = accountant_option(", tight")
     normalization: str | None = normalization_option()
     groups: int | None = groups_option()
     bias_init: float | None = option(

@@ -11,6 +11,7 @@ from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     RangeEnd,
+    delta_option,
     flag,
     integer,
     integers,
@@ -76,7 +77,7 @@ class TuneConfig:
 
     store: str = store_option()
     epsilon: float = option(type=number, help="total epsilon, tuning included")
-    delta: float = option(1e-5, type=number, help="delta (default %(default)s)")
+    delta: float = delta_option("delta")
     eps0: float | None = option(
         None, type=number, help="budget of the first search stage (default epsilon/20)")
     eps1: float | None = option(
