@@ -14,7 +14,8 @@ import sys
 import warnings
 
 from dpprobe.accounting import records
-from dpprobe.pipelines import arguments, options, processes, reporting
+from dpprobe.multihost import processes
+from dpprobe.pipelines import arguments, options, reporting
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
 from dpprobe.pipelines.config import ConfigError

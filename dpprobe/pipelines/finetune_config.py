@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from dpprobe.finetune import recipe
+from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     TRAIN_MODES,
@@ -65,7 +65,7 @@ class FinetuneConfig:
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
       coordinator, num_processes, process_id, process_timeout: run as one of several
-        processes (`pipelines.processes`: each trains on its own rows, process 0 writes; no
+        processes (`multihost.processes`: each trains on its own rows, process 0 writes; no
         checkpoints, no audit).
       audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
         `seed`), each in with probability 1/2, and the one-run bounds on epsilon

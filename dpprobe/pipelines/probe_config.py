@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     LOSSES,
     NORMALIZATIONS,
@@ -80,7 +80,7 @@ class ProbeConfig:
       save_model: a folder for one model file per epsilon (its first seed's run;
         `pipelines.model_files.probe_models`).
       coordinator, num_processes, process_id, process_timeout: run as one of several
-        processes (`pipelines.processes`: each reads its own rows, process 0 writes).
+        processes (`multihost.processes`: each reads its own rows, process 0 writes).
     """
 
     store: str = store_option()

@@ -13,8 +13,9 @@ import numpy as np
 
 from dpprobe import accounting, extract
 from dpprobe.accounting import records
+from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, processes, reporting, timings
+from dpprobe.pipelines import plots, preflight, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
 from dpprobe.probe import recipe

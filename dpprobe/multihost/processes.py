@@ -165,7 +165,7 @@ def _leave() -> None:
 @contextlib.contextmanager
 def _service_outside(layout: ProcessConfig, heartbeat: int, shutdown: int):
     """On process 0 (given `coordinator`, `num_processes` and `process_id`): run the job's
-    coordination service in its own process (`pipelines.coordinator`), which outlives this
+    coordination service in its own process (`multihost.coordinator`), which outlives this
     one, and have `jax.distributed.initialize` start none here. Elsewhere: nothing."""
     if layout.process_id != 0 or layout.coordinator is None or layout.num_processes is None:
         yield
@@ -192,7 +192,7 @@ def _service_outside(layout: ProcessConfig, heartbeat: int, shutdown: int):
 
 
 class _NoService:
-    """What JAX holds as process 0's service when it runs in `pipelines.coordinator`."""
+    """What JAX holds as process 0's service when it runs in `multihost.coordinator`."""
 
     def shutdown(self) -> None:
         pass
