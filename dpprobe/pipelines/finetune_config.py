@@ -5,17 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 from dpprobe.finetune import recipe
-from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     TRAIN_MODES,
     accountant_option,
+    coordinator_option,
     delta_option,
     integer,
     num_classes_option,
+    num_processes_option,
     number,
     option,
+    process_id_option,
+    process_timeout_option,
 )
 
 __all__ = ["AUDIT_KINDS", "MAX_CANARIES", "FinetuneConfig"]
@@ -173,14 +176,14 @@ class FinetuneConfig:
         "canaries on the model's own coordinates (M at most its trained parameters), a "
         "rigorous lower bound and an estimate of epsilon; image: black-box noise images "
         "(loose)")
-    coordinator: str | None = processes.coordinator_option()
-    num_processes: int | None = processes.num_processes_option()
-    process_id: int | None = processes.process_id_option()
-    process_timeout: int = processes.process_timeout_option()
+    coordinator: str | None = coordinator_option()
+    num_processes: int | None = num_processes_option()
+    process_id: int | None = process_id_option()
+    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):
-        processes.check(self)
+        cfg.check_processes(self)
         cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
                    delta=cfg.check_delta("delta", self.delta))
         for name in ("learning_rate", "clip_norm", "epochs"):

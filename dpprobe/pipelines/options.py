@@ -27,23 +27,27 @@ __all__ = [
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
-    "Choices",
-    "delta_option",
-    "Flag",
     "TRAIN_MODES",
+    "Choices",
+    "Flag",
     "RangeEnd",
     "accountant_option",
     "add_options",
     "cli_fields",
     "cli_words",
+    "coordinator_option",
+    "delta_option",
     "flag",
     "integer",
     "integers",
     "names",
     "num_classes_option",
+    "num_processes_option",
     "number",
     "numbers",
     "option",
+    "process_id_option",
+    "process_timeout_option",
     "shard",
 ]
 
@@ -112,6 +116,30 @@ def accountant_option(text: str = "") -> dataclasses.Field:
     """`--accountant`, with the one default of every job (`accounting.DEFAULT_ACCOUNTANT`)."""
     return option(accounting.DEFAULT_ACCOUNTANT, choices=accounting.ACCOUNTANTS,
                   help=f"privacy accountant (default %(default)s{text})")
+
+
+def coordinator_option() -> dataclasses.Field:
+    """The process fields of a job that may run as several processes (`multihost.processes`)."""
+    return option(None, metavar="HOST:PORT", help="run as one of --num-processes processes "
+                  "(one per host; jax.distributed): the address of process 0, which serves "
+                  "the job's coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's "
+                  "and Kubernetes' auto-detection when --num-processes is given)")
+
+
+def num_processes_option() -> dataclasses.Field:
+    return option(None, type=integer, metavar="N", help="processes of a multi-process job; "
+                  "each reads its own slice of the rows, only process 0 writes outputs")
+
+
+def process_id_option() -> dataclasses.Field:
+    return option(None, type=integer, metavar="I", help="this process's index in [0, N) "
+                  "(default: from Slurm's or Kubernetes' environment)")
+
+
+def process_timeout_option() -> dataclasses.Field:
+    return option(60, type=integer, metavar="SECONDS", help="multi-process: how long a process "
+                  "waits for the others to start, and after how many seconds without a "
+                  "heartbeat a process counts as dead and the job ends (default %(default)s)")
 
 
 def cli_fields(config_class) -> list[dataclasses.Field]:

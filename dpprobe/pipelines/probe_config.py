@@ -6,20 +6,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines.options import (
     LOSSES,
     NORMALIZATIONS,
     OPTIMIZERS,
     accountant_option,
+    coordinator_option,
     delta_option,
     flag,
     integer,
     integers,
+    num_processes_option,
     number,
     numbers,
     option,
+    process_id_option,
+    process_timeout_option,
 )
 
 __all__ = ["MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option",
@@ -130,14 +133,14 @@ class ProbeConfig:
     save_model: str | None = option(
         None, metavar="DIR", help="write one model file per epsilon (its first seed's run) "
         "into DIR, named by epsilon (eps1.safetensors), for `dpprobe predict` and `export`")
-    coordinator: str | None = processes.coordinator_option()
-    num_processes: int | None = processes.num_processes_option()
-    process_id: int | None = processes.process_id_option()
-    process_timeout: int = processes.process_timeout_option()
+    coordinator: str | None = coordinator_option()
+    num_processes: int | None = num_processes_option()
+    process_id: int | None = process_id_option()
+    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="print only the table")
 
     def __post_init__(self):
-        processes.check(self)
+        cfg.check_processes(self)
         learning_rates = check_learning_rates(self.learning_rates)
         cfg.freeze(
             self, store=str(self.store),
