@@ -11,7 +11,6 @@ from dpprobe.accounting.ledger import LedgerEntry, PrivacyLedger
 from dpprobe.accounting.plan import (
     ACCOUNTANTS,
     DEFAULT_ACCOUNTANT,
-    DEFAULT_DELTA,
     NEIGHBORING_RELATION,
     NEIGHBORING_RELATION_TEXT,
     DpPlan,
@@ -20,6 +19,7 @@ from dpprobe.accounting.plan import (
     gaussian_mu,
     make_accountant,
 )
+from dpprobe.accounting.validation import DEFAULT_DELTA
 
 __all__ = [
     "ACCOUNTANTS",

@@ -93,15 +93,9 @@ def calibrate_noise_multiplier(
                                     sigma)
 
 
-def calibrate_plan(
-    epsilon: float,
-    delta: float,
-    *,
-    steps: int,
-    sampling_probability: float = 1.0,
-    clip_norm: float = 1.0,
-    accountant: Accountant = "pld",
-) -> DpPlan:
+def calibrate_plan(epsilon: float, delta: float, *, steps: int,
+                   sampling_probability: float = 1.0, clip_norm: float = 1.0,
+                   accountant: Accountant = "pld") -> DpPlan:
     """The `DpPlan` of a run calibrated to (epsilon, delta): the one way every job turns its
     budget into a plan (`calibrate_noise_multiplier`, then the plan that records it).
 

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_ACCOUNTANT",
-    "DEFAULT_DELTA",
     "NEIGHBORING_RELATION",
     "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
@@ -51,9 +50,6 @@ __all__ = [
 Accountant = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
 DEFAULT_ACCOUNTANT: Accountant = "pld"  # tight; RDP for comparison
-# The delta every job defaults to (a user with N >~ 1e5 records should pick delta << 1/N; each
-# job warns when delta >= 1/N, `accounting.records.warnings`).
-DEFAULT_DELTA = 1e-5
 NEIGHBORING_RELATION = "zero_out"
 NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
 
