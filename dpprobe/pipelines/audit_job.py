@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from dpprobe import accounting, extract
+from dpprobe import accounting, extract, probe
 from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import plots, preflight, reporting, timings
@@ -108,7 +108,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     train_attrs = dict(extract.open_split(config.store, "train").attrs)
     test_attrs = extract.local_split_attrs(config.store, "test") or {}
     features, labels = _sample_rows(config.store, config.rows)
-    from dpprobe import dp, probe
+    from dpprobe import dp  # JAX: imported when the audit runs, not at the CLI's start
 
     num_classes = records.declared_num_classes(train_attrs)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer)

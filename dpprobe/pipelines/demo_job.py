@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dpprobe import extract
+from dpprobe import model as dpmodel
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import plots, preflight
 from dpprobe.pipelines.extract_job import run_extract
@@ -155,8 +156,6 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
 def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
     """The model's prediction (class name and probability) for the first `count` images of
     the test split of `data` (public), beside their labels."""
-    from dpprobe import model as dpmodel
-
     model = dpmodel.load_model(model_path)
     test = extract.open_source(data, split="test")["test"]
     rows = range(min(count, len(test)))

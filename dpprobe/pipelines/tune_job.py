@@ -8,7 +8,7 @@ import numpy as np
 
 from dpprobe import accounting
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import preflight, reporting, timings
+from dpprobe.pipelines import model_files, preflight, reporting, timings
 from dpprobe.pipelines.tune_config import TuneConfig
 from dpprobe.probe import search_steps as steps
 from dpprobe.probe.search_calls import load_public_validation, private_standardization
@@ -28,8 +28,6 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     results = linear_scaling_search(config)
     params, standardizer = results.pop("params"), results.pop("standardizer")
     if config.save_model:
-        from dpprobe.pipelines import model_files
-
         model_files.tune_model(config, results, params, standardizer)
         results["model_file"] = str(config.save_model)
     if config.out:
