@@ -125,7 +125,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
     model_choice = None
-    if config.model is None:  # from the public input side (`finetune_recipe.default_model`)
+    if config.model is None:  # from the public input side (`finetune.recipe.default_model`)
         config = dataclasses.replace(config, model=default_model(image_size))
         model_choice = f"the default for {image_size} px images"
         log(f"model: {config.model} [{model_choice}]", quiet)

@@ -14,7 +14,7 @@ does in Panda et al. 2023, Alg. 1 or in the choices Alg. 1 leaves open:
   final_run           Alg. 1's last steps: r* = lr x T, sigma calibrated, one training run
   record              the results: DP outputs and public inputs only
 
-Host work and accounting stay here; `probe` (JAX) is imported on first use (`tune_calls`).
+Host work and accounting stay here; `probe` (JAX) is imported on first use (`search_calls`).
 """
 
 from __future__ import annotations
