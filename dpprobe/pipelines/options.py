@@ -217,10 +217,7 @@ def cli_words(text: str, parser: argparse.ArgumentParser) -> str:
 
 
 def number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+    return _converted(text, float, "a number")
 
 
 def numbers(text: str) -> list[float]:
@@ -232,14 +229,19 @@ def numbers(text: str) -> list[float]:
 
 
 def integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from err
+    return _converted(text, int, "an integer")
 
 
 def integers(text: str) -> list[int]:
     return _comma_separated(text, int, "integer")
+
+
+def _converted(text: str, convert: Callable, what: str):
+    """`convert(text)`, or the parser's error naming what was expected."""
+    try:
+        return convert(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from err
 
 
 def _comma_separated(text: str, convert: Callable, what: str) -> list:
