@@ -2,7 +2,7 @@
 
 `run_finetune(data="digits", resize=16, epsilon=8)`: the model (`--model`, default: the
 job's own choice, `scatternet_cnn_linear` at 16 px), the batch size, epochs, learning rate and
-clip norm chosen from public quantities (`pipelines.finetune_recipe`: B = 256, 54 epochs = 304
+clip norm chosen from public quantities (`finetune.recipe`: B = 256, 54 epochs = 304
 steps, lr 4 sqrt(256 / 2048) = 1.41, C = 0.1 for N = 1,438), `--runs` times (each with its own
 noise), against issue 23's target (>= 93%), beside the recipe the defaults were before (Tramer
 & Boneh's for Fashion-MNIST: B = 2048 > N, i.e. full batch, 30 steps, lr 4).

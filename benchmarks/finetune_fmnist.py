@@ -2,7 +2,7 @@
 `--runs` runs each (each with its own noise), medians, against issue 25's target (>= 90%).
 
 `run_finetune(data="fashion-mnist", model=M, epsilon=3, delta=1e-5, ...)` with the recipe's
-defaults (`pipelines.finetune_recipe`: B = 2048, lr 4, C = 0.1, momentum 0.9, EMA 0.999 with
+defaults (`finetune.recipe`: B = 2048, lr 4, C = 0.1, momentum 0.9, EMA 0.999 with
 De et al.'s warm-up) and `--epochs` (default: the recipe's, 30 or the model's) and
 `--ema-decay` (default: the recipe's). Published at
 (3, 1e-5) (Tramer & Boneh 2021): end-to-end CNN 86.0%, ScatterNet + CNN 89.0%, ScatterNet +

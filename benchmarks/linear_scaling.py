@@ -6,7 +6,7 @@ For each total epsilon (delta = 1e-5), side by side:
     `--search`, tune skips the search where it cannot pay), `--runs` times: median, min and max
     test accuracy; every cost paid (the ledger's PLD composition of the standardization, every
     trial, every noisy count and the final run is the total epsilon, printed);
-  * the r* each extrapolation rule (`pipelines.search.extrapolate`: linear, clipped, log) reads
+  * the r* each extrapolation rule (`probe.search.extrapolate`: linear, clipped, log) reads
     off the same two stages, the test accuracy of its final run (the other rules' final runs
     trained beside the job's, at the same budget), and the grid's accuracy at that r;
   * a free-selection grid on the same features and the same recipe (per-example
@@ -46,7 +46,8 @@ def ours(store: str, epsilon: float, steps: int, train_rules: bool) -> dict:
     """One tune run with the defaults and the r* of every extrapolation rule from its stages;
     with `train_rules`, the final run of every other rule is trained too (with its own
     standardization and noise, at the same budget): what the job would have given with it."""
-    from dpprobe.pipelines import linear_scaling_search, search
+    from dpprobe.pipelines import linear_scaling_search
+    from dpprobe.probe import search
 
     start = time.perf_counter()
     # The search forced: this measures it (`--search auto` skips it where it cannot pay).
@@ -75,7 +76,8 @@ def recipe_runs(store: str, epsilon: float, rs, steps: int, seed: int | None = N
     gets in tune), tuning not paid. With `seed`, train on 90% of train and also report the
     accuracy on the other 10% (exact, to pick an r for free)."""
     from dpprobe import accounting, dp, extract, probe
-    from dpprobe.pipelines import TuneConfig, recipe, search, tune_job
+    from dpprobe.pipelines import TuneConfig, tune_job
+    from dpprobe.probe import recipe, search
 
     x, y, attrs = extract.load_split(store, "train", dtype=None)
     test_x, test_y, _ = extract.load_split(store, "test", dtype=None)

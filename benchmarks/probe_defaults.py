@@ -8,7 +8,7 @@ Two parts:
     and no fall of more than 0.5 point as epsilon grows;
   * grid (`--grid`): on scikit-learn digits (1,438 examples), the test accuracy of a grid of
     r = lr x T (T = 100, momentum) at each epsilon, and the best r in units of mu N: what the
-    rule's constant r = 0.011 mu N (`pipelines.recipe`) is read from, beside Fashion-MNIST's
+    rule's constant r = 0.011 mu N (`probe.recipe`) is read from, beside Fashion-MNIST's
     r* from `dpprobe tune` (README).
 
 Run: .venv/bin/python benchmarks/probe_defaults.py [--store /work/fmnist.zarr] [--grid]

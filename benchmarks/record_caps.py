@@ -3,7 +3,7 @@
 A publishing job reads an image file or an `hf:` image by `extract.defects.read_capped` (the
 byte cap, `MAX_FILE_BYTES`, from its size) and `load_image` (the pixel cap, `MAX_PIXELS`, from
 its header; decoded; float and 16/32-bit images through `pixel_rule`), then resizes and crops it
-(`finetune.images.resize_and_crop`), as `pipelines.finetune_data` does. This writes records at
+(`finetune.images.resize_and_crop`), as `finetune.data` does. This writes records at
 the caps, in the formats whose decoding costs most, and times that path for each in a fresh
 process (its peak resident memory above what the process held when it began the record):
 

@@ -17,6 +17,7 @@ modules. The jobs, their configs and the report tables are `pipelines`' public n
 """
 
 from dpprobe import pipelines
+from dpprobe.accounting.records import VERSION as __version__
 from dpprobe.extract import (
     iter_split_chunks,
     load_split,
@@ -27,7 +28,6 @@ from dpprobe.extract import (
 )
 from dpprobe.model import Model, ModelFileError, Privacy, load_model
 from dpprobe.pipelines import *  # noqa: F403 - the jobs and their configs (`pipelines.__all__`)
-from dpprobe.pipelines.records import VERSION as __version__
 
 __all__ = [
     "Model",

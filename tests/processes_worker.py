@@ -109,7 +109,7 @@ def train_all(rows: tuple[int, int] | None, mesh=None, sigma: float = SIGMA) -> 
 def main(coordinator: str, count: int, index: int, out: str, idle: bool = False) -> None:
     from types import SimpleNamespace
 
-    from dpprobe.pipelines import processes
+    from dpprobe.multihost import processes
 
     processes.start(SimpleNamespace(coordinator=coordinator, num_processes=count,
                                     process_id=index, process_timeout=5 if idle else 30))

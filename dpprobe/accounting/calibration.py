@@ -31,7 +31,7 @@ from dpprobe.accounting.gaussian import gaussian_noise_multiplier
 from dpprobe.accounting.plan import ACCOUNTANTS, Accountant, DpPlan, event_epsilon
 from dpprobe.accounting.validation import check_delta, check_epsilon
 
-__all__ = ["calibrate_noise_multiplier", "check_tractable"]
+__all__ = ["calibrate_noise_multiplier", "calibrate_plan", "check_tractable"]
 
 # Tolerance of the searched log(sigma), i.e. relative precision of sigma (the closed form is exact).
 _SEARCH_RTOL = 1e-6
@@ -91,6 +91,30 @@ def calibrate_noise_multiplier(
                         full_batch_sigma)
         return _on_the_private_side(epsilon, delta, steps, sampling_probability, accountant,
                                     sigma)
+
+
+def calibrate_plan(epsilon: float, delta: float, *, steps: int,
+                   sampling_probability: float = 1.0, clip_norm: float = 1.0,
+                   accountant: Accountant = "pld") -> DpPlan:
+    """The `DpPlan` of a run calibrated to (epsilon, delta): the one way every job turns its
+    budget into a plan (`calibrate_noise_multiplier`, then the plan that records it).
+
+    Args:
+      epsilon: target epsilon (> 0); `math.inf` gives a plan without noise (clipping kept).
+      delta: target delta in (0, 1).
+      steps: number of noisy steps T.
+      sampling_probability: Poisson rate q in (0, 1]; 1 is full batch.
+      clip_norm: per-example clip norm C (sets the noise's scale, not epsilon).
+      accountant: "pld" (default) or "rdp".
+
+    Returns:
+      `DpPlan(sigma, steps, sampling_probability, clip_norm)` with the smallest sigma such that
+      `plan.epsilon(delta, accountant) <= epsilon`.
+    """
+    sigma = calibrate_noise_multiplier(epsilon, delta, steps=steps,
+                                       sampling_probability=sampling_probability,
+                                       accountant=accountant)
+    return DpPlan(sigma, steps, sampling_probability, clip_norm)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
     "NEIGHBORING_RELATION",
     "NEIGHBORING_RELATION_TEXT",
     "DpPlan",
@@ -48,6 +49,7 @@ __all__ = [
 
 Accountant = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
+DEFAULT_ACCOUNTANT: Accountant = "pld"  # tight; RDP for comparison
 NEIGHBORING_RELATION = "zero_out"
 NEIGHBORING_RELATION_TEXT = "zero-out neighbours (one record replaced by a null record; N public)"
 

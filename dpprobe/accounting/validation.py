@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_delta", "check_epsilon", "check_steps"]
+__all__ = ["DEFAULT_DELTA", "check_delta", "check_epsilon", "check_steps"]
+
+# The delta every job defaults to (with N records, delta should be well below 1/N; each job
+# warns when it is not, `accounting.records.warnings`).
+DEFAULT_DELTA = 1e-5
 
 
 def check_epsilon(epsilon: float, *, allow_inf: bool = True, allow_zero: bool = False) -> float:

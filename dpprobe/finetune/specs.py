@@ -21,11 +21,12 @@ import optax
 from flax import nnx
 
 from dpprobe.dp.optimizers import OPTIMIZERS
+from dpprobe.finetune import recipe
 from dpprobe.finetune.modes import TRAIN_MODES
 
 __all__ = ["SCHEDULES", "FinetuneFlags", "FinetuneResult", "FinetuneSpec", "TrainState"]
 
-SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+SCHEDULES = recipe.SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +55,20 @@ class FinetuneSpec:
     """
 
     num_classes: int
-    optimizer: str = "momentum"
+    optimizer: str = recipe.OPTIMIZER
+    # A unit step: the run's rate depends on the batch size (`finetune.recipe`), which the
+    # spec does not know; `FinetuneConfig` leaves it to the recipe (None).
     learning_rate: float = 1.0
-    momentum: float = 0.9
-    schedule: str = "constant"
+    momentum: float = recipe.BASE_MOMENTUM
+    schedule: str = recipe.SCHEDULE
     warmup_steps: int = 0
     augmult: int = 1
     crop_padding: int = 0
     flip: bool = False
-    ema_decay: float | None = 0.999
+    ema_decay: float | None = recipe.EMA_DECAY
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
-    train: str = "all"
+    train: str = recipe.TRAIN_MODE
 
     def __post_init__(self):
         if self.num_classes < 1:
@@ -127,7 +130,7 @@ class FinetuneFlags:
         waits on them at small batches); fewer: less device memory.
     """
 
-    physical_batch_size: int = 64
+    physical_batch_size: int = recipe.PHYSICAL_BATCH_SIZE
     microbatch_size: int | None = None
     mixed_precision: bool = False
     devices: int = 1

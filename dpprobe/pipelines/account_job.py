@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from dpprobe import accounting
+from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import records
-from dpprobe.pipelines.options import integer, number, option
+from dpprobe.pipelines.options import accountant_option, delta_option, integer, number, option
 
 __all__ = ["AccountConfig", "account"]
 
@@ -17,7 +17,7 @@ class AccountConfig:
     """T Gaussian steps (Poisson-sampled if `sampling_probability` < 1): give exactly one of
     `epsilon` (a target: calibrate the noise multiplier) and `noise_multiplier`."""
 
-    delta: float = option(1e-5, type=number, help="delta (default %(default)s)")
+    delta: float = delta_option("delta")
     epsilon: float | None = option(None, type=number, exclusive="target", required=True,
                                    help="target epsilon: print sigma")
     noise_multiplier: float | None = option(
@@ -27,8 +27,7 @@ class AccountConfig:
     sampling_probability: float = option(
         1.0, "--sampling-probability", "-q", type=number,
         help="Poisson sampling rate q (default 1: full batch)")
-    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
-                             help="privacy accountant (default %(default)s)")
+    accountant: str = accountant_option()
     num_examples: int | None = option(None, type=integer, metavar="N",
                                       help="the dataset size N (public): warns when delta >= 1/N")
 

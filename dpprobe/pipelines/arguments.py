@@ -18,6 +18,10 @@ def account_output(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+# The settings the commands that train with an accountant share: `--seed` must not silently
+# mean `--seeds` (no abbreviations), and the privacy epilog.
+_TRAINING = dict(allow_abbrev=False, epilog=EPILOG.format(" unless --accountant rdp"))
+
 # The parser texts of each command (help, description, epilog).
 TEXTS = {
     "extract": dict(
@@ -30,19 +34,17 @@ TEXTS = {
         "holding features and labels).",
     ),
     "finetune": dict(
-        allow_abbrev=False,
+        _TRAINING,
         help="train every weight of a backbone with DP-SGD on images",
         description="DP-SGD on a whole model (Flax NNX): Poisson-sampled batches, per-example "
         "clipping, augmentation multiplicity, EMA (De et al.; Beltran et al.). Reports the "
         "test accuracy at the (epsilon, delta) it spent.",
-        epilog=EPILOG.format(" unless --accountant rdp"),
     ),
     "probe": dict(
-        allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
+        _TRAINING,
         help="train DP linear probes on a feature store over a sweep of epsilons",
         description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
         "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
-        epilog=EPILOG.format(" unless --accountant rdp"),
     ),
     "tune": dict(
         allow_abbrev=False,  # `--seed` must not silently mean `--seeds`

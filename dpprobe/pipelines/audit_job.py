@@ -15,10 +15,11 @@ import time
 
 import numpy as np
 
-from dpprobe import accounting, extract
+from dpprobe import accounting, extract, probe
+from dpprobe.accounting import records
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, records, reporting, timings
-from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, integer, number, option
+from dpprobe.pipelines import plots, preflight, reporting, timings
+from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
 from dpprobe.pipelines.progress import RateProgress
 from dpprobe.pipelines.reporting import log
@@ -54,8 +55,7 @@ class AuditConfig:
     store: str = store_option()
     epsilon: float = option(type=number, help="the claim audited: the noise is calibrated for "
                             "it, as `dpprobe probe` does")
-    delta: float = option(1e-5, type=number,
-                          help="delta of the claim and the bounds (default %(default)s)")
+    delta: float = delta_option("delta of the claim and the bounds")
     optimizer: str = option("sgd", choices=OPTIMIZERS, metavar="NAME",
                             help="%(choices)s: update rule audited (default %(default)s, which "
                             "releases the noisy gradient itself: the tightest audit)")
@@ -108,7 +108,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     train_attrs = dict(extract.open_split(config.store, "train").attrs)
     test_attrs = extract.local_split_attrs(config.store, "test") or {}
     features, labels = _sample_rows(config.store, config.rows)
-    from dpprobe import dp, probe
+    from dpprobe import dp  # JAX: imported when the audit runs, not at the CLI's start
 
     num_classes = records.declared_num_classes(train_attrs)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer)
@@ -116,9 +116,9 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
 
     # The claim: the noise `dpprobe probe` would use for (epsilon, delta), and its epsilon from
     # the ledger (PLD, zero-out neighbours); each audited model is one run of this plan.
-    sigma = accounting.calibrate_noise_multiplier(config.epsilon, config.delta,
-                                                  steps=config.steps)
-    plan = accounting.DpPlan(sigma, config.steps, clip_norm=config.clip_norm)
+    plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=config.steps,
+                                     clip_norm=config.clip_norm)
+    sigma = plan.noise_multiplier
     claim = accounting.PrivacyLedger()
     claim.record("one audited model", plan)
     claimed_epsilon, claimed_mu = claim.epsilon(config.delta), claim.gdp_mu()

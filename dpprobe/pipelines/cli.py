@@ -13,13 +13,16 @@ import os
 import sys
 import warnings
 
-from dpprobe.pipelines import arguments, options, processes, records, reporting
+from dpprobe.accounting import records
+from dpprobe.extract import store_summary
+from dpprobe.multihost import processes
+from dpprobe.pipelines import _fast_exit, arguments, options, reporting
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
 from dpprobe.pipelines.config import ConfigError
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
 from dpprobe.pipelines.export_job import ExportConfig, run_export
-from dpprobe.pipelines.extract_job import ExtractConfig, run_extract
+from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
 from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
 from dpprobe.pipelines.probe_job import ProbeConfig, run_probe
@@ -49,8 +52,6 @@ class _Parser(argparse.ArgumentParser):
 def _extract(config: ExtractConfig, args) -> int:
     reports = run_extract(config)
     if not config.progress:  # --quiet: the final report only (else the job has said it)
-        from dpprobe.pipelines.extract_job import report_line
-
         print("\n".join(report_line(config.out, r, config.dtype) for r in reports))
     if config.shard is not None:
         return 0  # a shard finished its chunks; the split completes with the last shard
@@ -65,8 +66,6 @@ def _verify(config: VerifyConfig, args) -> int:
 
 def _info(config: InfoConfig, args) -> int:
     if getattr(args, "json", False):
-        from dpprobe.extract import store_summary
-
         print(json.dumps(store_summary(config.store), indent=2, default=str))
     else:
         print(store_info(config))
@@ -261,8 +260,6 @@ def _one_line(err: BaseException) -> str:
 
 def entry() -> None:
     """The `dpprobe` console script: `main`, then a fast exit (`pipelines._fast_exit`)."""
-    from dpprobe.pipelines import _fast_exit
-
     _fast_exit.leave(main())
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_int",
     "check_ints",
     "check_number",
+    "check_processes",
     "check_unique",
     "make_config",
 ]
@@ -150,3 +151,20 @@ def _checked(field: str, check: Callable[[], float]) -> float:
         return check()
     except ValueError as err:  # "delta must be in (0, 1), got 0.0": the reason follows the name
         raise ConfigError(field, str(err).split(" ", 1)[1]) from None
+
+
+def check_processes(config) -> None:
+    """The checks of a config's process fields (in its `__post_init__`)."""
+    if config.num_processes is not None:
+        check_int("num_processes", config.num_processes)
+    if config.process_id is not None:
+        check_int("process_id", config.process_id, 0)
+        if config.num_processes is not None and config.process_id >= config.num_processes:
+            raise ConfigError("process_id", f"must be < `num_processes` "
+                                  f"({config.num_processes}), got {config.process_id}")
+    check_int("process_timeout", config.process_timeout)
+    coordinator = config.coordinator
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("coordinator", f"expected HOST:PORT, got {coordinator!r}")

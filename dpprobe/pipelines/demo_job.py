@@ -3,7 +3,7 @@
 1. Features: Fashion-MNIST (Debian's package) or, when absent, scikit-learn digits, through
    ScatterNet into a store under `out_dir` (reused, and said so, by a second run).
 2. The privacy/utility trade-off: `dpprobe probe` with the defaults it chooses from the store
-   (`pipelines.recipe`) at epsilon 0.5, 1, 2, 4, 8 and without noise, a table and a plot.
+   (`probe.recipe`) at epsilon 0.5, 1, 2, 4, 8 and without noise, a table and a plot.
 3. Private tuning at epsilon 3 with every cost paid (`dpprobe tune`), put on the same plot
    beside Tramer & Boneh's published 89.7% (whose tuning was not paid for).
 4. The tuned model file, loaded as a user would, predicts the first test images.
@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from dpprobe import extract
+from dpprobe import model as dpmodel
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, recipe
+from dpprobe.pipelines import plots, preflight
 from dpprobe.pipelines.extract_job import run_extract
 from dpprobe.pipelines.options import integer, option
 from dpprobe.pipelines.probe_job import run_probe
 from dpprobe.pipelines.reporting import log
 from dpprobe.pipelines.tune_job import run_tune
+from dpprobe.probe import recipe
 
 __all__ = ["DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "run_demo"]
 
@@ -154,8 +156,6 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
 def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
     """The model's prediction (class name and probability) for the first `count` images of
     the test split of `data` (public), beside their labels."""
-    from dpprobe import model as dpmodel
-
     model = dpmodel.load_model(model_path)
     test = extract.open_source(data, split="test")["test"]
     rows = range(min(count, len(test)))

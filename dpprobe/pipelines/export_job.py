@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 
+from dpprobe import model as dpmodel
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import preflight
 from dpprobe.pipelines.files import atomic_write_bytes
@@ -56,8 +57,6 @@ class ExportConfig:
 def run_export(config: ExportConfig | str, /, **options) -> dict:
     """Export a model file: `run_export(ExportConfig(...))` or `run_export(model, format=...,
     out=...)`. Returns {"out", "format", "input", "load"} (how to load it)."""
-    from dpprobe import model as dpmodel
-
     config = cfg.make_config(ExportConfig, config, "model", **options)
     preflight.check_output_paths(**{"OUT": config.out})
     if os.path.realpath(config.out) == os.path.realpath(config.model):
@@ -67,7 +66,7 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
-    from dpprobe.model import torch_export
+    from dpprobe.model import torch_export  # torch: imported when a model is exported
 
     if config.format == "torch":
         data, inputs = torch_export.export_torch(model)
@@ -76,7 +75,7 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
         data, inputs = torch_export.export_onnx(model)
         load = f"onnxruntime.InferenceSession({config.out!r})"
     else:
-        from safetensors.torch import save
+        from safetensors.torch import save  # torch, as above
 
         state, kwargs = torch_export.timm_state_dict(model)
         note = json.dumps({"create_model": kwargs, "source": config.model,

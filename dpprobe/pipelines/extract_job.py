@@ -4,6 +4,7 @@ shard of a multi-process job, or as Ray tasks."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from dpprobe import extract
@@ -191,8 +192,6 @@ def report_line(out: str, report, dtype: str) -> str:
 
 def _ray_shard(config: ExtractConfig, shard: tuple[int, int]) -> list:
     """One Ray task: extract one shard of every split (re-opening data and backbone there)."""
-    import os
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return _extract_local(dataclasses.replace(config, progress=False, overwrite=False),
                           shard=shard)
@@ -207,7 +206,7 @@ def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
     redone, so rerunning after a failure resumes. `config.ray_address` names the cluster and
     `config.ray_shards` the number of shards (default: one per GPU, else per CPU).
     """
-    import ray
+    import ray  # optional (dpprobe[ray]), imported when Ray runs the job
 
     config = cfg.make_config(ExtractConfig, config, None, **options)
     if not ray.is_initialized():

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprobe import accounting
+from dpprobe.finetune import recipe
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     TRAIN_MODES,
+    accountant_option,
+    coordinator_option,
+    delta_option,
     integer,
     num_classes_option,
+    num_processes_option,
     number,
     option,
+    process_id_option,
+    process_timeout_option,
 )
 
 __all__ = ["AUDIT_KINDS", "MAX_CANARIES", "FinetuneConfig"]
@@ -33,7 +38,7 @@ class FinetuneConfig:
         test split is public (the accuracy on it is published).
       model: "cnn", "cnn_cifar", "scatternet_cnn", "scatternet_cnn_linear", "wrn16_4" or a
         timm ViT name (`finetune.models`); None: chosen from the input side
-        (`pipelines.finetune_recipe.default_model`).
+        (`finetune.recipe.default_model`).
       weights, random_init: a timm model's local weights file, or random init; the hub
         otherwise. Models trained from scratch (`finetune.models.MODEL_NAMES`) take neither.
       resize, crop: resize each image's short side to `resize`, then center-crop `crop` x
@@ -44,7 +49,7 @@ class FinetuneConfig:
       epochs, steps: the length (T = ceil(epochs N / B) unless `steps` is given).
       learning_rate, optimizer, momentum, schedule, warmup_steps, clip_norm: the DP-SGD recipe.
         `batch_size`, `epochs`, `learning_rate` and `clip_norm` left None are chosen from
-        public quantities (`pipelines.finetune_recipe`) and recorded with the results.
+        public quantities (`finetune.recipe`) and recorded with the results.
       augmult, crop_padding, flip: K views per example (crops of the padded image, flips).
       train: which parameters are trained (`finetune.modes`): all, head, bias (DP-BiTFiT) or
         lora (adapters of rank `lora_rank` on a ViT's qkv, proj, fc1, fc2; merged into the
@@ -63,7 +68,7 @@ class FinetuneConfig:
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
       coordinator, num_processes, process_id, process_timeout: run as one of several
-        processes (`pipelines.processes`: each trains on its own rows, process 0 writes; no
+        processes (`multihost.processes`: each trains on its own rows, process 0 writes; no
         checkpoints, no audit).
       audit_canaries: m > 0 trains an audit model instead: m canaries (their coins seeded by
         `seed`), each in with probability 1/2, and the one-run bounds on epsilon
@@ -98,10 +103,9 @@ class FinetuneConfig:
         "(default: a square of the short side); ViTs adapt their position embeddings")
     epsilon: float = option(3.0, type=number, help="target epsilon; inf trains without noise "
                             "(default %(default)s)")
-    delta: float = option(1e-5, type=number, help="target delta (default %(default)s)")
-    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
-                             help="privacy accountant (default %(default)s)")
-    # None: chosen from public quantities (`pipelines.finetune_recipe`: Tramer & Boneh's recipe
+    delta: float = delta_option()
+    accountant: str = accountant_option()
+    # None: chosen from public quantities (`finetune.recipe`: Tramer & Boneh's recipe
     # for their CNN at large N, measured here at 86.4% on Fashion-MNIST at (3, 1e-5), scaled
     # down for small N); augmentation multiplicity (K = 2, crops and flips) trailed it at equal
     # steps, so it is off by default.
@@ -115,19 +119,21 @@ class FinetuneConfig:
     learning_rate: float | None = option(None, "--lr", type=number, help="learning rate "
                                          "(default 4 sqrt(B / 2048) for momentum 0.9: 4 at B = "
                                          "2048; 10x for sgd; 0.01 for adam, sign, lamb)")
-    optimizer: str = option("momentum", choices=OPTIMIZERS, metavar="NAME",
+    optimizer: str = option(recipe.OPTIMIZER, choices=OPTIMIZERS, metavar="NAME",
                             help="%(choices)s (default %(default)s)")
-    momentum: float = option(0.9, type=number, help="momentum (default %(default)s)")
-    schedule: str = option("constant", choices=("constant", "cosine"),
+    momentum: float = option(recipe.BASE_MOMENTUM, type=number,
+                             help="momentum (default %(default)s)")
+    schedule: str = option(recipe.SCHEDULE, choices=recipe.SCHEDULES,
                            help="learning-rate schedule (default %(default)s)")
     warmup_steps: int = option(0, type=integer,
                                help="linear warm-up steps (default %(default)s)")
     clip_norm: float | None = option(None, type=number,
-                                     help="per-example clip norm C (default 0.1)")
-    train: str = option("all", choices=TRAIN_MODES, metavar="MODE", help="which parameters "
-                        "are trained: %(choices)s (the head always; bias: every bias and norm "
-                        "offset, DP-BiTFiT; lora: low-rank adapters on a ViT's attention and MLP "
-                        "layers) (default %(default)s)")
+                                     help="per-example clip norm C (default "
+                                     f"{recipe.CLIP_NORM:g})")
+    train: str = option(recipe.TRAIN_MODE, choices=TRAIN_MODES, metavar="MODE", help="which "
+                        "parameters are trained: %(choices)s (the head always; bias: every bias "
+                        "and norm offset, DP-BiTFiT; lora: low-rank adapters on a ViT's attention "
+                        "and MLP layers) (default %(default)s)")
     lora_rank: int = option(8, type=integer, metavar="R",
                             help="rank of the LoRA adapters of --train lora (default %(default)s)")
     non_private: bool = option(False, action="store_true", help="NOT private: train with the "
@@ -141,11 +147,12 @@ class FinetuneConfig:
     flip: bool = option(False, action="store_true",
                         help="random horizontal flips of the views")
     ema_decay: float | None = option(None, type=number, help="EMA of the parameters, 0 for "
-                                     "none (default 0.999, De et al.; step t's decay is "
-                                     "min(D, (1 + t) / (10 + t)), their warm-up)")
+                                     f"none (default {recipe.EMA_DECAY:g}, De et al.; step "
+                                     "t's decay is min(D, (1 + t) / (10 + t)), their warm-up)")
     head_bias_init: float = 0.0
     physical_batch_size: int = option(
-        256, type=integer, help="examples per clipped sum (default %(default)s)")
+        recipe.PHYSICAL_BATCH_SIZE, type=integer,
+        help="examples per clipped sum (default %(default)s)")
     # Not an option: the job's book-keeping clipping forms no per-example kernel gradients,
     # so microbatches (`FinetuneFlags.microbatch_size`, the per-example clipper's) would
     # change nothing; kept (None) so that saved runs' options still match, refused if set.
@@ -169,14 +176,14 @@ class FinetuneConfig:
         "canaries on the model's own coordinates (M at most its trained parameters), a "
         "rigorous lower bound and an estimate of epsilon; image: black-box noise images "
         "(loose)")
-    coordinator: str | None = processes.coordinator_option()
-    num_processes: int | None = processes.num_processes_option()
-    process_id: int | None = processes.process_id_option()
-    process_timeout: int = processes.process_timeout_option()
+    coordinator: str | None = coordinator_option()
+    num_processes: int | None = num_processes_option()
+    process_id: int | None = process_id_option()
+    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):
-        processes.check(self)
+        cfg.check_processes(self)
         cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
                    delta=cfg.check_delta("delta", self.delta))
         for name in ("learning_rate", "clip_norm", "epochs"):

@@ -16,21 +16,15 @@ import os
 import shutil
 from pathlib import Path
 
-from dpprobe import accounting
+from dpprobe import accounting, extract, finetune
+from dpprobe.accounting import records
+from dpprobe.finetune import run_folder
+from dpprobe.finetune.data import DATA_RULE, load_images
+from dpprobe.finetune.recipe import default_model, finetune_recipe
+from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import (
-    files,
-    model_files,
-    preflight,
-    processes,
-    records,
-    reporting,
-    run_folder,
-    timings,
-)
+from dpprobe.pipelines import files, model_files, preflight, reporting, timings
 from dpprobe.pipelines.finetune_config import FinetuneConfig
-from dpprobe.pipelines.finetune_data import DATA_RULE, load_images
-from dpprobe.pipelines.finetune_recipe import default_model, finetune_recipe
 from dpprobe.pipelines.reporting import log
 
 __all__ = ["FinetuneConfig", "run_finetune"]
@@ -91,8 +85,6 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
 
 def _input_paths(config: FinetuneConfig) -> list[str]:
     """The local files and folders the job reads (its output must not be, nor lie in, one)."""
-    from dpprobe import extract
-
     paths = [config.data_dir, config.weights]
     for spec in (config.data, config.test_data):
         try:
@@ -104,8 +96,6 @@ def _input_paths(config: FinetuneConfig) -> list[str]:
 
 def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
-    from dpprobe import finetune
-
     if config.train == "lora" and (config.model is None
                                    or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
@@ -128,14 +118,14 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
     multi, rows = processes.active(), None
     if multi:  # each process keeps its own rows (every process reads the spec)
-        from dpprobe.dp.distributed import process_rows
+        from dpprobe.dp.distributed import process_rows  # JAX: imported when the job runs
 
         processes.check_rows(num_real)
         first, stop = process_rows(num_real)
         train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
     image_size, channels = train[0].shape[1], train[0].shape[-1]
     model_choice = None
-    if config.model is None:  # from the public input side (`finetune_recipe.default_model`)
+    if config.model is None:  # from the public input side (`finetune.recipe.default_model`)
         config = dataclasses.replace(config, model=default_model(image_size))
         model_choice = f"the default for {image_size} px images"
         log(f"model: {config.model} [{model_choice}]", quiet)
@@ -161,22 +151,16 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     # Epochs over the real records (an audited run takes the steps of the run it audits).
     steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
     if config.non_private:  # NOT private: no clipping, no noise
-        sigma, clip = 0.0, math.inf
-    elif math.isinf(config.epsilon):
-        sigma, clip = 0.0, chosen.clip_norm
-    else:
-        sigma = accounting.calibrate_noise_multiplier(
-            config.epsilon, config.delta, steps=steps, sampling_probability=q,
-            accountant=config.accountant)
-        clip = chosen.clip_norm
-    plan = accounting.DpPlan(sigma, steps, q, clip)
-    spec = finetune.FinetuneSpec(
-        num_classes, optimizer=config.optimizer, learning_rate=chosen.learning_rate,
-        momentum=config.momentum, schedule=config.schedule, warmup_steps=config.warmup_steps,
-        augmult=config.augmult, crop_padding=config.crop_padding, flip=config.flip,
-        ema_decay=chosen.ema_decay or None, mean=mean, std=std, train=config.train)
-    flags = finetune.FinetuneFlags(physical_batch_size=config.physical_batch_size,
-                                   mixed_precision=config.mixed_precision, devices=config.devices)
+        plan = accounting.DpPlan(0.0, steps, q, math.inf)
+    else:  # epsilon = inf: no noise, clipping kept
+        plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=steps,
+                                         sampling_probability=q, clip_norm=chosen.clip_norm,
+                                         accountant=config.accountant)
+    sigma, clip = plan.noise_multiplier, plan.clip_norm
+    spec = _from_config(finetune.FinetuneSpec, config, num_classes=num_classes, mean=mean,
+                        std=std, learning_rate=chosen.learning_rate,
+                        ema_decay=chosen.ema_decay or None)
+    flags = _from_config(finetune.FinetuneFlags, config)
     trained_info = _trained_info(config, model, spec)
     log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
         f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
@@ -203,7 +187,10 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
     audit = None
     if config.audit_canaries:
-        from dpprobe.finetune.canaries import audit_finetune, audit_finetune_gradients
+        from dpprobe.finetune.canaries import (  # JAX: imported when an audit runs
+            audit_finetune,
+            audit_finetune_gradients,
+        )
 
         log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
             f"probability 1/2 (seed {config.seed}); this trains an audit artefact, not the "
@@ -305,10 +292,15 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     return results
 
 
+def _from_config(cls, config: FinetuneConfig, **given):
+    """The trainer's `cls` (`FinetuneSpec`, `FinetuneFlags`) from the config's fields of the
+    same names (declared with the trainer's defaults, `finetune.recipe`) and `given` values."""
+    names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(config)}
+    return cls(**{name: getattr(config, name) for name in names - given.keys()}, **given)
+
+
 def _trained_info(config: FinetuneConfig, model, spec) -> dict:
     """Which parameters the run trains, and how many of how many (public: the architecture)."""
-    from dpprobe import finetune
-
     _, params, rest = finetune.split_trained(model, spec)
     info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
             "of": finetune.modes.count_params(params) + finetune.modes.count_params(rest),
@@ -357,10 +349,7 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
 
 def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
     """(model, mean, std, public description)."""
-    from flax import nnx
-
-    import dpprobe.finetune.models  # noqa: F401 (loads the submodule)
-    from dpprobe import finetune
+    from flax import nnx  # JAX: imported when the job runs, not at the CLI's start
 
     rngs = nnx.Rngs(config.seed)
     if config.model in finetune.models.MODEL_NAMES:
@@ -375,17 +364,12 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
         return model, (mean,) * channels, (std,) * channels, {
             "name": config.model, "weights": "random init (from scratch)",
             "input": f"{image_size} px, scaled to [{low:g}, {high:g}]"}
-    from dpprobe import extract
-
     backbone = extract.create_backbone(config.model, weights=config.weights,
                                        random_init=config.random_init, seed=config.seed,
                                        crop=image_size, device="cpu")
     model = finetune.models.vit_from_timm(backbone.module, num_classes, rngs=rngs,
                                           head_bias_init=config.head_bias_init)
     if config.train == "lora":
-        import dpprobe.finetune.modes  # noqa: F401 (loads the submodule)
-        from dpprobe import finetune
-
         finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
     prep = backbone.preprocessing
     info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}

@@ -1,5 +1,5 @@
 """The model files the jobs write (`dpmodel.format`): what each job puts in the description
-besides the arrays, built from public inputs and DP outputs only (`pipelines.records`).
+besides the arrays, built from public inputs and DP outputs only (`accounting.records`).
 
   * `probe --save-model DIR`: one file per epsilon of the sweep (its first seed's run; with
     several --steps or --lr, per (epsilon, T, lr)), the run's own claim, and the sweep's;
@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 
-from dpprobe import accounting, extract
+from dpprobe import accounting, extract, probe
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import records
+from dpprobe.accounting import records
 from dpprobe.pipelines.files import atomic_write_bytes
 
 __all__ = ["MODEL_FILE", "finetune_model", "header", "probe_model_name", "probe_models",
@@ -108,8 +108,6 @@ def tune_model(config, results: dict, params, standardizer) -> None:
     """Write the tune job's final probe to `config.save_model`: the head (standardization
     folded in), the standardization's statistics, and the job's whole ledger as its claim. Its
     test accuracy was computed by `probe.evaluate`, the function the model predicts with."""
-    from dpprobe import probe
-
     train_attrs = extract.local_split_attrs(config.store, "train") or dict(
         extract.open_split(config.store, "train").attrs)
     spec = probe.ProbeSpec(**{k: v for k, v in results["probe"].items() if k != "bias_init"})

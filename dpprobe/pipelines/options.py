@@ -21,25 +21,33 @@ import importlib
 import re
 from collections.abc import Callable
 
+from dpprobe import accounting
+
 __all__ = [
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
+    "TRAIN_MODES",
     "Choices",
     "Flag",
-    "TRAIN_MODES",
     "RangeEnd",
+    "accountant_option",
     "add_options",
     "cli_fields",
     "cli_words",
+    "coordinator_option",
+    "delta_option",
     "flag",
     "integer",
     "integers",
     "names",
     "num_classes_option",
+    "num_processes_option",
     "number",
     "numbers",
     "option",
+    "process_id_option",
+    "process_timeout_option",
     "shard",
 ]
 
@@ -97,6 +105,41 @@ def num_classes_option() -> dataclasses.Field:
     return option(None, type=integer, metavar="K", help="declare K classes for a source without "
                   "class names (an npz without class_names); labels must lie in [0, K). Never "
                   "inferred from the labels")
+
+
+def delta_option(text: str = "target delta") -> dataclasses.Field:
+    """`--delta`, with the one default of every job (`accounting.DEFAULT_DELTA`)."""
+    return option(accounting.DEFAULT_DELTA, type=number, help=f"{text} (default %(default)s)")
+
+
+def accountant_option(text: str = "") -> dataclasses.Field:
+    """`--accountant`, with the one default of every job (`accounting.DEFAULT_ACCOUNTANT`)."""
+    return option(accounting.DEFAULT_ACCOUNTANT, choices=accounting.ACCOUNTANTS,
+                  help=f"privacy accountant (default %(default)s{text})")
+
+
+def coordinator_option() -> dataclasses.Field:
+    """The process fields of a job that may run as several processes (`multihost.processes`)."""
+    return option(None, metavar="HOST:PORT", help="run as one of --num-processes processes "
+                  "(one per host; jax.distributed): the address of process 0, which serves "
+                  "the job's coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's "
+                  "and Kubernetes' auto-detection when --num-processes is given)")
+
+
+def num_processes_option() -> dataclasses.Field:
+    return option(None, type=integer, metavar="N", help="processes of a multi-process job; "
+                  "each reads its own slice of the rows, only process 0 writes outputs")
+
+
+def process_id_option() -> dataclasses.Field:
+    return option(None, type=integer, metavar="I", help="this process's index in [0, N) "
+                  "(default: from Slurm's or Kubernetes' environment)")
+
+
+def process_timeout_option() -> dataclasses.Field:
+    return option(60, type=integer, metavar="SECONDS", help="multi-process: how long a process "
+                  "waits for the others to start, and after how many seconds without a "
+                  "heartbeat a process counts as dead and the job ends (default %(default)s)")
 
 
 def cli_fields(config_class) -> list[dataclasses.Field]:
@@ -174,10 +217,7 @@ def cli_words(text: str, parser: argparse.ArgumentParser) -> str:
 
 
 def number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+    return _converted(text, float, "a number")
 
 
 def numbers(text: str) -> list[float]:
@@ -189,14 +229,19 @@ def numbers(text: str) -> list[float]:
 
 
 def integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from err
+    return _converted(text, int, "an integer")
 
 
 def integers(text: str) -> list[int]:
     return _comma_separated(text, int, "integer")
+
+
+def _converted(text: str, convert: Callable, what: str):
+    """`convert(text)`, or the parser's error naming what was expected."""
+    try:
+        return convert(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from err
 
 
 def _comma_separated(text: str, convert: Callable, what: str) -> list:

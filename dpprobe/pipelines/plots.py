@@ -35,10 +35,10 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
     """PNG of test accuracy (mean ± std over seeds) vs epsilon (log axis), with the
     non-private line, `references` as single labelled points, and `warnings` (e.g. features
     of a randomly initialized backbone) printed in red across the plot."""
-    import matplotlib
+    import matplotlib  # heavy: imported when a plot is drawn, not at the CLI's start
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, as above
 
     fig, ax = plt.subplots(figsize=(7.2, 4.8), dpi=120)
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -92,7 +92,7 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
 def _save_png(fig, path, warnings: Sequence[str] = ()) -> None:
     """Write a matplotlib figure as PNG, atomically, and close it; `warnings` go into its
     metadata too (a "Warning" text chunk), for tools that read the file."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, as above
 
     fig.tight_layout()
     buffer = io.BytesIO()
@@ -126,7 +126,7 @@ def plot_audit(results: dict, path) -> None:
     """PNG of an audit: the two score histograms with the tests' thresholds, and the empirical
     trade-off curve (FNR against FPR) beside the claimed Gaussian-DP curve and the one of the
     lower bound."""
-    import matplotlib
+    import matplotlib  # heavy, as above
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -17,8 +17,10 @@ import sys
 
 import numpy as np
 
+from dpprobe import model as dpmodel
+from dpprobe.model import inputs as predict_inputs
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import predict_inputs, preflight
+from dpprobe.pipelines import preflight
 from dpprobe.pipelines.files import atomic_writer
 from dpprobe.pipelines.options import integer, option
 
@@ -67,8 +69,6 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     """Predict with a model file: `run_predict(PredictConfig(...))` or
     `run_predict(model, data=..., ...)`. Writes the CSV (to `out`, else stdout) and returns
     {"rows", "accuracy" (None without labels), "top_k_accuracy", ...}."""
-    from dpprobe import model as dpmodel
-
     config = cfg.make_config(PredictConfig, config, "model", **options)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
@@ -101,7 +101,7 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
 
 def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
                 quiet: bool) -> None:
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # imported when rows are written, not at the CLI's start
 
     writer = csv.writer(stream)
     names = np.asarray(model.class_names, dtype=object)

@@ -17,6 +17,12 @@ import os
 import tempfile
 import zipfile
 
+from dpprobe import extract
+from dpprobe import model as dpmodel
+from dpprobe.model.format import safetensors_metadata
+from dpprobe.pipelines.model_files import probe_model_name
+from dpprobe.pipelines.timings import timings_path
+
 __all__ = [
     "PNG_SOFTWARE",
     "check_demo_job",
@@ -57,8 +63,6 @@ def check_timings_file(out: str | os.PathLike | None) -> None:
     """The owner's timing file that a job writes beside its results file `out`
     (`pipelines.timings`); nothing when there is no `out`."""
     if out is not None:
-        from dpprobe.pipelines.timings import timings_path
-
         _check_output_file("the timing file beside `out`:", os.fspath(timings_path(out)))
 
 
@@ -100,7 +104,7 @@ def _written_by_dpprobe(path: str) -> bool:
         head = f.read(8)
     with contextlib.suppress(Exception):
         if head.startswith(b"\x89PNG"):
-            from PIL import Image
+            from PIL import Image  # imported when a PNG is found, not at the CLI's start
 
             with Image.open(path) as image:
                 return image.info.get("Software") == PNG_SOFTWARE
@@ -124,16 +128,12 @@ def _written_by_dpprobe(path: str) -> bool:
 
 def dpmodel_file(path: str) -> bool:
     """A model file (`dpmodel.format`), a timm state dict or an ONNX model that dpprobe wrote."""
-    from dpprobe import model as dpmodel
-
     if dpmodel.is_model_file(path):
         return True
-    from dpprobe.model.format import safetensors_metadata
-
     if "dpprobe_export" in safetensors_metadata(path):
         return True
     if path.endswith(".onnx"):
-        import onnx
+        import onnx  # optional (dpprobe[onnx])
 
         proto = onnx.load(path, load_external_data=False)
         return any(p.key == "dpprobe_export" for p in proto.metadata_props)
@@ -144,8 +144,6 @@ def check_store_splits_agree(store) -> None:
     """Refuse a local store whose train and test splits come from different jobs (backbone,
     weights, preprocessing, feature dim, class list). Reads only the splits' metadata; other
     damage is found when the store is read."""
-    from dpprobe import extract
-
     attrs = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
     if all(attrs.values()):
         differ = extract.store.identity_differences(attrs["train"], attrs["test"])
@@ -165,7 +163,7 @@ def check_probe_job(config) -> None:
         check_model_folder(config)
     check_store_splits_agree(config.store)
     if config.devices is not None and config.devices > 1:
-        import jax
+        import jax  # imported when devices are asked for, not at the CLI's start
 
         present = jax.local_device_count()
         if config.devices > present:
@@ -177,8 +175,6 @@ def check_probe_job(config) -> None:
 def check_model_folder(config) -> None:
     """`probe --save-model DIR`: a folder (or a new path), and every model file it will hold
     writable (a file there that dpprobe did not write is refused)."""
-    from dpprobe.pipelines.model_files import probe_model_name
-
     folder = os.fspath(config.save_model)
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`save_model` {folder} is an existing file; give a folder")

@@ -6,19 +6,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dpprobe import accounting
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import processes
 from dpprobe.pipelines.options import (
     LOSSES,
     NORMALIZATIONS,
     OPTIMIZERS,
+    accountant_option,
+    coordinator_option,
+    delta_option,
     flag,
     integer,
     integers,
+    num_processes_option,
     number,
     numbers,
     option,
+    process_id_option,
+    process_timeout_option,
 )
 
 __all__ = ["MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option",
@@ -63,7 +67,7 @@ class ProbeConfig:
 
     Attributes:
       optimizer, steps, learning_rates, normalization: None (the defaults) chooses them from
-        public quantities (`pipelines.recipe`: the store's backbone, N, epsilon, delta):
+        public quantities (`probe.recipe`: the store's backbone, N, epsilon, delta):
         GroupNorm on ScatterNet features, full-batch momentum, T = 300, lr = r / T per epsilon
         by the linear scaling rule. A given optimizer other than sgd/momentum takes T = 1 and
         its default learning rate unless told.
@@ -73,13 +77,13 @@ class ProbeConfig:
       groups: groups of `normalization="group"` (None: the backbone's, 27 on ScatterNet,
         else 1; given, it needs that normalization).
       out, csv, plot: write results JSON, a per-run CSV, an accuracy-vs-epsilon PNG (DP
-        outputs and public inputs only, see `pipelines.records`).
+        outputs and public inputs only, see `accounting.records`).
       diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
         sizes, the data fingerprint) to this local file, for debugging; never share it.
       save_model: a folder for one model file per epsilon (its first seed's run;
         `pipelines.model_files.probe_models`).
       coordinator, num_processes, process_id, process_timeout: run as one of several
-        processes (`pipelines.processes`: each reads its own rows, process 0 writes).
+        processes (`multihost.processes`: each reads its own rows, process 0 writes).
     """
 
     store: str = store_option()
@@ -87,7 +91,7 @@ class ProbeConfig:
         (0.5, 1.0, 2.0, 4.0, 8.0), type=numbers, help="target epsilons, comma-separated "
         "(default 0.5,1,2,4,8); add inf for a non-private reference: the same recipe without "
         "noise, no guarantee")
-    delta: float = option(1e-5, type=number, help="target delta (default %(default)s)")
+    delta: float = delta_option()
     seeds: int = option(3, type=integer, help="independent runs per config, each with fresh "
                         "noise (default %(default)s)")
     optimizer: str | None = option(None, choices=OPTIMIZERS, metavar="NAME", help="%(choices)s: "
@@ -101,8 +105,7 @@ class ProbeConfig:
         "epsilon, delta and N; 1e-3 else)")
     loss: str = loss_option()
     clip_norm: float = clip_norm_option()
-    accountant: str = option("pld", choices=accounting.ACCOUNTANTS,
-                             help="privacy accountant (default %(default)s, tight)")
+    accountant: str = accountant_option(", tight")
     normalization: str | None = normalization_option()
     groups: int | None = groups_option()
     bias_init: float | None = option(
@@ -130,14 +133,14 @@ class ProbeConfig:
     save_model: str | None = option(
         None, metavar="DIR", help="write one model file per epsilon (its first seed's run) "
         "into DIR, named by epsilon (eps1.safetensors), for `dpprobe predict` and `export`")
-    coordinator: str | None = processes.coordinator_option()
-    num_processes: int | None = processes.num_processes_option()
-    process_id: int | None = processes.process_id_option()
-    process_timeout: int = processes.process_timeout_option()
+    coordinator: str | None = coordinator_option()
+    num_processes: int | None = num_processes_option()
+    process_id: int | None = process_id_option()
+    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="print only the table")
 
     def __post_init__(self):
-        processes.check(self)
+        cfg.check_processes(self)
         learning_rates = check_learning_rates(self.learning_rates)
         cfg.freeze(
             self, store=str(self.store),

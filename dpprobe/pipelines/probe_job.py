@@ -11,11 +11,14 @@ import os
 
 import numpy as np
 
-from dpprobe import accounting, extract
+from dpprobe import accounting, extract, probe
+from dpprobe.accounting import records
+from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, processes, recipe, records, reporting, timings
+from dpprobe.pipelines import model_files, plots, preflight, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
+from dpprobe.probe import recipe
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
 
@@ -64,11 +67,9 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     train_x, train_y, test_chunks = _read_splits(store, stream=stream,
                                                  test_in_memory=test_in_memory,
                                                  num_examples=num_examples)
-    from dpprobe import probe  # already imported by `_read_splits`, while it read
-
     delta, accountant = config.delta, config.accountant
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
-    # The recipe: what the config gives, else chosen from public quantities (pipelines.recipe).
+    # The recipe: what the config gives, else chosen from public quantities (probe.recipe).
     chosen = recipe.probe_recipe(config, train_attrs, num_examples)
     log(chosen.describe(config.epsilons), quiet)
     warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
@@ -82,13 +83,9 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
     plans = {}
     for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
-        sigma = accounting.calibrate_noise_multiplier(
+        plans[epsilon, num_steps] = accounting.calibrate_plan(
             epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
-            accountant=accountant,
-        )
-        plans[epsilon, num_steps] = accounting.DpPlan(sigma, num_steps,
-                                                      config.sampling_probability,
-                                                      config.clip_norm)
+            clip_norm=config.clip_norm, accountant=accountant)
 
     # Train every config in one program, then test.
     grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
@@ -97,7 +94,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
                                               stream=stream, num_examples=num_examples, dim=dim)
 
-    # Record: DP outputs and public inputs only (pipelines.records).
+    # Record: DP outputs and public inputs only (accounting.records).
     run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
                    for i, (e, t, lr, k) in enumerate(grid)]
     # Every run touched the same training data: choosing among them, or reporting a summary of
@@ -147,8 +144,6 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
                             warnings=warnings)
     if config.save_model:
-        from dpprobe.pipelines import model_files
-
         results["model_files"] = model_files.probe_models(
             config, results, grid, plans, result.params, spec, train_attrs)
         log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
@@ -189,7 +184,7 @@ def _read_splits(store, *, stream: bool, test_in_memory: bool, num_examples: int
         )
         test_read = pool.submit(lambda: list(extract.iter_split_chunks(
             store, "test", dtype=None))) if test_in_memory else None
-        from dpprobe import probe  # noqa: F401  (while the threads read)
+        import dpprobe.probe.train  # noqa: F401  (JAX, loaded while the threads read)
 
         if stream:
             train_x, train_y = None, train_read.result()
@@ -203,7 +198,7 @@ def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chun
     """The calls into `probe`: train every run with the driver the config asks for, evaluate on
     the test chunks (streamed when None). Returns the `TrainResult`, the test metrics and the
     driver's description."""
-    from dpprobe import dp, probe
+    from dpprobe import dp  # JAX: imported when the job runs, not at the CLI's start
 
     keys = dp.make_keys(len(runs))
     progress = not config.quiet
@@ -301,7 +296,7 @@ def _write_diagnostics(path, grid, result, train_attrs) -> None:
 
 
 def _process_rows(num_examples: int) -> tuple[int, int]:
-    from dpprobe.dp.distributed import process_rows
+    from dpprobe.dp.distributed import process_rows  # JAX, as above
 
     return process_rows(num_examples)
 

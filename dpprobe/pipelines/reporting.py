@@ -7,12 +7,12 @@ import csv
 import io
 import json
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
+from dpprobe.messages import log
 from dpprobe.model.format import json_default
 from dpprobe.pipelines.files import atomic_write_text
 
@@ -32,12 +32,6 @@ __all__ = [
     "write_csv",
     "write_json",
 ]
-
-
-def log(message: str, quiet: bool = False) -> None:
-    """A progress or warning line on stderr, unless `quiet`."""
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
 
 
 def _finite(value):

@@ -68,7 +68,7 @@ def verify(config: VerifyConfig | str | None = None, /,
         fingerprints, extra_problems = _source_fingerprints(config)
     bar = None
     if config.progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # imported when a bar is shown, not at the CLI's start
 
         bar = tqdm(unit="chunk", desc="verify", file=sys.stderr, dynamic_ncols=True,
                    leave=False)

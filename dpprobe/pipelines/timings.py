@@ -5,7 +5,7 @@ How long a job runs depends on its private records: one large image decodes for 
 store's extraction lasted as long as its records took. A published duration, rate or timestamp
 of the run therefore tells neighbouring datasets apart, and no DP guarantee covers it. So
 nothing a publishing job writes as an output (results JSON, CSV, plots, model files, the lines
-it prints when done) holds one (`pipelines.records`); a job that writes its results to `R.json`
+it prints when done) holds one (`accounting.records`); a job that writes its results to `R.json`
 writes its timings to `R.timings.json` beside it (`finetune --out DIR`:
 `DIR/results.timings.json`). That file is for the data's owner: NOT covered by the privacy
 guarantee, never to be published. Benchmarks read their seconds and images per second from it
@@ -22,7 +22,8 @@ import os
 import time
 from pathlib import Path
 
-from dpprobe.pipelines import records, reporting
+from dpprobe.accounting import records
+from dpprobe.pipelines import reporting
 
 __all__ = ["TIMINGS_WARNING", "Stopwatch", "read_timings", "timings_path", "write_timings"]
 

@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import search
 from dpprobe.pipelines.options import (
     OPTIMIZERS,
     RangeEnd,
+    delta_option,
     flag,
     integer,
     integers,
@@ -25,7 +25,8 @@ from dpprobe.pipelines.probe_config import (
     normalization_option,
     store_option,
 )
-from dpprobe.pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES
+from dpprobe.probe import search
+from dpprobe.probe.search import EXTRAPOLATIONS, SEARCH_CHOICES
 
 __all__ = ["CLI_SELECTIONS", "TuneConfig"]
 
@@ -44,28 +45,28 @@ class TuneConfig:
       eps_select: budget of the noisy selection counts of both stages with selection "train"
         (default epsilon/20).
       trials: trials per stage.
-      search: "auto" (default: search when it pays, `pipelines.search.decide_search`, from
+      search: "auto" (default: search when it pays, `probe.search.decide_search`, from
         public quantities), "random" (log-uniform r), "grid" (geometric grid of r), or "none"
-        (spend the whole budget on the default recipe's r, `pipelines.recipe`).
+        (spend the whole budget on the default recipe's r, `probe.recipe`).
       r_range: range of r for the first stage.
       extrapolation: how r* at the final run's epsilon is read off the two stages
-        (`pipelines.search.extrapolate`: "linear" as Panda et al., "clipped" to the searched
+        (`probe.search.extrapolate`: "linear" as Panda et al., "clipped" to the searched
         range, or "log", a power law).
       steps_choices: T values a trial's r is decomposed over (lr = r / T).
       final_steps: T of the final run (default 300; None: the largest of `steps_choices`).
       optimizer: update rule (Panda et al.: "momentum", 0.9).
       clip_norm, loss: as for `run_probe`.
       normalization, groups: per-example feature normalization, as for `run_probe`; None
-        (default) chooses it from the store's backbone (`pipelines.recipe`): GroupNorm over
+        (default) chooses it from the store's backbone (`probe.recipe`): GroupNorm over
         ScatterNet's channel groups, none otherwise. `groups` alone implies "group".
       standardize: standardize every feature with a privately released mean and scale
         (`probe.private_standardizer`, Tramer & Boneh's data normalization) after the
         per-example normalization; None (default): when that normalization bounds the norm of
         an example ("group" or "l2"), which the standardization's sensitivity needs, and the
-        mean's noise per feature is at most 0.25 (`pipelines.recipe.decide_standardization`).
+        mean's noise per feature is at most 0.25 (`probe.recipe.decide_standardization`).
       eps_standardize: budget of the standardization's two releases (default epsilon/10).
       selection: "train" (default), "holdout" or "public" (the default with a
-        `public_validation`), see `pipelines.search`.
+        `public_validation`), see `probe.search`.
       validation_fraction: share of train held out with selection "holdout".
       public_validation: `npz:PATH` or (features, labels), public.
       seed: drives only data-independent randomness: the r proposals and the holdout split.
@@ -76,7 +77,7 @@ class TuneConfig:
 
     store: str = store_option()
     epsilon: float = option(type=number, help="total epsilon, tuning included")
-    delta: float = option(1e-5, type=number, help="delta (default %(default)s)")
+    delta: float = delta_option("delta")
     eps0: float | None = option(
         None, type=number, help="budget of the first search stage (default epsilon/20)")
     eps1: float | None = option(

@@ -1,6 +1,6 @@
 """The tune job: private hyperparameter search with the linear scaling rule on a feature store
-(`pipelines.search`: the algorithm, and whether a search pays), then the final probe, ledger.
-`linear_scaling_search` reads as the steps it takes (`pipelines.tune_steps`)."""
+(`probe.search`: the algorithm, and whether a search pays), then the final probe, ledger.
+`linear_scaling_search` reads as the steps it takes (`probe.search_steps`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 
 from dpprobe import accounting
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import preflight, reporting, timings
-from dpprobe.pipelines import tune_steps as steps
-from dpprobe.pipelines.tune_calls import load_public_validation, private_standardization
+from dpprobe.pipelines import model_files, preflight, reporting, timings
 from dpprobe.pipelines.tune_config import TuneConfig
+from dpprobe.probe import search_steps as steps
+from dpprobe.probe.search_calls import load_public_validation, private_standardization
 
 __all__ = ["TuneConfig", "linear_scaling_search", "load_public_validation",
            "private_standardization", "run_tune"]
@@ -28,8 +28,6 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     results = linear_scaling_search(config)
     params, standardizer = results.pop("params"), results.pop("standardizer")
     if config.save_model:
-        from dpprobe.pipelines import model_files
-
         model_files.tune_model(config, results, params, standardizer)
         results["model_file"] = str(config.save_model)
     if config.out:

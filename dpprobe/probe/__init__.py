@@ -19,7 +19,7 @@ Every name is imported on first use (PEP 562), so that `import dpprobe.probe` lo
 the command line imports this package to build its options.
 """
 
-import importlib
+from dpprobe._lazy import lazy_names
 
 _LAZY = {
     "DEFAULT_MEMORY_BUDGET": "dpprobe.probe.budget",
@@ -70,17 +70,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    value = module if _LAZY[name].endswith("." + name) else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -222,6 +222,28 @@ def test_calibration_equals_dp_accounting_calibration(epsilon, steps, q, account
     assert accounting.DpPlan(sigma * (1 - 1e-4), steps, q).epsilon(delta, accountant) > epsilon
 
 
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_calibrated_plan_meets_the_budget_tightly_and_keeps_its_clip_norm(accountant):
+    epsilon, delta, steps, q, clip = 2.0, 1e-5, 300, 0.01, 0.5
+    plan = accounting.calibrate_plan(epsilon, delta, steps=steps, sampling_probability=q,
+                                     clip_norm=clip, accountant=accountant)
+    assert (plan.steps, plan.sampling_probability, plan.clip_norm) == (steps, q, clip)
+    # Met, and tight: 1% less noise would overspend.
+    spent = accounting.DpPlan(plan.noise_multiplier, steps, q).epsilon(delta, accountant)
+    assert spent <= epsilon
+    assert accounting.DpPlan(plan.noise_multiplier * 0.99, steps, q).epsilon(
+        delta, accountant) > epsilon
+    if accountant == "pld":  # dp_accounting called directly on the same mechanism
+        acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(plan.noise_multiplier)), steps)
+        assert acc.get_epsilon(delta) == pytest.approx(spent, rel=1e-3)
+    # Without noise: epsilon inf, the clip norm kept.
+    free = accounting.calibrate_plan(math.inf, delta, steps=steps, clip_norm=clip)
+    assert (free.noise_multiplier, free.clip_norm) == (0.0, clip)
+
+
+
 @pytest.mark.parametrize("low,high", [(0.2, 0.4), (2.0, 4.0)])
 def test_calibration_widens_a_bracket_that_misses_the_target(monkeypatch, low, high):
     kwargs = {"steps": 100, "sampling_probability": 0.05, "accountant": "rdp"}

@@ -149,7 +149,7 @@ def test_hf_one_missing_label_or_image_is_a_null_record_not_a_refusal(rng, tmp_p
     import dpprobe.extract.hf  # noqa: F401 (loads the submodule)
     from dpprobe import extract
     from dpprobe.extract.defects import NULL_LABEL
-    from dpprobe.pipelines.finetune_data import load_images
+    from dpprobe.finetune.data import load_images
 
     train, test = _images(rng, 12), _images(rng, 6)
     ds = _dataset(*train)
@@ -182,7 +182,7 @@ def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
     null record, a pixel of 300 is clamped; nothing raises."""
     import dpprobe.extract.hf  # noqa: F401 (loads the submodule)
     from dpprobe import extract
-    from dpprobe.pipelines.finetune_data import load_images
+    from dpprobe.finetune.data import load_images
 
     rows = [{"image": np.full((16, 16), 5).tolist(), "label": i % 3} for i in range(10)]
     rows[2]["image"], rows[4]["image"], rows[6]["image"] = None, [[300] * 16] * 16, [[1, 2], [3]]

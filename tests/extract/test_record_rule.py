@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 
 from dpprobe.extract import defects, open_source
+from dpprobe.finetune import data as finetune_data
+from dpprobe.finetune.data import DATA_RULE
 from dpprobe.model import read_model_file
-from dpprobe.pipelines import cli, finetune_data, finetune_job
-from dpprobe.pipelines.finetune_data import DATA_RULE
+from dpprobe.pipelines import cli, finetune_job
 from tests.pipelines.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])

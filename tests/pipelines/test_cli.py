@@ -103,7 +103,7 @@ def test_choices_are_the_library_constants():
     from dpprobe.extract.store import FEATURE_DTYPES
     from dpprobe.pipelines.demo_job import DEMO_DATA
     from dpprobe.pipelines.export_job import FORMATS
-    from dpprobe.pipelines.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
+    from dpprobe.probe.search import EXTRAPOLATIONS, SEARCH_CHOICES, SELECTIONS
 
     model = {"optimizer": dp.OPTIMIZERS, "loss": probe.LOSSES,
              "normalization": probe.NORMALIZATIONS}

@@ -1,6 +1,6 @@
-"""The defaults chosen from public quantities: the probe's recipe (`pipelines.recipe`), tune's
-decision to search or not (`pipelines.search.decide_search`), finetune's recipe
-(`pipelines.finetune_recipe`)."""
+"""The defaults chosen from public quantities: the probe's recipe (`probe.recipe`), tune's
+decision to search or not (`probe.search.decide_search`), finetune's recipe
+(`finetune.recipe`)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ import math
 import pytest
 
 from dpprobe import accounting
-from dpprobe.pipelines import (
-    FinetuneConfig,
-    ProbeConfig,
-    cli,
-    recipe,
-    run_finetune,
-    run_probe,
-    search,
-)
-from dpprobe.pipelines.finetune_recipe import default_model, ema_full_step, finetune_recipe
+from dpprobe.finetune.recipe import default_model, ema_full_step, finetune_recipe
+from dpprobe.pipelines import FinetuneConfig, ProbeConfig, cli, run_finetune, run_probe
+from dpprobe.probe import recipe, search
 
 
 def test_total_step_size_is_the_linear_scaling_rule_in_closed_form():

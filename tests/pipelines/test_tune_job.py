@@ -134,7 +134,7 @@ def test_run_tune_writes_its_model_atomically_and_replaces_only_its_own(digits_s
 def test_default_normalization_comes_from_the_store_backbone(digits_store):
     """ScatterNet: GroupNorm over whole channel groups (27 of its 81 channels per input
     channel); anything else: none. Given options win; --groups alone means group."""
-    from dpprobe.pipelines import recipe
+    from dpprobe.probe import recipe
 
     assert recipe.backbone_normalization({"name": "scatternet",
                                           "coefficients_per_channel": 81}) == ("group", 27)

@@ -14,7 +14,7 @@ does in Panda et al. 2023, Alg. 1 or in the choices Alg. 1 leaves open:
   final_run           Alg. 1's last steps: r* = lr x T, sigma calibrated, one training run
   record              the results: DP outputs and public inputs only
 
-Host work and accounting stay here; `probe` (JAX) is imported on first use (`tune_calls`).
+Host work and accounting stay here; `probe` (JAX) is imported on first use (`search_calls`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dpprobe import accounting, extract
-from dpprobe.pipelines import recipe, records, search
-from dpprobe.pipelines.reporting import log
-from dpprobe.pipelines.tune_calls import (
+from dpprobe.accounting import records
+from dpprobe.messages import log
+from dpprobe.probe import recipe, search
+from dpprobe.probe.search_calls import (
     correct_counts,
     load_public_validation,
     private_standardization,
@@ -246,7 +247,7 @@ def total_step_size(config, searching: bool, run_stage: Callable, parts: Parts, 
                     rng, ledger: accounting.PrivacyLedger) -> dict:
     """r* for the final run: Alg. 1's two searches, line and extrapolation (`search.search_line`,
     every trial in the ledger), or without a search the default recipe's r
-    (`pipelines.recipe`) at the final run's epsilon."""
+    (`probe.recipe`) at the final run's epsilon."""
     if not searching:
         return {"stages": [], "r_star": recipe.total_step_size(
             budget.mu["epsilon_final"], config.delta, len(parts.train_y))}

@@ -1,5 +1,5 @@
 """The coordination service of a multi-process job, in a small process of its own that process 0
-starts (`pipelines.processes.start`), so that it outlives process 0.
+starts (`multihost.processes.start`), so that it outlives process 0.
 
 JAX runs the service inside process 0, and when process 0 dies every other process learns it
 from the service's closed socket and aborts with a page of C++ log. Here the service stays up

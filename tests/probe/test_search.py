@@ -8,7 +8,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 from dpprobe import accounting
-from dpprobe.pipelines import search
+from dpprobe.probe import search
 
 
 def _mixed_ledger():

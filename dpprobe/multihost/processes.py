@@ -31,13 +31,8 @@ import sys
 import threading
 import time
 
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import integer, option
-
-__all__ = ["EXIT_LOST", "ProcessConfig", "active", "check", "check_rows", "coordinator_option",
-           "count", "describe_failure", "fail", "is_writer", "name_command",
-           "num_processes_option", "process_id_option", "process_timeout_option", "start",
-           "writer_config"]
+__all__ = ["EXIT_LOST", "ProcessConfig", "active", "check_rows", "count", "describe_failure",
+           "fail", "is_writer", "name_command", "start", "writer_config"]
 
 # Exit status of a process whose job lost another process (a bad input is 2).
 EXIT_LOST = 1
@@ -48,29 +43,6 @@ _command: dict = {}
 _exiting = threading.Event()  # set when this process starts leaving (JAX's shutdown barrier)
 _stop = threading.Event()  # set when it has passed the barrier: the watchdog stops
 _ALIVE = "dpprobe/alive/"  # the watchdog's keys in the coordinator's key-value store
-
-
-def coordinator_option():
-    return option(None, metavar="HOST:PORT", help="run as one of --num-processes processes "
-                  "(one per host; jax.distributed): the address of process 0, which serves "
-                  "the job's coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's "
-                  "and Kubernetes' auto-detection when --num-processes is given)")
-
-
-def num_processes_option():
-    return option(None, type=integer, metavar="N", help="processes of a multi-process job; "
-                  "each reads its own slice of the rows, only process 0 writes outputs")
-
-
-def process_id_option():
-    return option(None, type=integer, metavar="I", help="this process's index in [0, N) "
-                  "(default: from Slurm's or Kubernetes' environment)")
-
-
-def process_timeout_option():
-    return option(60, type=integer, metavar="SECONDS", help="multi-process: how long a process "
-                  "waits for the others to start, and after how many seconds without a "
-                  "heartbeat a process counts as dead and the job ends (default %(default)s)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,29 +59,9 @@ class ProcessConfig:
         return cls(config.coordinator, config.num_processes, config.process_id,
                    config.process_timeout)
 
-    def __post_init__(self):
-        check(self)
-
     @property
     def multi(self) -> bool:
         return self.coordinator is not None or (self.num_processes or 1) > 1
-
-
-def check(config) -> None:
-    """The checks of a config's process fields (in its `__post_init__`)."""
-    if config.num_processes is not None:
-        cfg.check_int("num_processes", config.num_processes)
-    if config.process_id is not None:
-        cfg.check_int("process_id", config.process_id, 0)
-        if config.num_processes is not None and config.process_id >= config.num_processes:
-            raise cfg.ConfigError("process_id", f"must be < `num_processes` "
-                                  f"({config.num_processes}), got {config.process_id}")
-    cfg.check_int("process_timeout", config.process_timeout)
-    coordinator = config.coordinator
-    if coordinator is not None:
-        host, _, port = coordinator.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise cfg.ConfigError("coordinator", f"expected HOST:PORT, got {coordinator!r}")
 
 
 def start(config) -> None:
@@ -165,7 +117,7 @@ def _leave() -> None:
 @contextlib.contextmanager
 def _service_outside(layout: ProcessConfig, heartbeat: int, shutdown: int):
     """On process 0 (given `coordinator`, `num_processes` and `process_id`): run the job's
-    coordination service in its own process (`pipelines.coordinator`), which outlives this
+    coordination service in its own process (`multihost.coordinator`), which outlives this
     one, and have `jax.distributed.initialize` start none here. Elsewhere: nothing."""
     if layout.process_id != 0 or layout.coordinator is None or layout.num_processes is None:
         yield
@@ -192,7 +144,7 @@ def _service_outside(layout: ProcessConfig, heartbeat: int, shutdown: int):
 
 
 class _NoService:
-    """What JAX holds as process 0's service when it runs in `pipelines.coordinator`."""
+    """What JAX holds as process 0's service when it runs in `multihost.coordinator`."""
 
     def shutdown(self) -> None:
         pass

@@ -68,6 +68,13 @@ MIN_STEPS = 300
 EMA_DECAY = 0.999  # De et al.
 BASE_LEARNING_RATE = 4.0  # at MAX_BATCH, momentum 0.9
 BASE_MOMENTUM = 0.9
+# The defaults that depend on nothing, declared here once: `FinetuneSpec`, `FinetuneFlags` and
+# the command's `FinetuneConfig` take them from this module, which imports no JAX.
+OPTIMIZER = "momentum"
+SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # learning-rate schedules
+SCHEDULE = "constant"
+TRAIN_MODE = "all"
+PHYSICAL_BATCH_SIZE = 256  # examples per clipped sum (memory only, never epsilon)
 ADAPTIVE_LEARNING_RATE = 1e-2  # adam, sign, lamb: measured on digits (module docstring)
 CLIP_NORM = 0.1
 SCATTERNET_MAX_SIDE = 32  # the default model's ScatterNet up to this side (module docstring)
