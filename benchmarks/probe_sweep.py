@@ -356,7 +356,8 @@ def main():
     rows.append(("", "non-private step (jax.grad + Adam)", plain_step))
 
     print(f"\n50k x 768 float16 features in Zarr, 10 classes, delta={DELTA:g}; dpprobe: "
-          f"medians of {args.repeats} (T=100: {half}), Opacus: one pass; CPU, "
+          f"medians of {args.repeats} (T=100: {half}), Opacus: median of {args.opacus_repeats} "
+          f"passes of the 40 runs, one of T=100; CPU, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[1]:.1f} (5 min)")
     print(f"{'benchmark':38s} {'system':42s} {'seconds':>9s}")
     for bench, system, seconds in rows:
