@@ -13,14 +13,17 @@ On 50k x 768 features, 10 classes, stored in Zarr (float16):
      through `probe.train_probe`);
   5. ImageNet-shaped (1.28M x 1280 float16, 1000 classes) streamed out of core from Zarr:
      time per step and peak memory (a child process, so its peak RSS is its own).
-Ends with one line per acceptance target of issue 11 (value, target, met).
+  6. where the CLI sweep's time goes, phase by phase (`sweep_profile.py`).
+Ends with one line per acceptance target (value, target, met).
 
 dpprobe is used through its public API only: the CLI, `pipelines.run_probe`, `probe.train_probe`
 / `RunSpec` / `ProbeSpec` / `make_keys`, `accounting.DpPlan` / `calibrate_noise_multiplier`, and
 `extract`'s store reader and writer.
 Run: .venv/bin/python benchmarks/probe_sweep.py [--workdir /tmp/dpprobe-bench] [--skip-imagenet]
-Medians over --repeats (Opacus: one pass of each workload, it takes minutes); this machine is
-shared and noisy.
+[--skip-t100] [--opacus-repeats 3]
+Medians over --repeats (Opacus: medians over --opacus-repeats passes of the 40-run sweep, one
+pass of T = 100; a pass takes minutes); this machine is shared and noisy. CPU seconds (user +
+sys) of the CLI's children are reported beside their wall time.
 """
 
 from __future__ import annotations
@@ -84,11 +87,17 @@ def time_cli(store: Path, out: Path, cache: Path, *, epsilons=EPSILONS, seeds=SE
     if lr is not None:
         cmd += ["--lr", f"{lr:g}"]
     out.unlink(missing_ok=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CLI_CPU.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     assert out.exists()
     return elapsed
+
+
+CLI_CPU: list[float] = []  # CPU seconds of each `time_cli` child, in call order
 
 
 def run_probe_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons, seeds,
@@ -234,6 +243,32 @@ def imagenet(workdir: Path, steps: int) -> dict:
     return report
 
 
+def t100_section(args, store, data, cache, modes, rows, half):
+    """T = 100 full-batch momentum steps, one run at epsilon 1: dpprobe (API, CLI), Opacus."""
+    from dpprobe import accounting
+
+    sigma100 = accounting.calibrate_noise_multiplier(1.0, DELTA, steps=100)
+    t100 = dict(epsilons=(1.0,), seeds=1, optimizer="momentum", steps=100, lr=0.1)
+    try:
+        t100_api, _ = run_probe_in_process(store, "momentum", 100, 0.1, (1.0,), 1, half)
+        rows.append(("3. T=100 momentum, 1 run", "dpprobe pipelines.run_probe", t100_api))
+    except (ImportError, TypeError, KeyError) as error:
+        t100_api = None
+        print(f"skipped pipelines.run_probe: {type(error).__name__}: {error}")
+    t100_train, _ = train_probe_in_memory(data, [sigma100], "momentum", 100, 0.1, half)
+    rows.append(("3. T=100 momentum, 1 run" if t100_api is None else "",
+                 "dpprobe probe.train_probe (in memory)", t100_train))
+    out = Path(args.workdir) / "results-t100.json"
+    time_cli(store, out, cache, **t100)  # warm its caches
+    t100_cli = statistics.median(time_cli(store, out, cache, **t100) for _ in range(half))
+    rows.append(("", "dpprobe CLI, warm caches", t100_cli))
+    opacus_t100 = {}
+    for mode in modes:
+        opacus_t100[mode], _ = opacus_runs(data, [sigma100], "momentum", 100, 0.1, mode)
+        rows.append(("", f"Opacus {OPACUS_MODES[mode]} ({mode})", opacus_t100[mode]))
+    return t100_api, t100_train, t100_cli, opacus_t100
+
+
 def _target(name: str, value: float | None, goal: str, met) -> None:
     if value is None:
         print(f"  {name:58s} {'n/a':>9s} {goal:>9s}  n/a")
@@ -252,6 +287,11 @@ def main():
                         help="comma-separated Opacus grad_sample_modes (default hooks,ghost)")
     parser.add_argument("--skip-imagenet", action="store_true")
     parser.add_argument("--imagenet-steps", type=int, default=2)
+    parser.add_argument("--skip-t100", action="store_true", help="skip the T = 100 section")
+    parser.add_argument("--opacus-repeats", type=int, default=1,
+                        help="passes of Opacus's 40-run sweep per mode (median)")
+    parser.add_argument("--skip-profile", action="store_true",
+                        help="skip the phase-by-phase profile of the CLI sweep")
     args = parser.parse_args()
     modes = [] if args.skip_opacus else [m for m in args.opacus_modes.split(",") if m]
     for mode in modes:
@@ -275,8 +315,9 @@ def main():
     cold = time_cli(store, workdir / "results.json", cache)
     warm = statistics.median(time_cli(store, workdir / "results.json", cache)
                              for _ in range(args.repeats))
+    warm_cpu = statistics.median(CLI_CPU[1:])
     rows.append(("1. sweep 8 eps x 5 seeds, DP-Adam T=1", "dpprobe CLI, cold caches", cold))
-    rows.append(("", "dpprobe CLI, warm caches", warm))
+    rows.append(("", f"dpprobe CLI, warm caches (CPU {warm_cpu:.2f} s)", warm))
     try:
         sweep_api, sweep_result = run_probe_in_process(store, "adam", 1, 1e-3, EPSILONS, SEEDS,
                                                        args.repeats)
@@ -294,31 +335,20 @@ def main():
     # 2. The same 40 runs with Opacus.
     opacus_sweep = {}
     for mode in modes:
-        opacus_sweep[mode], accuracies = opacus_runs(data, sigmas, "adam", 1, 1e-3, mode)
+        passes = [opacus_runs(data, sigmas, "adam", 1, 1e-3, mode)
+                  for _ in range(max(1, args.opacus_repeats))]
+        opacus_sweep[mode] = statistics.median(seconds for seconds, _ in passes)
+        accuracies = passes[0][1]
         acc[f"Opacus {mode}"] = float(np.mean(accuracies))
         rows.append(("2. same 40 runs" if len(opacus_sweep) == 1 else "",
                      f"Opacus {OPACUS_MODES[mode]} ({mode}), Poisson q=1", opacus_sweep[mode]))
 
     # 3. T = 100 momentum steps, one run at epsilon = 1.
-    sigma100 = accounting.calibrate_noise_multiplier(1.0, DELTA, steps=100)
-    t100 = dict(epsilons=(1.0,), seeds=1, optimizer="momentum", steps=100, lr=0.1)
-    try:
-        t100_api, _ = run_probe_in_process(store, "momentum", 100, 0.1, (1.0,), 1, half)
-        rows.append(("3. T=100 momentum, 1 run", "dpprobe pipelines.run_probe", t100_api))
-    except (ImportError, TypeError, KeyError) as error:
-        t100_api = None
-        print(f"skipped pipelines.run_probe: {type(error).__name__}: {error}")
-    t100_train, _ = train_probe_in_memory(data, [sigma100], "momentum", 100, 0.1, half)
-    rows.append(("3. T=100 momentum, 1 run" if t100_api is None else "",
-                 "dpprobe probe.train_probe (in memory)", t100_train))
-    time_cli(store, workdir / "results-t100.json", cache, **t100)  # warm its caches
-    t100_cli = statistics.median(time_cli(store, workdir / "results-t100.json", cache, **t100)
-                                 for _ in range(half))
-    rows.append(("", "dpprobe CLI, warm caches", t100_cli))
+    t100_api = t100_train = t100_cli = None
     opacus_t100 = {}
-    for mode in modes:
-        opacus_t100[mode], _ = opacus_runs(data, [sigma100], "momentum", 100, 0.1, mode)
-        rows.append(("", f"Opacus {OPACUS_MODES[mode]} ({mode})", opacus_t100[mode]))
+    if not args.skip_t100:
+        t100_api, t100_train, t100_cli, opacus_t100 = t100_section(args, store, data, cache,
+                                                                   modes, rows, half)
 
     # 4. DP vs non-private step.
     dp_step, plain_step = step_ratio(max(5, args.repeats))
@@ -326,7 +356,8 @@ def main():
     rows.append(("", "non-private step (jax.grad + Adam)", plain_step))
 
     print(f"\n50k x 768 float16 features in Zarr, 10 classes, delta={DELTA:g}; dpprobe: "
-          f"medians of {args.repeats} (T=100: {half}), Opacus: one pass; CPU, "
+          f"medians of {args.repeats} (T=100: {half}), Opacus: median of {args.opacus_repeats} "
+          f"passes of the 40 runs, one of T=100; CPU, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[1]:.1f} (5 min)")
     print(f"{'benchmark':38s} {'system':42s} {'seconds':>9s}")
     for bench, system, seconds in rows:
@@ -348,7 +379,7 @@ def main():
     print("  accuracy check, mean over the 40 runs: "
           + ", ".join(f"{name} {value:.4f}" for name, value in acc.items()))
 
-    print("\nacceptance (issue 11)")
+    print("\nacceptance")
     print(f"  {'target':58s} {'value':>9s} {'goal':>9s}  met")
     _target("DP step / non-private step", dp_step / plain_step, "<= 1.0x", lambda v: v <= 1.0)
     _target("40-run sweep in process (pipelines.run_probe)", sweep_api, "<= 0.5 s",
@@ -360,6 +391,8 @@ def main():
     ratio = opacus_sweep.get("hooks")
     _target("Opacus per-sample 40 runs / dpprobe CLI warm", ratio and ratio / warm, ">= 75x",
             lambda v: v >= 75)
+    _target("CPU seconds of the CLI sweep (warm caches)", warm_cpu, "<= 2 s",
+            lambda v: v <= 2.0)
     _target("T=100 momentum (pipelines.run_probe)", t100_api, "<= 3 s", lambda v: v <= 3.0)
     ratio = opacus_t100.get("ghost")
     _target("Opacus ghost T=100 / dpprobe T=100 (run_probe)",
@@ -373,6 +406,9 @@ def main():
         print(f"   {report['steps']} steps in {report['seconds']:.1f} s = {per_step:.1f} s/step; "
               f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB "
               f"(features as float32 in memory would be {1_281_167 * 1280 * 4 / 2**30:.1f} GiB)")
+    if not args.skip_profile:
+        profiler = _path.load_benchmark("sweep_profile")
+        profiler.print_profile(profiler.profile(store, workdir, args.repeats), args.repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"benchmark process peak RSS: {peak:.2f} GiB")
 

@@ -22,38 +22,63 @@
 
 `probe/` (the linear probe) and `finetune/` (whole networks) both stand on it; neither imports
 the other.
+
+Every name is imported on first use (PEP 562), so that importing one module of `dp` (the
+probe's sums, noise and optimizers) loads neither SciPy (`dp.auditing`) nor Flax
+(`dp.bookkeeping`).
 """
 
-from dpprobe.dp.accumulate import CompensatedSum, add_float64, add_parts, row_block_sum, x64_jit
-from dpprobe.dp.auditing import (
-    AuditBounds,
-    audit_bounds,
-    choose_thresholds,
-    empirical_auroc,
-    gdp_mu_bounds,
-    one_run_epsilon_bound,
-    tradeoff_curve,
-)
-from dpprobe.dp.bookkeeping import bookkeeping_clipper
-from dpprobe.dp.clipping import (
-    NULL_LABEL,
-    ClippedSum,
-    Clipper,
-    null_if_nonfinite,
-    per_example_clipper,
-    valid_labels,
-    zero_nonfinite_rows,
-)
-from dpprobe.dp.noise import add_noise, gaussian_noise, make_keys, noise_stddev
-from dpprobe.dp.norms import dense_grad_norms, input_gram
-from dpprobe.dp.optimizers import (
-    DEFAULT_LEARNING_RATES,
-    OPTIMIZERS,
-    make_optimizer,
-    private_optimizer,
-    privatizer,
-)
-from dpprobe.dp.sampling import PoissonStep, pad_rows, poisson_batches
+import importlib
+
+_LAZY = {
+    "CompensatedSum": "dpprobe.dp.accumulate",
+    "add_float64": "dpprobe.dp.accumulate",
+    "add_parts": "dpprobe.dp.accumulate",
+    "row_block_sum": "dpprobe.dp.accumulate",
+    "x64_jit": "dpprobe.dp.accumulate",
+    "AuditBounds": "dpprobe.dp.auditing",
+    "audit_bounds": "dpprobe.dp.auditing",
+    "choose_thresholds": "dpprobe.dp.auditing",
+    "empirical_auroc": "dpprobe.dp.auditing",
+    "gdp_mu_bounds": "dpprobe.dp.auditing",
+    "one_run_epsilon_bound": "dpprobe.dp.auditing",
+    "tradeoff_curve": "dpprobe.dp.auditing",
+    "bookkeeping_clipper": "dpprobe.dp.bookkeeping",
+    "ClippedSum": "dpprobe.dp.clipping",
+    "Clipper": "dpprobe.dp.clipping",
+    "NULL_LABEL": "dpprobe.dp.clipping",
+    "null_if_nonfinite": "dpprobe.dp.clipping",
+    "per_example_clipper": "dpprobe.dp.clipping",
+    "valid_labels": "dpprobe.dp.clipping",
+    "zero_nonfinite_rows": "dpprobe.dp.clipping",
+    "add_noise": "dpprobe.dp.noise",
+    "gaussian_noise": "dpprobe.dp.noise",
+    "make_keys": "dpprobe.dp.noise",
+    "noise_stddev": "dpprobe.dp.noise",
+    "dense_grad_norms": "dpprobe.dp.norms",
+    "input_gram": "dpprobe.dp.norms",
+    "DEFAULT_LEARNING_RATES": "dpprobe.dp.optimizers",
+    "OPTIMIZERS": "dpprobe.dp.optimizers",
+    "make_optimizer": "dpprobe.dp.optimizers",
+    "private_optimizer": "dpprobe.dp.optimizers",
+    "privatizer": "dpprobe.dp.optimizers",
+    "PoissonStep": "dpprobe.dp.sampling",
+    "pad_rows": "dpprobe.dp.sampling",
+    "poisson_batches": "dpprobe.dp.sampling",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DEFAULT_LEARNING_RATES",

@@ -18,7 +18,7 @@ from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import model_files, plots, preflight, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
-from dpprobe.probe import recipe
+from dpprobe.probe import cost, recipe
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
 
@@ -70,7 +70,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     delta, accountant = config.delta, config.accountant
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
     # The recipe: what the config gives, else chosen from public quantities (probe.recipe).
-    chosen = recipe.probe_recipe(config, train_attrs, num_examples)
+    chosen = recipe.probe_recipe(config, train_attrs, num_examples,
+                                 _sweep_cost(config, train_attrs, num_classes, stream))
     log(chosen.describe(config.epsilons), quiet)
     warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
     for warning in warnings:
@@ -150,6 +151,16 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     if config.out:  # the owner's, never published: how long depends on the records
         timings.write_timings(config.out, "probe", stopwatch, quiet=quiet)
     return results
+
+
+def _sweep_cost(config: ProbeConfig, train_attrs: dict, num_classes: int, stream: bool):
+    """The sweep's estimated cost on this device, from public shapes (`probe.cost`)."""
+    platform, cores = cost.local_device()
+    num_runs = len(config.epsilons) * len(config.learning_rates or [None]) * config.seeds
+    return cost.step_cost(int(train_attrs["num_examples"]),
+                          math.prod(train_attrs["feature_shape"]), num_classes, num_runs,
+                          platform=platform, cores=cores, devices=config.devices or 1,
+                          streamed=stream)
 
 
 def _split_attrs(store) -> tuple[dict, dict]:

@@ -11,6 +11,8 @@ clipper interface, the privatizer, auditing).
   * `probe.specs`: `ProbeSpec`, `RunSpec` (privacy: the `DpPlan`), `PerformanceFlags` (speed
     knobs that never change epsilon), `TrainResult`;
   * `probe.evaluation`, `probe.selection`: accuracy, noisy counts for private selection;
+  * `probe.cost`: a full-batch sweep's estimated time from public shapes and the device (the
+    recipe's default step count);
   * `probe.canaries`: the audit's canary, trained with the production trainer (its bounds:
     `dp.auditing`).
 
@@ -28,6 +30,8 @@ _LAZY = {
     "CANARY_LABEL": "dpprobe.probe.canaries",
     "CANARY_NORM": "dpprobe.probe.canaries",
     "add_canary": "dpprobe.probe.canaries",
+    "StepCost": "dpprobe.probe.cost",
+    "step_cost": "dpprobe.probe.cost",
     "audit_learning_rate": "dpprobe.probe.canaries",
     "canary_direction": "dpprobe.probe.canaries",
     "canary_scores": "dpprobe.probe.canaries",
@@ -86,6 +90,7 @@ __all__ = [
     "ProbeSpec",
     "RunSpec",
     "Standardizer",
+    "StepCost",
     "StreamPlan",
     "TrainResult",
     "add_canary",
@@ -115,6 +120,7 @@ __all__ = [
     "private_standardizer",
     "residuals",
     "shard_rows",
+    "step_cost",
     "train_canary_runs",
     "train_probe",
     "train_probe_poisson",

@@ -25,6 +25,18 @@ delta. Choosing from them costs no privacy; nothing here reads a feature or a la
   same r: on Fashion-MNIST, T = 300 beats T = 100 by 0.3 points at epsilon 1 and 3 and by
   about 1 point at epsilon 8 and without noise (one run each, `benchmarks/probe_defaults.py`
   measures the defaults). T = 20 shifts the best r up and loses up to a point (digits).
+* **Fewer steps as the store grows** (`default_steps`): T = 300 for stores of up to
+  MEASURED_ROWS = 60,000 rows (Fashion-MNIST's size, where T = 300 was measured: T = 100 lost
+  up to a point there). Beyond, a full-batch step costs about N d C multiply-adds per run
+  (the logits in float32, the clipped sum's reduction in float64: `dp.accumulate`), and T is
+  the largest that fits STEP_SECONDS_BUDGET = 30 s of steps on the local device (the rest of
+  a sweep, reading the store, compiling and testing, takes seconds more), so that the
+  defaults finish in about a minute: on 2 CPU cores T = 31 on 200,000 x 512 x 10 classes, 3 on
+  10^6 x 1024 x 10, and 1 on an ImageNet-shaped store, where Mehta et al. (2022,
+  https://arxiv.org/abs/2205.02973) train their best probes: a single full-batch step (from
+  zero weights one step's argmax does not depend on its learning rate). The rates per device
+  (`device_rate`) are public constants, measured on CPU (`benchmarks/probe_recipe_speed.py`);
+  the expected time is printed before training.
 * **The learning rate is at most 6** (momentum 0.9: a step of up to 60 mean clipped
   gradients), so that shorter runs do not overshoot: at T = 100 on Fashion-MNIST, r = 1100
   (lr 11) gave 88.9-90.0% at epsilon 8 from run to run and 90.0-90.2% without noise, r = 600
@@ -40,16 +52,20 @@ import dataclasses
 import math
 
 from dpprobe import accounting
+from dpprobe.probe.cost import StepCost
 
 __all__ = [
     "MAX_LEARNING_RATE",
+    "MEASURED_ROWS",
     "PROBE_STEPS",
     "R_PER_MU_N",
     "SATURATION_EPSILON",
     "SCATTERNET_MAX_GROUPS",
+    "STEP_SECONDS_BUDGET",
     "ProbeRecipe",
     "backbone_normalization",
     "decide_standardization",
+    "default_steps",
     "normalization_for",
     "probe_recipe",
     "total_step_size",
@@ -68,6 +84,10 @@ SATURATION_EPSILON = 8.0
 # lost 4.7 points (`benchmarks/tune_decision.py`). Fashion-MNIST: 0.09 at epsilon 0.5.
 MAX_STANDARDIZATION_NOISE = 0.25
 PROBE_STEPS = 300
+# Up to this many training rows the default is T = PROBE_STEPS whatever it costs (module docstring).
+MEASURED_ROWS = 60_000
+# Seconds of full-batch steps the default T may take beyond MEASURED_ROWS.
+STEP_SECONDS_BUDGET = 30.0
 PROBE_OPTIMIZER = "momentum"
 MAX_LEARNING_RATE = 6.0  # for momentum 0.9 (module docstring); sgd: 10x
 # The rule is stated for momentum 0.9; plain SGD moves 1 / (1 - 0.9) = 10x less per step.
@@ -174,6 +194,7 @@ class ProbeRecipe:
       num_examples, delta: the public quantities the rule reads.
       chosen: the fields chosen (not given), with why.
       sampling_probability: q of Poisson-sampled minibatches; 1: full batch.
+      cost: the estimated cost of the sweep (`probe.cost`), when known.
     """
 
     normalization: str
@@ -185,6 +206,7 @@ class ProbeRecipe:
     delta: float
     chosen: dict[str, str]
     sampling_probability: float = 1.0
+    cost: StepCost | None = None
 
     @property
     def scaled(self) -> bool:
@@ -237,13 +259,53 @@ class ProbeRecipe:
                           else f"{self.learning_rate(0.0, 1):g} (the optimizer's default)")
         batches = ("full-batch" if self.sampling_probability >= 1
                    else f"Poisson-sampled (q = {self.sampling_probability:g})")
+        expected = ""
+        if self.cost is not None and self.sampling_probability >= 1:
+            expected = (f"; expected time about {_seconds(self.cost.seconds(max(self.steps)))}"
+                        f" ({self.cost.device}: {_seconds(self.cost.step_seconds)} per step)")
         return (f"recipe: per-example normalization {normalization}{why.get('normalization', '')}"
                 f", {batches} {self.optimizer}{why.get('optimizer', '')}, T = "
                 f"{','.join(map(str, self.steps))}{why.get('steps', '')}, {lr}"
-                f"{why.get('learning_rates', '')}")
+                f"{why.get('learning_rates', '')}{expected}")
 
 
-def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
+def _seconds(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def default_steps(num_examples: int, cost: StepCost | None) -> tuple[int, str]:
+    """The default full-batch step count T of momentum and sgd, and why (module docstring).
+
+    Args:
+      num_examples: N.
+      cost: the sweep's estimated cost on this device (`probe.cost.step_cost`); None: not
+        known (T = PROBE_STEPS).
+
+    Returns:
+      (T, the reason in words): PROBE_STEPS up to MEASURED_ROWS rows; beyond, the most steps
+      (at least 1, at most PROBE_STEPS) whose estimated time fits STEP_SECONDS_BUDGET.
+
+    Formal guarantee: a function of public quantities only (N and the cost estimated from
+    public shapes and the device); choosing T with it costs no privacy.
+    """
+    if cost is None:
+        return PROBE_STEPS, "default"
+    if num_examples <= MEASURED_ROWS:
+        return PROBE_STEPS, f"default up to N = {MEASURED_ROWS:,}"
+    steps = int(max(1, min(PROBE_STEPS, STEP_SECONDS_BUDGET // cost.step_seconds)))
+    if steps == PROBE_STEPS:
+        return steps, f"default: {steps} steps fit {STEP_SECONDS_BUDGET:g} s here"
+    if steps == 1:
+        return steps, (f"one step (Mehta et al.'s regime) at N = {num_examples:,}: a step takes "
+                       f"about {_seconds(cost.step_seconds)} here")
+    return steps, (f"the steps that fit {STEP_SECONDS_BUDGET:g} s at N = {num_examples:,} "
+                   f"(at most {PROBE_STEPS})")
+
+
+def probe_recipe(config, train_attrs: dict, num_examples: int,
+                 cost: StepCost | None = None) -> ProbeRecipe:
     """The recipe of `run_probe(config)`: the config's choices where it makes them, else the
     defaults above.
 
@@ -251,13 +313,16 @@ def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
       config: a `ProbeConfig` (its None fields are chosen here).
       train_attrs: the store's train split attributes (only the backbone's provenance is read).
       num_examples: N.
+      cost: the sweep's estimated cost on this device (`probe.cost.step_cost`, from public
+        shapes), from which the default T is chosen (`default_steps`); None: T = 300.
 
     Returns:
       The `ProbeRecipe`, with what was chosen and why.
 
     Formal guarantee: reads only public quantities (the backbone's provenance, N, delta and
-    the config); no feature or label, so the choice costs no privacy
-    (`tests/test_privacy.py` runs the defaults on D and D minus one row).
+    the config, and the cost estimated from public shapes and the device); no feature or label,
+    so the choice costs no privacy (`tests/test_privacy.py` runs the defaults on D and D minus
+    one row).
     """
     chosen = {}
     normalization, groups, why = normalization_for(config.normalization, config.groups,
@@ -270,11 +335,13 @@ def probe_recipe(config, train_attrs: dict, num_examples: int) -> ProbeRecipe:
         chosen["optimizer"] = "default"
     steps = config.steps
     if steps is None:
-        steps = (PROBE_STEPS,) if optimizer in _R_FACTOR else (1,)
-        chosen["steps"] = "default"
+        full_batch = config.sampling_probability >= 1
+        default, chosen["steps"] = (default_steps(num_examples, cost if full_batch else None)
+                                    if optimizer in _R_FACTOR else (1, "default"))
+        steps = (default,)
     recipe = ProbeRecipe(normalization, groups, optimizer, tuple(steps),
                          config.learning_rates, int(num_examples), config.delta, chosen,
-                         float(config.sampling_probability))
+                         float(config.sampling_probability), cost)
     if recipe.learning_rates is None:
         chosen["learning_rates"] = ("from epsilon, delta and N" if recipe.scaled
                                     else "the optimizer's default")

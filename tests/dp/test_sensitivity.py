@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dpprobe.probe.poisson
+import dpprobe.probe.streaming
+import dpprobe.probe.train  # noqa: F401  (submodules the lazy package loads on first use)
 from dpprobe import accounting, dp, probe
 
 CLIP = 1.0
