@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dpprobe.probe.poisson  # noqa: F401 (loads the submodule: `probe` imports it on first use)
+import dpprobe.probe.streaming  # noqa: F401
+import dpprobe.probe.train  # noqa: F401
 from dpprobe import accounting, dp, probe
 
 CLIP = 1.0
