@@ -34,9 +34,11 @@ demo: install data
 	$(BIN)/dpprobe demo
 
 # One pytest worker per core (at most 4: each holds its own JAX and torch); `pytest -q` alone
-# runs the same tests in one process.
+# runs the same tests in one process. --dist worksteal: a worker that runs out of tests takes
+# half of another's queue, so the suite ends when the last long test does, not when the worker
+# that happened to be handed several of them is done.
 test: install
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .

@@ -46,10 +46,11 @@ def _sorted_npz(path: Path, rng, rows: int = 300, zero_rows: int = 0) -> None:
 
 
 def _every_command_reads(store: str, capsys, *, stream_too: bool = True) -> None:
-    """verify, info, probe (in memory and streamed) and tune accept the store."""
+    """verify, info, probe (in memory and streamed) and tune accept the store. Two steps: each
+    reads every chunk of the store as the default recipe's many would."""
     assert cli.main(["verify", store, "--quiet"]) == 0, capsys.readouterr()
     assert cli.main(["info", store]) == 0
-    probe = ["probe", store, "--epsilons", "1", "--seeds", "1", "--quiet"]
+    probe = ["probe", store, "--epsilons", "1", "--seeds", "1", "--steps", "2", "--quiet"]
     assert cli.main(probe) == 0, capsys.readouterr()
     if stream_too:
         assert cli.main([*probe, "--stream"]) == 0, capsys.readouterr()

@@ -11,7 +11,7 @@ import pytest
 from dpprobe import model as dpmodel
 from dpprobe import probe
 from dpprobe.pipelines import cli
-from tests.pipelines.test_finetune_job import _finetune, _images, _write
+from tests.pipelines.test_finetune_job import VIT_STEP, _finetune, _images, _write
 
 # ----------------------------------------------------------------------------------------------
 # Agreement: the saved model predicts, row by row, what its job scored.
@@ -126,9 +126,7 @@ def test_finetuned_cnn_model_reproduces_its_test_accuracy(rng, tmp_path, monkeyp
 def test_finetuned_vit_model_reproduces_its_test_accuracy(rng, tmp_path, monkeypatch):
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 40, 32, 3))
     monkeypatch.chdir(tmp_path)
-    assert _finetune("--model", "vit_tiny_patch16_224", "--random-init", "--steps", "1",
-                     "--batch-size", "8", "--physical-batch-size", "8", "--lr", "0.5",
-                     "--ema-decay", "0", "--out", "run", "--quiet") == 0
+    assert _finetune(*VIT_STEP, "--random-init", "--out", "run", "--quiet") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     rows = _predict("run/model.safetensors", "npz:test.npz", out=tmp_path / "p.csv")
     assert _accuracy(rows) == results["test_accuracy"]

@@ -108,8 +108,9 @@ def _store(path, features, labels):
 
 def test_the_default_steps_read_no_feature_or_label(tmp_path, monkeypatch, capsys):
     """Two stores of the same public shapes, with different features and labels (one with
-    rows of huge norm, one label everywhere), get the same recipe line and the same recorded recipe, with the
-    budget binding (the measured size and the rate made small, so that T < 300 here)."""
+    rows of huge norm, one label everywhere), get the same recipe line and the same recorded
+    recipe, with the budget binding (the measured size and the rate made small, so that
+    T < 300 here)."""
     monkeypatch.setattr(recipe, "MEASURED_ROWS", 10)
     monkeypatch.setattr(cost, "CPU_RATE_PER_CORE", 2_000.0)
     rng = np.random.default_rng(0)
