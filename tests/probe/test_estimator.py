@@ -3,6 +3,7 @@ trains what `dpprobe probe` trains; its model file predicts what it predicts; sc
 protocol holds; what it records differs between neighbouring datasets only in DP outputs."""
 
 import json
+import math
 import re
 
 import numpy as np
@@ -33,24 +34,30 @@ def _with_keys(monkeypatch, seed):
     monkeypatch.setattr(dp, "make_keys", lambda count: fixed_keys(count, seed))
 
 
-def _cli_accuracy(store, tmp_path, *options):
-    out = tmp_path / "results.json"
+def _cli_run(store, tmp_path, *options):
+    """(the run's record, its model) of `dpprobe probe --seeds 1 OPTIONS`."""
+    out, models = tmp_path / "results.json", tmp_path / "models"
     assert cli.main(["probe", store, "--seeds", "1", "--out", str(out), "--quiet",
-                     *options]) == 0
+                     "--save-model", str(models), *options]) == 0
     (run,) = json.loads(out.read_text())["runs"]
-    return run["test_accuracy"], run["learning_rate"], run["noise_multiplier"]
+    (model,) = [dpprobe.load_model(path) for path in sorted(models.iterdir())]
+    return run, model
 
 
 def _same_as_the_cli(store, tmp_path, monkeypatch, seeds):
-    """(CLI accuracy, estimator accuracy) per seed of the noise keys, epsilon 3, defaults."""
+    """(CLI accuracy, estimator accuracy) per seed of the noise keys, epsilon 3, defaults; the
+    parameters are checked equal."""
     pairs = []
     for seed in seeds:
         _with_keys(monkeypatch, seed)
-        cli_accuracy, cli_lr, cli_sigma = _cli_accuracy(store, tmp_path, "--epsilons", "3")
+        run, model = _cli_run(store, tmp_path / str(seed), "--epsilons", "3")
         estimator = DPLinearProbe(epsilon=3, quiet=True).fit(store)
-        assert estimator.learning_rate_ == cli_lr
-        assert estimator.plan_.noise_multiplier == cli_sigma
-        pairs.append((cli_accuracy, estimator.score(store)))
+        assert estimator.learning_rate_ == run["learning_rate"]
+        assert estimator.plan_.noise_multiplier == run["noise_multiplier"]
+        np.testing.assert_array_equal(estimator.coef_, model.arrays["head/w"])
+        np.testing.assert_array_equal(estimator.intercept_, model.arrays["head/b"])
+        assert estimator.model_.document["transforms"] == model.document["transforms"]
+        pairs.append((run["test_accuracy"], estimator.score(store)))
     return pairs
 
 
@@ -170,3 +177,20 @@ def test_neighbouring_datasets_differ_only_in_dp_outputs(monkeypatch):
     leaked = [p for p in differing if not any(re.fullmatch(a, p) for a in ALLOWED)]
     assert not leaked, f"non-DP leaves differ between D and D minus one row: {leaked}"
     assert not np.array_equal(fitted[0].coef_, fitted[1].coef_)  # the DP output itself
+
+
+def test_poisson_sampling_and_the_non_private_reference(tmp_path):
+    features, labels = _problem()
+    classes = ["cat", "dog", "owl"]
+    sampled = DPLinearProbe(epsilon=2, delta=1e-4, classes=classes, sampling_probability=0.5,
+                            physical_batch_size=64, steps=4, lr=0.5, quiet=True)
+    sampled.fit(features, labels)
+    assert sampled.plan_.sampling_probability == 0.5 and sampled.plan_.steps == 4
+    assert sampled.privacy.epsilon == pytest.approx(2, rel=1e-3)
+    reference = DPLinearProbe(epsilon=math.inf, classes=classes, steps=4, lr=0.5,
+                              quiet=True).fit(features, labels)
+    assert reference.plan_.noise_multiplier == 0 and reference.privacy.epsilon == math.inf
+    assert "NOTHING" in reference.model_.document["privacy"]["covers"]
+    with pytest.raises(ValueError, match="non-private reference"):
+        reference.save(tmp_path / "reference.safetensors")
+    assert not (tmp_path / "reference.safetensors").exists()
