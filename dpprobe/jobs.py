@@ -7,7 +7,7 @@
     dpprobe.extract(backbone="scatternet", data="digits", out="digits.zarr")
     result = dpprobe.probe("digits.zarr", epsilons=[1, 8], save_model="models")
     print(result.table)            # what `dpprobe probe` prints
-    result.models[0].predict(...)  # the models written, as `dpprobe.Model` objects
+    result.models[0].predict(...)  # the models, as `dpprobe.Model` objects
 
 Each takes its command's options as keywords, one spelling each (`dpprobe probe --lr` is
 `lr=`, `--normalize` is `normalize=`, `--quiet` is `quiet=True`; `epsilons=` for probe,
@@ -32,7 +32,7 @@ from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extrac
 from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
 from dpprobe.pipelines.model_files import MODEL_FILE
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
-from dpprobe.pipelines.probe_job import ProbeConfig, run_probe
+from dpprobe.pipelines.probe_job import ProbeConfig, probe_job
 from dpprobe.pipelines.tune_job import TuneConfig, run_tune
 
 __all__ = ["JobResult", "audit", "extract", "finetune", "make_callable", "predict", "probe",
@@ -56,7 +56,9 @@ class JobResult:
       table: what the command prints at the end (the probe table, the tune report, ...).
       ledger: the privacy ledger (every mechanism that ran, their compositions), or None.
       paths: every file or folder the job wrote, in order.
-      models: the model files the job wrote, loaded (`dpprobe.Model`).
+      models: the job's models (`dpprobe.Model`): probe's one per epsilon (x steps x lr, its
+        first seed's run; in memory, named by its file, written only with `save_model`), the
+        model file tune and finetune wrote.
     """
 
     job: str
@@ -87,12 +89,15 @@ def _extract_result(config: ExtractConfig) -> JobResult:
 
 
 def _probe_result(config: ProbeConfig) -> JobResult:
-    results = run_probe(config)
+    results, parts = probe_job(config)
     files = tuple(results.get("model_files", ()))
+    # The models in memory, each named by its file (written or, without `save_model`, not).
+    paths = files or tuple(name for name, _, _ in parts)
+    models = tuple(dpmodel.Model(path, arrays, dpmodel.file_document(arrays, document))
+                   for path, (_, arrays, document) in zip(paths, parts, strict=True))
     return JobResult("probe", results, reporting.probe_table(results), results["ledger"],
                      _written(config.out, *_timings(config), config.csv, config.plot,
-                              config.diagnostics, *files),
-                     tuple(dpmodel.load_model(path) for path in files))
+                              config.diagnostics, *files), models)
 
 
 def _tune_result(config: TuneConfig) -> JobResult:
@@ -155,7 +160,7 @@ def _job(name: str, config_class, first: str | None, finish, doc: str):
     job.__doc__ = doc + (f"\n\nArgs:\n  The options of `dpprobe {name} --help`, by their "
                          f"command-line names\n  (the fields of `{config_class.__name__}`).\n\n"
                          "Returns:\n  A `JobResult`: the results, the table the command prints, "
-                         "the ledger,\n  the paths written and the models written.")
+                         "the ledger,\n  the paths written and the models.")
     return job
 
 

@@ -93,11 +93,27 @@ def test_probe_returns_its_table_ledger_models_and_paths(digits_store, tmp_path)
     assert result.paths == (str(out), str(tmp_path / "results.timings.json"), model_file)
     (model,) = result.models
     assert model.path == model_file and model.privacy.epsilon == pytest.approx(2, rel=1e-6)
+    written = dpprobe.load_model(model_file)
+    assert written.document == model.document
+    np.testing.assert_array_equal(written.arrays["head/w"], model.arrays["head/w"])
 
     predicted = dpprobe.predict(model_file, data=[digits_store], out=str(tmp_path / "p.csv"),
                                 quiet=True)
     assert predicted.results["rows"] == 359 and predicted.paths == (str(tmp_path / "p.csv"),)
     assert predicted.results["accuracy"] == pytest.approx(run["test_accuracy"])
+
+
+def test_probe_gives_its_models_in_memory_without_writing_them(digits_store, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = dpprobe.probe(digits_store, epsilons=[2, 4], seeds=1, steps=[5], quiet=True)
+    assert result.paths == () and list(tmp_path.iterdir()) == []
+    assert [m.path for m in result.models] == ["eps2.safetensors", "eps4.safetensors"]
+    assert [round(m.privacy.epsilon, 6) for m in result.models] == [2, 4]
+    features, labels, _ = dpprobe.load_split(digits_store, "test")
+    for model, run in zip(result.models, result.results["runs"], strict=True):
+        accuracy = np.mean(model.predict(features) == np.array(model.class_names)[labels])
+        assert accuracy == pytest.approx(run["test_accuracy"])  # the model the job scored
 
 
 def test_tune_and_extract_as_functions(digits_store, tmp_path, capsys):

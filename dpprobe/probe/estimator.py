@@ -167,8 +167,9 @@ class DPLinearProbe(ClassifierMixin, BaseEstimator):
                          "noise_multiplier": sigma, "clip_norm": plan.clip_norm,
                          "sampling_probability": q, "num_train": num_examples},
         }
-        self.model_ = dpmodel.Model("DPLinearProbe (in memory)",
-                                    dpmodel.linear_arrays(self.coef_, self.intercept_), document)
+        arrays = dpmodel.linear_arrays(self.coef_, self.intercept_)
+        self.model_ = dpmodel.Model("DPLinearProbe (in memory)", arrays,
+                                    dpmodel.file_document(arrays, document))
         self.privacy_ = self.model_.privacy
         return self
 

@@ -114,6 +114,7 @@ def test_save_load_model_predict_gives_identical_predictions(tmp_path):
     np.testing.assert_array_equal(model.predict(test), estimator.predict(test))
     np.testing.assert_array_equal(model.predict_proba(test), estimator.predict_proba(test))
     assert model.privacy == estimator.privacy
+    assert model.document == estimator.model_.document
     assert model.privacy.epsilon == pytest.approx(3, rel=1e-6)
     assert model.privacy.neighboring_relation == "zero_out"
     assert model.class_names == ["cat", "dog", "owl"]
