@@ -137,3 +137,11 @@ def test_tune_and_extract_as_functions(digits_store, tmp_path, capsys):
         assert extracted.paths == (store,) and extracted.results[0].complete
     assert capsys.readouterr().err == ""  # quiet=True is --quiet: no progress bar
     assert dpprobe.load_split(store, "test")[0].shape == (40, 8)
+
+
+def test_audit_as_a_function(digits_store, tmp_path):
+    out = tmp_path / "audit.json"
+    result = dpprobe.audit(digits_store, epsilon=1, runs=50, rows=100, out=str(out), quiet=True)
+    assert result.table == reporting.audit_report(result.results)
+    assert result.results["claim"]["epsilon"] == pytest.approx(1, rel=1e-6)
+    assert result.paths == (str(out),) and result.ledger is None and result.models == ()
