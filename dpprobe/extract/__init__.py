@@ -13,6 +13,9 @@ Modules, in the order data flows through them:
 
 The store and data-source API import only NumPy (Zarr on first use); the backbone API (torch,
 timm) is imported on first use too, so that jobs which only read a store start fast.
+
+Called, the package runs its job: `dpprobe.extract(...)` is `dpprobe.jobs.extract` (installed by
+`dpprobe/__init__.py`; this package never imports the job, which imports `pipelines`).
 """
 
 import importlib

@@ -5,6 +5,9 @@ in `finetune.canaries`.
 
 Every name is imported on first use (PEP 562), so that `import dpprobe.finetune` loads no JAX:
 the command line imports this package to build its options.
+
+Called, the package runs its job: `dpprobe.finetune(...)` is `dpprobe.jobs.finetune` (installed by
+`dpprobe/__init__.py`; this package never imports the job, which imports `pipelines`).
 """
 
 from dpprobe._lazy import lazy_names

@@ -17,6 +17,7 @@ from dpprobe.model.format import (
     FORMAT_VERSION,
     ModelFileError,
     encode_model,
+    file_document,
     is_model_file,
     read_model_file,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ModelFileError",
     "Privacy",
     "encode_model",
+    "file_document",
     "is_model_file",
     "linear_arrays",
     "linear_document",

@@ -30,7 +30,8 @@ import struct
 import numpy as np
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_KEY", "ModelFileError", "encode_model",
-           "is_model_file", "json_default", "read_model_file", "safetensors_metadata"]
+           "file_document", "is_model_file", "json_default", "read_model_file",
+           "safetensors_metadata"]
 
 FORMAT = "dpprobe-model"
 FORMAT_VERSION = 1
@@ -46,13 +47,19 @@ class ModelFileError(ValueError):
 
 def encode_model(arrays: dict[str, np.ndarray], document: dict) -> bytes:
     """The bytes of a model file holding `arrays` and the JSON `document` (the jobs write them
-    with `pipelines.files.atomic_write_bytes`)."""
+    with `dpprobe.files.atomic_write_bytes`)."""
     from safetensors.numpy import save
 
-    document = {"format": FORMAT, "format_version": FORMAT_VERSION} | document
-    document["arrays"] = sorted(arrays)
+    document = file_document(arrays, document)
     arrays = {name: np.ascontiguousarray(value) for name, value in arrays.items()}
     return save(arrays, metadata={METADATA_KEY: json.dumps(document, default=json_default)})
+
+
+def file_document(arrays: dict[str, np.ndarray], document: dict) -> dict:
+    """`document` as a model file holding `arrays` records it (what `read_model_file` returns):
+    with its format, version and array names, so that a model built in memory reads the same."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION} | document | {
+        "arrays": sorted(arrays)}
 
 
 def json_default(value):

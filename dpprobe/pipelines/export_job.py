@@ -16,9 +16,9 @@ import json
 import os
 
 from dpprobe import model as dpmodel
+from dpprobe.files import atomic_write_bytes
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import preflight
-from dpprobe.pipelines.files import atomic_write_bytes
 from dpprobe.pipelines.options import option
 from dpprobe.pipelines.reporting import log
 

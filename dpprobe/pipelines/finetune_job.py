@@ -16,14 +16,14 @@ import os
 import shutil
 from pathlib import Path
 
-from dpprobe import accounting, extract, finetune
+from dpprobe import accounting, extract, files, finetune
 from dpprobe.accounting import records
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.data import DATA_RULE, load_images
 from dpprobe.finetune.recipe import default_model, finetune_recipe
 from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import files, model_files, preflight, reporting, timings
+from dpprobe.pipelines import model_files, preflight, reporting, timings
 from dpprobe.pipelines.finetune_config import FinetuneConfig
 from dpprobe.pipelines.reporting import log
 

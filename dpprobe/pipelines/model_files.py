@@ -15,10 +15,10 @@ import os
 from dpprobe import accounting, extract, probe
 from dpprobe import model as dpmodel
 from dpprobe.accounting import records
-from dpprobe.pipelines.files import atomic_write_bytes
+from dpprobe.files import atomic_write_bytes
 
-__all__ = ["MODEL_FILE", "finetune_model", "header", "probe_model_name", "probe_models",
-           "store_record", "tune_model", "write_model"]
+__all__ = ["MODEL_FILE", "finetune_model", "header", "probe_model_name", "probe_model_parts",
+           "probe_models", "store_record", "tune_model", "write_model"]
 
 # The model file in a finetune --out folder.
 MODEL_FILE = "model.safetensors"
@@ -63,12 +63,23 @@ def probe_model_name(config, epsilon: float, steps: int | None,
     return name + ".safetensors"
 
 
-def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) -> list[str]:
-    """Write one model per epsilon (x steps x lr) of a probe sweep, its first seed's run.
-
-    The non-private reference (epsilon inf) is not written: it has no guarantee. Returns the
-    paths written."""
+def probe_models(directory, parts) -> list[str]:
+    """Write a probe sweep's models (`probe_model_parts`) into `directory`. Returns the paths
+    written."""
     written = []
+    for name, arrays, document in parts:
+        path = os.path.join(directory, name)
+        write_model(path, arrays, document)
+        written.append(path)
+    return written
+
+
+def probe_model_parts(config, results: dict, grid, plans, params, spec,
+                      train_attrs) -> list[tuple[str, dict, dict]]:
+    """(file name, arrays, document) of each model of a probe sweep, one per epsilon (x steps
+    x lr), its first seed's run. The non-private reference (epsilon inf) has none: it has no
+    guarantee."""
+    parts = []
     for index, (epsilon, steps, lr, replicate) in enumerate(grid):
         if replicate != 0 or not math.isfinite(epsilon):
             continue
@@ -76,7 +87,6 @@ def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) 
         ledger = accounting.PrivacyLedger()
         ledger.record(f"epsilon={epsilon:g} T={steps} lr={lr:g} replicate=0", plan,
                       role="final")
-        path = os.path.join(config.save_model, probe_model_name(config, epsilon, steps, lr))
         document = header("probe", train_attrs["class_names"]) | dpmodel.linear_document(
             dim=int(train_attrs["feature_shape"][-1]), num_classes=spec.num_classes,
             loss=spec.loss, normalization=spec.normalization, groups=spec.groups,
@@ -98,10 +108,9 @@ def probe_models(config, results: dict, grid, plans, params, spec, train_attrs) 
                          "reported": {"split": "test", "test_accuracy": run["test_accuracy"],
                                       "test_top5_accuracy": run["test_top5_accuracy"]}},
         }
-        write_model(path, dpmodel.linear_arrays(params["w"][index], params["b"][index]),
-                    document)
-        written.append(path)
-    return written
+        parts.append((probe_model_name(config, epsilon, steps, lr),
+                      dpmodel.linear_arrays(params["w"][index], params["b"][index]), document))
+    return parts
 
 
 def tune_model(config, results: dict, params, standardizer) -> None:

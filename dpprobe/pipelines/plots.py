@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dpprobe.pipelines.files import atomic_write_bytes
+from dpprobe.files import atomic_write_bytes
 from dpprobe.pipelines.reporting import format_epsilon
 
 __all__ = ["Reference", "accuracy_error_bars", "plot_accuracy", "plot_audit", "plot_title"]

@@ -18,10 +18,10 @@ import sys
 import numpy as np
 
 from dpprobe import model as dpmodel
+from dpprobe.files import atomic_writer
 from dpprobe.model import inputs as predict_inputs
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import preflight
-from dpprobe.pipelines.files import atomic_writer
 from dpprobe.pipelines.options import integer, option
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]

@@ -20,7 +20,7 @@ from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
 from dpprobe.pipelines.reporting import log
 from dpprobe.probe import cost, recipe
 
-__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "run_probe"]
+__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "run_probe"]
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
                "sampling_probability", "optimizer", "learning_rate", "replicate",
@@ -41,6 +41,12 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     Returns:
       The results dict (also written to `out` as JSON when given).
     """
+    return probe_job(config, **options)[0]
+
+
+def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
+    """`run_probe`, and its models in memory: (the results dict, a (file name, arrays,
+    document) per model, as `save_model` would write them (`model_files.probe_model_parts`))."""
     config = cfg.make_config(ProbeConfig, config, "store", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     config = processes.writer_config(config, OUTPUTS)
@@ -144,13 +150,14 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     if config.plot:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
                             warnings=warnings)
+    models = model_files.probe_model_parts(config, results, grid, plans, result.params, spec,
+                                           train_attrs)
     if config.save_model:
-        results["model_files"] = model_files.probe_models(
-            config, results, grid, plans, result.params, spec, train_attrs)
+        results["model_files"] = model_files.probe_models(config.save_model, models)
         log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
     if config.out:  # the owner's, never published: how long depends on the records
         timings.write_timings(config.out, "probe", stopwatch, quiet=quiet)
-    return results
+    return results, models
 
 
 def _sweep_cost(config: ProbeConfig, train_attrs: dict, num_classes: int, stream: bool):

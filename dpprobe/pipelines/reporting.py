@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dpprobe.files import atomic_write_text
 from dpprobe.messages import log
 from dpprobe.model.format import json_default
-from dpprobe.pipelines.files import atomic_write_text
 
 __all__ = [
     "account_line",

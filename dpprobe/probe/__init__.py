@@ -13,12 +13,16 @@ clipper interface, the privatizer, auditing).
   * `probe.evaluation`, `probe.selection`: accuracy, noisy counts for private selection;
   * `probe.cost`: a full-batch sweep's estimated time from public shapes and the device (the
     recipe's default step count);
+  * `probe.estimator`: `DPLinearProbe`, one probe run as a scikit-learn estimator on arrays;
   * `probe.canaries`: the audit's canary, trained with the production trainer (its bounds:
     `dp.auditing`).
 
 
 Every name is imported on first use (PEP 562), so that `import dpprobe.probe` loads no JAX:
 the command line imports this package to build its options.
+
+Called, the package runs its job: `dpprobe.probe(...)` is `dpprobe.jobs.probe` (installed by
+`dpprobe/__init__.py`; this package never imports the job, which imports `pipelines`).
 """
 
 from dpprobe._lazy import lazy_names
@@ -45,6 +49,7 @@ _LAZY = {
     "linear_logits": "dpprobe.probe.clipping",
     "per_example_grad_norms": "dpprobe.probe.clipping",
     "residuals": "dpprobe.probe.clipping",
+    "DPLinearProbe": "dpprobe.probe.estimator",
     "EVAL_BLOCK_ROWS": "dpprobe.probe.evaluation",
     "block_logits": "dpprobe.probe.evaluation",
     "evaluate": "dpprobe.probe.evaluation",
@@ -81,6 +86,7 @@ __all__ = [
     "CANARY_LABEL",
     "CANARY_NORM",
     "DEFAULT_MEMORY_BUDGET",
+    "DPLinearProbe",
     "EVAL_BLOCK_ROWS",
     "FEATURE_DTYPES",
     "LOSSES",

@@ -1,4 +1,5 @@
-"""The one way pipelines write a file: atomically, so a reader never sees half of it."""
+"""The one way dpprobe writes a file: atomically, so a reader never sees half of it (the
+commands, the model files, `DPLinearProbe.save`)."""
 
 from __future__ import annotations
 
