@@ -29,9 +29,12 @@ def write_model(path, arrays: dict, document: dict) -> None:
     atomic_write_bytes(path, dpmodel.encode_model(arrays, document))
 
 
-def header(job: str, class_names, **extra) -> dict:
+def header(job: str, class_names, num_classes: int | None = None, **extra) -> dict:
     """What every model file's description begins with (no time of the run: it depends on the
-    private records, `pipelines.timings`)."""
+    private records, `pipelines.timings`). A store that declares only its class count (no
+    names) gets the classes' indices as names."""
+    if class_names is None:
+        class_names = range(num_classes)
     return {"dpprobe_version": records.VERSION, "job": job,
             "class_names": [str(c) for c in class_names]} | extra
 
@@ -87,7 +90,8 @@ def probe_model_parts(config, results: dict, grid, plans, params, spec,
         ledger = accounting.PrivacyLedger()
         ledger.record(f"epsilon={epsilon:g} T={steps} lr={lr:g} replicate=0", plan,
                       role="final")
-        document = header("probe", train_attrs["class_names"]) | dpmodel.linear_document(
+        document = header("probe", train_attrs.get("class_names"), spec.num_classes)
+        document |= dpmodel.linear_document(
             dim=int(train_attrs["feature_shape"][-1]), num_classes=spec.num_classes,
             loss=spec.loss, normalization=spec.normalization, groups=spec.groups,
             feature_dtype=train_attrs["dtype"]) | {
@@ -125,7 +129,8 @@ def tune_model(config, results: dict, params, standardizer) -> None:
         standardization = results["standardization"] | {"plan": next(
             e for e in results["ledger"]["entries"] if e["role"] == "standardization")}
     privacy = results["privacy"]
-    document = header("tune", train_attrs["class_names"]) | dpmodel.linear_document(
+    document = header("tune", train_attrs.get("class_names"), spec.num_classes)
+    document |= dpmodel.linear_document(
         dim=int(train_attrs["feature_shape"][-1]), num_classes=spec.num_classes, loss=spec.loss,
         normalization=spec.normalization, groups=spec.groups,
         feature_dtype=train_attrs["dtype"], standardization=standardization) | {
