@@ -65,6 +65,9 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
     if config.format == "onnx":
         preflight.require_module("onnxscript", "`format=onnx`",
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
+    # Loading torch, rebuilding the backbone and tracing it take tens of seconds: say so first.
+    log(f"export: tracing {config.model} as {config.format} (about a minute on a CPU)",
+        config.quiet)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     from dpprobe.model import torch_export

@@ -150,6 +150,8 @@ def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
         model = extract.create_backbone(
             config.backbone, weights=config.weights, random_init=config.random_init,
             seed=config.seed, resize=config.resize, crop=config.crop, device=config.device,
+            mode=extract.image_mode_of(splits.values()) if config.backbone == "scatternet"
+            else None,
         )
     return [
         extract.extract_split(

@@ -21,6 +21,7 @@ from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import predict_inputs, preflight
 from dpprobe.pipelines.files import atomic_writer
 from dpprobe.pipelines.options import integer, option
+from dpprobe.pipelines.reporting import log
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
@@ -70,6 +71,7 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     from dpprobe import model as dpmodel
 
     config = cfg.make_config(PredictConfig, config, "model", **options)
+    log(f"predict: reading {config.model} and {' '.join(config.data)}", quiet=config.quiet)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
@@ -107,18 +109,23 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
     names = np.asarray(model.class_names, dtype=object)
     pending = collections.deque()  # (ids, labels) of chunks read but not yet predicted
 
+    # The bar counts the rows the model has taken in (embedded, for images): its logits come
+    # out in evaluation blocks of many chunks, at the end for a few hundred images.
+    bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
+               file=sys.stderr, dynamic_ncols=True)
+
     def batches():
         for batch, ids, labels in source.chunks:
             pending.append((np.asarray(ids, dtype=object), labels))
             yield batch
+            bar.update(len(ids))  # the model asked for the next chunk: this one is taken in
 
-    bar = None
+    header = False
     try:
         for logits in model.iter_logits(batches()):
-            if bar is None:  # the first block went through: the input fits the model
+            if not header:  # the first block went through: the input fits the model
                 writer.writerow(columns)
-                bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
-                           file=sys.stderr, dynamic_ncols=True)
+                header = True
             ids, labels = _take(pending, len(logits))
             probabilities = model.probabilities(logits)
             order = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
@@ -134,11 +141,9 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
                 counts["top1"] += int(np.sum(best == labels))
                 counts["topk"] += int(np.sum((order == labels[:, None]).any(axis=1)))
             counts["rows"] += len(logits)
-            bar.update(len(logits))
     finally:
-        if bar is not None:
-            bar.close()
-    if bar is None:
+        bar.close()
+    if not header:
         writer.writerow(columns)
 
 
