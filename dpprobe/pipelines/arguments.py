@@ -18,6 +18,10 @@ def account_output(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def verify_output(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
 # The parser texts of each command (help, description, epilog).
 TEXTS = {
     "extract": dict(

@@ -138,20 +138,24 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     }
     if config.diagnostics:
         _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+        log(f"wrote {config.diagnostics}", quiet)
     if config.out:
         reporting.write_json(config.out, results)
         log(f"wrote {config.out}", quiet)  # no duration: it depends on the records
     if config.csv:
         reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+        log(f"wrote {config.csv}", quiet)
     if config.plot:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
                             warnings=warnings)
+        log(f"wrote {config.plot}", quiet)
     if config.save_model:
         from dpprobe.pipelines import model_files
 
         results["model_files"] = model_files.probe_models(
             config, results, grid, plans, result.params, spec, train_attrs)
-        log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
+        for path in results["model_files"]:
+            log(f"wrote {path}", quiet)
     if config.out:  # the owner's, never published: how long depends on the records
         timings.write_timings(config.out, "probe", stopwatch, quiet=quiet)
     return results

@@ -5,6 +5,7 @@ Every test here failed on the code before the fix (checked against that code).""
 from __future__ import annotations
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -77,3 +78,67 @@ def test_a_channel_mismatch_is_named_as_such():
     text = input_mismatch((3, 16, 16), (1, 16, 16), "image gray.png")
     assert "1 channel(s), the first image to 3" in text and "resize" not in text
     assert "`resize=R` `crop=S`" in input_mismatch((3, 16, 16), (3, 16, 20), "image wide.png")
+
+
+def _wrote(err: str) -> set[str]:
+    return {line.split(" ", 2)[1] for line in err.splitlines() if line.startswith("wrote ")}
+
+
+def test_probe_names_every_file_it_wrote(digits_store, tmp_path, capsys):
+    out = {name: str(tmp_path / name) for name in ("r.json", "r.csv", "r.png", "d.npz")}
+    assert cli.main(["probe", digits_store, "--epsilons", "2,inf", "--seeds", "1", "--steps",
+                     "20", "--out", out["r.json"], "--csv", out["r.csv"], "--plot",
+                     out["r.png"], "--diagnostics", out["d.npz"], "--save-model",
+                     str(tmp_path / "models")]) == 0
+    models = {str(p) for p in (tmp_path / "models").iterdir()}
+    timing = str(tmp_path / "r.timings.json")
+    assert _wrote(capsys.readouterr().err) == set(out.values()) | models | {timing}
+    assert set(map(str, tmp_path.iterdir())) == set(out.values()) | {timing,
+                                                                      str(tmp_path / "models")}
+
+
+def test_tune_names_its_model_file_and_results(digits_store, tmp_path, capsys):
+    model, out = str(tmp_path / "tuned.safetensors"), str(tmp_path / "t.json")
+    assert cli.main(["tune", digits_store, "--epsilon", "4", "--final-steps", "3",
+                     "--save-model", model, "--out", out]) == 0
+    assert _wrote(capsys.readouterr().err) == {model, out, str(tmp_path / "t.timings.json")}
+
+
+def test_finetune_names_the_files_of_its_out_folder(rng, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name, count in (("train", 60), ("test", 20)):
+        images = rng.integers(0, 255, (count, 16, 16)).astype(np.uint8)
+        np.savez(f"{name}.npz", images=images, labels=rng.integers(0, 3, count),
+                 class_names=np.array(CLASSES))
+    assert cli.main(["finetune", "--data", "npz:train.npz", "--test-data", "npz:test.npz",
+                     "--model", "cnn", "--batch-size", "20", "--steps", "2",
+                     "--physical-batch-size", "16", "--lr", "0.5", "--epsilon", "2",
+                     "--delta", "1e-3", "--out", "run"]) == 0
+    # (its lock file, empty, marks the folder as a run's while one runs: not an output)
+    files = {f"run/{p.name}" for p in (tmp_path / "run").iterdir() if p.suffix != ".lock"}
+    assert len(files) == 4
+    assert _wrote(capsys.readouterr().err) == files
+
+
+def test_verify_prints_a_readable_report_and_json(digits_store, capsys):
+    assert cli.main(["verify", digits_store, "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "train: 1438 examples, complete; 1 chunk checked, none bad"
+    assert lines[-1] == "OK" and not any("{" in line for line in lines)
+    assert cli.main(["verify", digits_store, "--quiet", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["problems"] == []
+    assert report["splits"]["test"]["num_examples"] == 359
+
+
+def test_the_non_private_line_lies_inside_the_plot_with_its_label():
+    from dpprobe.pipelines.plots import accuracy_figure
+
+    summary = [{"epsilon": e, "steps": 10, "learning_rate": 0.1, "test_accuracy_mean": a,
+                "test_accuracy_std": 0.0} for e, a in ((1.0, 0.80), (8.0, 0.90))]
+    summary.append({"epsilon": float("inf"), "steps": 10, "learning_rate": 0.1,
+                    "test_accuracy_mean": 0.905, "test_accuracy_std": 0.0})
+    axes = accuracy_figure(summary).axes[0]
+    low, high = axes.get_ylim()
+    assert low < 90.5 < high - 0.05 * (high - low)  # not on the frame's top edge
+    assert any(text.get_text() == "non-private 90.50%" for text in axes.texts)
