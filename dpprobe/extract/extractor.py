@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpprobe.extract.backbones import Backbone, input_mismatch
+from dpprobe.extract.data_check import check_one_size
 from dpprobe.extract.sources import ImageSplit, PrecomputedSplit
 from dpprobe.extract.store import shard_chunks
 from dpprobe.extract.writer import SplitWriter
@@ -241,6 +242,7 @@ def extract_split(
     else:
         if backbone is None:
             raise ValueError("images need a backbone")
+        check_one_size(split, backbone.preprocessing)
         dim = _first_embedding_dim(backbone, split)
         feature_shape = (dim,) if views is None else (views, dim)
         amp = _resolve_amp(amp, backbone.device)

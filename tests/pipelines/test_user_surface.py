@@ -142,3 +142,25 @@ def test_the_non_private_line_lies_inside_the_plot_with_its_label():
     low, high = axes.get_ylim()
     assert low < 90.5 < high - 0.05 * (high - low)  # not on the frame's top edge
     assert any(text.get_text() == "non-private 90.50%" for text in axes.texts)
+
+
+def test_a_failed_extract_leaves_nothing_that_blocks_the_corrected_rerun(mixed_folder, capsys):
+    """The odd-sized image comes after two chunks' worth of rows: it is found from the headers
+    before anything is written, so the rerun with --resize/--crop needs no --overwrite."""
+    assert cli.main(_extract("train", "--rows-per-chunk", "4")) == 2
+    err = capsys.readouterr().err
+    assert "imgs/train/bee/wide.png comes to 80x50" in err and "--resize R --crop S" in err
+    assert "nothing was written" in err
+    assert not (mixed_folder / "img.zarr" / "train").exists()
+    assert cli.main(_extract("train", "--rows-per-chunk", "4", "--resize", "16",
+                             "--crop", "16")) == 0, capsys.readouterr().err
+    # A truncated JPEG is refused from the reader's first pass, before anything is written;
+    # the rerun with the file replaced extracts the split, again without --overwrite.
+    jpeg = mixed_folder / "imgs" / "test" / "cat" / "0.jpg"
+    _image(np.random.default_rng(1), 2).save(jpeg, quality=90)
+    whole = jpeg.read_bytes()
+    jpeg.write_bytes(whole[: len(whole) // 2])
+    assert cli.main(_extract("test", "--resize", "16", "--crop", "16")) == 2
+    assert "0.jpg is not a readable image" in capsys.readouterr().err
+    jpeg.write_bytes(whole)
+    assert cli.main(_extract("test", "--resize", "16", "--crop", "16")) == 0
