@@ -81,6 +81,8 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     # Calibrate the noise of each (epsilon, T). epsilon = inf is the same recipe without noise
     # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
     plans = {}
+    log(f"probe: calibrating the noise of {len(config.epsilons) * len(chosen.steps)} "
+        "(epsilon, T) pair(s)", quiet)
     for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
         sigma = accounting.calibrate_noise_multiplier(
             epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
@@ -94,6 +96,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
     grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
         config.epsilons, chosen.steps, chosen.learning_rates or (None,), range(config.seeds))]
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
+    log(f"probe: {len(runs)} run(s) on {num_examples} rows; the first step compiles", quiet)
     result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
                                               stream=stream, num_examples=num_examples, dim=dim)
 

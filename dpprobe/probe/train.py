@@ -162,4 +162,6 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
         bar.update(1)
         for start, stop in step_blocks(total, bar):
             state = _more_steps(state, start, stop, *data, arrays, spec=spec)
+            if not bar.disable:  # the bar counts computed steps, not dispatched ones
+                jax.block_until_ready(state)
         return result(state, arrays)
