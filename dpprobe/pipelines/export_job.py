@@ -65,11 +65,11 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
     if config.format == "onnx":
         preflight.require_module("onnxscript", "`format=onnx`",
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
-    # Loading torch, rebuilding the backbone and tracing it take tens of seconds: say so first.
-    log(f"export: tracing {config.model} as {config.format} (about a minute on a CPU)",
-        config.quiet)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
+    if config.format != "timm":  # loading torch and the backbone, tracing: tens of seconds
+        log(f"export: tracing {config.model} as {config.format} (about a minute on a CPU)",
+            config.quiet)
     from dpprobe.model import torch_export
 
     if config.format == "torch":

@@ -32,6 +32,7 @@ class Input:
     chunks: Iterator
     has_labels: bool
     paths: tuple[str, ...]  # what it reads (never to be overwritten)
+    images: bool = True  # images, through the model's backbone or network (else features)
 
 
 def open_input(config, model) -> Input:
@@ -96,7 +97,7 @@ def _store(store: str, split: str, model) -> Input:
             yield features, np.arange(start, start + len(labels)), labels
             start += len(labels)
 
-    return Input(f"{store}/{split}", num_rows, chunks(), True, (store,))
+    return Input(f"{store}/{split}", num_rows, chunks(), True, (store,), images=False)
 
 
 def _spec(spec: str, config, model) -> Input:
@@ -134,7 +135,8 @@ def _spec(spec: str, config, model) -> Input:
             yield batch, np.asarray(list(ids), dtype=object), labels[start:stop]
 
     paths = (path,) if path else ()
-    return Input(f"{spec} ({split.split})", len(split), chunks(), True, paths)
+    return Input(f"{spec} ({split.split})", len(split), chunks(), True, paths,
+                 images=not precomputed)
 
 
 def _npz_has(path: str, key: str) -> bool:

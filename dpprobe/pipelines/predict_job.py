@@ -71,10 +71,12 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     from dpprobe import model as dpmodel
 
     config = cfg.make_config(PredictConfig, config, "model", **options)
-    log(f"predict: reading {config.model} and {' '.join(config.data)}", quiet=config.quiet)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
+    if source.images and model.kind == "linear":  # torch and the backbone load: seconds
+        log(f"predict: {source.num_rows} input(s) of {source.describe} through "
+            f"{config.model}'s backbone", quiet=config.quiet)
     if config.out:
         preflight.check_output_paths(out=config.out)
         _refuse_overwriting(config.out, (config.model, *source.paths))
@@ -110,14 +112,18 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
     pending = collections.deque()  # (ids, labels) of chunks read but not yet predicted
 
     # The bar counts the rows the model has taken in (embedded, for images): its logits come
-    # out in evaluation blocks of many chunks, at the end for a few hundred images.
-    bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
-               file=sys.stderr, dynamic_ncols=True)
+    # out in evaluation blocks of many chunks, at the end for a few hundred images. It opens
+    # once the first chunk went through (the input fits the model: a refusal is one line).
+    bar = None
 
     def batches():
+        nonlocal bar
         for batch, ids, labels in source.chunks:
             pending.append((np.asarray(ids, dtype=object), labels))
             yield batch
+            if bar is None:
+                bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
+                           file=sys.stderr, dynamic_ncols=True)
             bar.update(len(ids))  # the model asked for the next chunk: this one is taken in
 
     header = False
@@ -142,7 +148,8 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
                 counts["topk"] += int(np.sum((order == labels[:, None]).any(axis=1)))
             counts["rows"] += len(logits)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     if not header:
         writer.writerow(columns)
 

@@ -60,7 +60,9 @@ def test_a_grayscale_image_among_rgb_goes_through_scatternet_extract_and_predict
     assert cli.main(["predict", "--model", str(model), "--data", "imgs/test",
                      "--out", "p.csv"]) == 0
     err = capsys.readouterr().err
-    assert err.startswith(f"predict: reading {model} and imgs/test\n"), err  # at once
+    # Said before torch and the backbone load (seconds), then the bar.
+    assert err.startswith(f"predict: 11 input(s) of 11 image file(s) through {model}'s "
+                          "backbone\n"), err
     rows = list(csv.DictReader((mixed_folder / "p.csv").open()))
     assert len(rows) == 11 and {r["prediction"] for r in rows} <= set(CLASSES)
     assert any(r["id"].endswith("gray.png") for r in rows)
