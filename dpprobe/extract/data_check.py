@@ -125,14 +125,15 @@ def check_one_size(split, preprocessing: dict) -> None:
     for row, file in enumerate(split.files):
         try:
             with Image.open(file) as image:
-                size = _resized(image.size, resize)
+                (width, height), mode = image.size, image.mode
+            size, header = _resized((width, height), resize), f"{width}x{height} {mode}"
         except (OSError, ValueError):  # the reader's rule says what is wrong with this one
             continue
         if first is None:
             first = (row, size)
         elif size != first[1]:
             raise ValueError(
-                f"image {split.describe(row)} comes to {size[0]}x{size[1]}, image "
+                f"image {split.describe(row)} ({header}) comes to {size[0]}x{size[1]}, image "
                 f"{split.describe(first[0])} to {first[1][0]}x{first[1][1]}: ScatterNet takes "
                 "one size; pass `resize=R` `crop=S` (nothing was written)")
 

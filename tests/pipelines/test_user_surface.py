@@ -151,7 +151,8 @@ def test_a_failed_extract_leaves_nothing_that_blocks_the_corrected_rerun(mixed_f
     before anything is written, so the rerun with --resize/--crop needs no --overwrite."""
     assert cli.main(_extract("train", "--rows-per-chunk", "4")) == 2
     err = capsys.readouterr().err
-    assert "imgs/train/bee/wide.png comes to 80x50" in err and "--resize R --crop S" in err
+    assert "imgs/train/bee/wide.png (80x50 RGB) comes to 80x50" in err
+    assert "--resize R --crop S" in err
     assert "nothing was written" in err
     assert not (mixed_folder / "img.zarr" / "train").exists()
     assert cli.main(_extract("train", "--rows-per-chunk", "4", "--resize", "16",
