@@ -30,6 +30,7 @@ from dpprobe.extract.sources import (
     open_source,
     parse_data_spec,
 )
+from dpprobe.extract.splits import image_mode_of
 from dpprobe.extract.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -92,6 +93,7 @@ __all__ = [
     "file_sha256",
     "finalize_split",
     "from_torch_dataset",
+    "image_mode_of",
     "iter_split_chunks",
     "load_split",
     "local_split_attrs",

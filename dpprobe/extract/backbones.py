@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Backbone", "Scattering", "create_backbone", "file_sha256", "resolve_device"]
+__all__ = ["Backbone", "Scattering", "create_backbone", "file_sha256", "input_mismatch",
+           "resolve_device"]
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ def create_backbone(
     resize: int | None = None,
     crop: int | None = None,
     device: str | None = None,
+    mode: str | None = None,
 ) -> Backbone:
     """Create a frozen backbone by name.
 
@@ -87,16 +89,22 @@ def create_backbone(
       random_init: timm model with random weights (seeded by `seed`); for tests only.
       resize, crop: resize the short side to `resize` and center-crop `crop` x `crop`.
       device: "cpu", "cuda", ... (default: cuda if available).
+      mode: ScatterNet's channels, "L" or "RGB": every image converted to it (Pillow's
+        conversion, as torchvision's `ImageFolder` reads files as RGB), so that one grayscale
+        image among colour ones gets the same channels; None keeps each image's own (arrays,
+        one mode by construction). timm models always take RGB.
     """
     dev = resolve_device(device)
     if crop is not None and crop < 1 or resize is not None and resize < 1:
         raise ValueError(f"resize and crop must be positive, got resize={resize} crop={crop}")
     if resize is not None and crop is not None and crop > resize:
         raise ValueError(f"crop ({crop}) cannot exceed resize ({resize})")
+    if mode not in (None, "L", "RGB"):
+        raise ValueError(f"mode must be None, 'L' or 'RGB', got {mode!r}")
     if name == "scatternet":
         if weights is not None or random_init:
             raise ValueError("scatternet has no weights: drop `weights`/`random_init`")
-        return _scatternet(dev, resize=resize, crop=crop)
+        return _scatternet(dev, resize=resize, crop=crop, mode=mode)
     if weights is not None and random_init:
         raise ValueError("`weights` and `random_init` exclude each other")
     return _timm_backbone(name, weights, random_init, seed, resize, crop, dev)
@@ -197,6 +205,19 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
     return Backbone(name, model, transform, provenance, preprocessing, device)
 
 
+def input_mismatch(first: tuple, shape: tuple, image: str) -> str:
+    """Why `image`, whose preprocessed tensor has `shape` (C, H, W), cannot join a batch whose
+    first image gave `first`: the real cause (its channels, or its size) and its remedy."""
+    first, shape = tuple(first), tuple(shape)
+    if len(first) == len(shape) == 3 and first[0] != shape[0]:
+        return (f"{image} preprocesses to {shape[0]} channel(s), the first image to {first[0]}: "
+                "a backbone that keeps each image's channels was given grayscale and colour "
+                "images; convert them to one mode (ScatterNet does when its mode is 'L' or "
+                "'RGB', as `extract` sets for image files)")
+    return (f"{image} preprocesses to {shape}, the first image to {first}: pass `resize=R` "
+            "`crop=S` so that every image gets one size")
+
+
 class _MissingKeys(logging.Handler):
     def __init__(self, found: list[str]):
         super().__init__(logging.INFO)
@@ -240,11 +261,13 @@ class Scattering(torch.nn.Module):
         return self.scattering(x)
 
 
-def _scatternet(device, *, resize=None, crop=None, J: int = 2, L: int = 8) -> Backbone:
+def _scatternet(device, *, resize=None, crop=None, mode=None, J: int = 2, L: int = 8) -> Backbone:
     import kymatio
     import torchvision.transforms.functional as TF
 
     def transform(image):
+        if mode is not None and image.mode != mode:
+            image = image.convert(mode)
         if resize is not None:
             image = TF.resize(image, resize, antialias=True)
         if crop is not None:
@@ -279,4 +302,6 @@ def _scatternet(device, *, resize=None, crop=None, J: int = 2, L: int = 8) -> Ba
         "H/2^J x W/2^J), channel-major",
     }
     preprocessing = {"kind": "scatternet", "scale": "pixel / 255", "resize": resize, "crop": crop}
+    if mode is not None:  # absent: each image keeps its own channels (as in earlier stores)
+        preprocessing["mode"] = mode
     return Backbone("scatternet", module, transform, provenance, preprocessing, device)

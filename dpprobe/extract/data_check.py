@@ -15,7 +15,7 @@ import os
 
 from dpprobe.extract.defects import NULL, RESIZED, Defect, decoding, open_image, unreadable
 
-__all__ = ["HEADER", "DataReport", "check_data"]
+__all__ = ["HEADER", "DataReport", "check_data", "check_one_size"]
 
 HEADER = ("for the data's owner only, not a DP output: records of {spec} that a publishing job "
           "(finetune) would train as null records, clamp or resize, with their values; do not "
@@ -105,3 +105,45 @@ def _size_and_mode(split, row: int) -> tuple[tuple[int, int], str]:
         return image.size, image.mode
     with open_image(split.files[row]) as stored:  # its header alone
         return stored.size, stored.mode
+
+
+def check_one_size(split, preprocessing: dict) -> None:
+    """Before a store is written: every image file of `split` (sizes from their headers, no
+    decoding) must come out of ScatterNet's `resize` at one size when no `crop` fixes it, so
+    that a folder of mixed sizes is refused at once, not at its first odd image after chunks
+    were written (which a rerun with other options could not replace without `overwrite`).
+
+    Raises:
+      ValueError: naming the first image whose size differs, and the remedy.
+    """
+    from PIL import Image
+
+    if (preprocessing.get("kind") != "scatternet" or preprocessing.get("crop")
+            or getattr(split, "array", None) is not None or getattr(split, "files", None) is None):
+        return
+    resize, first = preprocessing.get("resize"), None
+    for row, file in enumerate(split.files):
+        try:
+            with Image.open(file) as image:
+                (width, height), mode = image.size, image.mode
+            size, header = _resized((width, height), resize), f"{width}x{height} {mode}"
+        except (OSError, ValueError):  # the reader's rule says what is wrong with this one
+            continue
+        if first is None:
+            first = (row, size)
+        elif size != first[1]:
+            raise ValueError(
+                f"image {split.describe(row)} ({header}) comes to {size[0]}x{size[1]}, image "
+                f"{split.describe(first[0])} to {first[1][0]}x{first[1][1]}: ScatterNet takes "
+                "one size; pass `resize=R` `crop=S` (nothing was written)")
+
+
+def _resized(size: tuple[int, int], resize: int | None) -> tuple[int, int]:
+    """(width, height) after torchvision's `resize(image, resize)`: the short side to it."""
+    width, height = size
+    if resize is None:
+        return width, height
+    if width <= height:
+        return resize, int(resize * height / width)
+    return int(resize * width / height), resize
+

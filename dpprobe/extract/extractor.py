@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dpprobe.extract.backbones import Backbone
+from dpprobe.extract.backbones import Backbone, input_mismatch
+from dpprobe.extract.data_check import check_one_size
 from dpprobe.extract.sources import ImageSplit, PrecomputedSplit
 from dpprobe.extract.store import shard_chunks
 from dpprobe.extract.writer import SplitWriter
@@ -83,10 +84,9 @@ class _Rows(torch.utils.data.Dataset):
     def _tensor(self, image, row: int):
         tensor = self.transform(image)
         if tuple(tensor.shape) != self.shape:
-            raise ValueError(
-                f"image {self.split.describe(row)} ({image.size[0]}x{image.size[1]} "
-                f"{image.mode}) preprocesses to {tuple(tensor.shape)}, the first image to "
-                f"{self.shape}: pass `resize=R` `crop=S` so that every image gets one size")
+            raise ValueError(input_mismatch(
+                self.shape, tuple(tensor.shape),
+                f"image {self.split.describe(row)} ({image.size[0]}x{image.size[1]} {image.mode})"))
         return tensor
 
     def __len__(self) -> int:
@@ -242,6 +242,7 @@ def extract_split(
     else:
         if backbone is None:
             raise ValueError("images need a backbone")
+        check_one_size(split, backbone.preprocessing)
         dim = _first_embedding_dim(backbone, split)
         feature_shape = (dim,) if views is None else (views, dim)
         amp = _resolve_amp(amp, backbone.device)

@@ -19,7 +19,7 @@ from dpprobe.extract.defects import (
     strict_decoding,
 )
 
-__all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range"]
+__all__ = ["ImageSplit", "PrecomputedSplit", "arrays_sha256", "check_label_range", "image_mode_of"]
 
 
 @dataclasses.dataclass
@@ -143,6 +143,18 @@ class PrecomputedSplit:
         return len(self.class_names)
 
     provenance = ImageSplit.provenance
+
+
+def image_mode_of(splits) -> str | None:
+    """The channels a backbone that keeps them (ScatterNet) should give every image of these
+    splits: "RGB" when any split is read image by image (files, rows of an image column), as
+    torchvision's `ImageFolder` and `dpprobe finetune` read them, so that one grayscale file
+    among colour ones is converted, not refused; None (each image's own) when every split is
+    an array, which holds one mode. A rule on the kind of source, never on its pixels: the
+    store's feature shape, which is published, does not depend on any one record."""
+    if any(isinstance(split, ImageSplit) and split.array is None for split in splits):
+        return "RGB"
+    return None
 
 
 def check_label_range(source, labels: np.ndarray, class_names: Sequence[str]) -> None:

@@ -20,7 +20,8 @@ _CHECKED = ("kind", "input_size", "mean", "std", "crop_pct", "crop_mode", "inter
             "resize", "crop", "scale")
 
 
-def load_backbone(record: dict, path: str, *, weights: str | None = None, device=None):
+def load_backbone(record: dict, path: str, *, weights: str | None = None, device=None,
+                  dim: int | None = None):
     """`extract.Backbone` of a model file's backbone record.
 
     Args:
@@ -29,6 +30,9 @@ def load_backbone(record: dict, path: str, *, weights: str | None = None, device
       weights: a local weights file to use instead of the recorded path (its sha256 must be
         the recorded one).
       device: torch device (default: cuda if available).
+      dim: the head's number of features: ScatterNet's channels when the record names none
+        (a store of arrays, or one written before the mode was recorded), so that every image
+        is converted to them.
     """
     from dpprobe import extract
 
@@ -39,7 +43,8 @@ def load_backbone(record: dict, path: str, *, weights: str | None = None, device
                          "it features, not images")
     resize, crop = prep.get("resize"), prep.get("crop")
     if name == "scatternet":
-        backbone = extract.create_backbone("scatternet", resize=resize, crop=crop, device=device)
+        backbone = extract.create_backbone("scatternet", resize=resize, crop=crop, device=device,
+                                           mode=prep.get("mode") or _scatternet_mode(record, dim))
     else:
         source = provenance.get("weights_source")
         kwargs = {}
@@ -79,6 +84,15 @@ def _same_number_list(a, b) -> bool:
         return len(a) == len(b) and all(math.isclose(x, y) for x, y in zip(a, b, strict=True))
     except TypeError:
         return False
+
+
+def _scatternet_mode(record: dict, dim: int | None) -> str | None:
+    """"L" or "RGB": the channels whose scattering has `dim` values (None: not inferable)."""
+    try:
+        channels = backbone_input_shape(record, dim)[0] if dim else None
+    except (ValueError, KeyError):
+        return None
+    return {1: "L", 3: "RGB"}.get(channels)
 
 
 def backbone_input_shape(record: dict, dim: int) -> tuple[int, int, int]:

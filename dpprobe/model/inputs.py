@@ -18,6 +18,9 @@ __all__ = ["Input", "open_input"]
 
 # Rows per chunk (memory only; a multiple of both evaluation blocks).
 CHUNK_ROWS = 1024
+# Images per chunk: a backbone embeds about this many in seconds on a CPU, so the progress bar,
+# which counts the chunks read, moves every few seconds.
+IMAGE_CHUNK_ROWS = 64
 
 
 @dataclasses.dataclass
@@ -29,6 +32,7 @@ class Input:
     chunks: Iterator
     has_labels: bool
     paths: tuple[str, ...]  # what it reads (never to be overwritten)
+    images: bool = True  # images, through the model's backbone or network (else features)
 
 
 def open_input(config, model) -> Input:
@@ -93,7 +97,7 @@ def _store(store: str, split: str, model) -> Input:
             yield features, np.arange(start, start + len(labels)), labels
             start += len(labels)
 
-    return Input(f"{store}/{split}", num_rows, chunks(), True, (store,))
+    return Input(f"{store}/{split}", num_rows, chunks(), True, (store,), images=False)
 
 
 def _spec(spec: str, config, model) -> Input:
@@ -113,9 +117,11 @@ def _spec(spec: str, config, model) -> Input:
     _check_classes(model, split.class_names, spec)
     labels = np.asarray(split.labels, np.int32)
 
+    rows = CHUNK_ROWS if precomputed else IMAGE_CHUNK_ROWS
+
     def chunks():
-        for start in range(0, len(split), CHUNK_ROWS):
-            stop = min(start + CHUNK_ROWS, len(split))
+        for start in range(0, len(split), rows):
+            stop = min(start + rows, len(split))
             if precomputed:
                 batch = np.asarray(split.features[start:stop])
             elif split.array is not None:
@@ -129,7 +135,8 @@ def _spec(spec: str, config, model) -> Input:
             yield batch, np.asarray(list(ids), dtype=object), labels[start:stop]
 
     paths = (path,) if path else ()
-    return Input(f"{spec} ({split.split})", len(split), chunks(), True, paths)
+    return Input(f"{spec} ({split.split})", len(split), chunks(), True, paths,
+                 images=not precomputed)
 
 
 def _npz_has(path: str, key: str) -> bool:
@@ -161,8 +168,8 @@ def _files(paths, model) -> Input:
             raise FileNotFoundError(f"{path} does not exist")
 
     def chunks():
-        for start in range(0, len(files), CHUNK_ROWS):
-            batch = files[start:start + CHUNK_ROWS]
+        for start in range(0, len(files), IMAGE_CHUNK_ROWS):
+            batch = files[start:start + IMAGE_CHUNK_ROWS]
             yield batch, np.asarray(batch, dtype=object), None
 
     return Input(f"{len(files)} image file(s)", len(files), chunks(), False, tuple(paths))

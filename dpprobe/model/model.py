@@ -169,20 +169,23 @@ class Model:
     def _embed(self, images: list) -> np.ndarray:
         import torch
 
+        from dpprobe.extract.backbones import input_mismatch
         from dpprobe.model.backbone import load_backbone
 
         if self._backbone is None:
             self._backbone = load_backbone(self.document["backbone"], self.path,
-                                           weights=self.weights)
+                                           weights=self.weights, dim=self.feature_dim)
         backbone = self._backbone
         out = []
         for start in range(0, len(images), EMBED_BATCH):
-            try:
-                batch = torch.stack([backbone.transform(image)
-                                     for image in images[start:start + EMBED_BATCH]])
-            except RuntimeError as err:
-                raise ValueError(f"images of different sizes for a backbone without `resize`/"
-                                 f"`crop` ({str(err).splitlines()[0]})") from err
+            tensors = [backbone.transform(image) for image in images[start:start + EMBED_BATCH]]
+            for i, tensor in enumerate(tensors):
+                if tensor.shape != tensors[0].shape:
+                    image = images[start + i]
+                    raise ValueError(f"{self.path}: " + input_mismatch(
+                        tensors[0].shape, tensor.shape,
+                        f"image {start + i} ({image.size[0]}x{image.size[1]} {image.mode})"))
+            batch = torch.stack(tensors)
             out.append(backbone.forward(batch).cpu().numpy())
         return np.concatenate(out)
 

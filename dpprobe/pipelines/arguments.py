@@ -22,6 +22,11 @@ def account_output(p) -> None:
 # mean `--seeds` (no abbreviations), and the privacy epilog.
 _TRAINING = dict(allow_abbrev=False, epilog=EPILOG.format(" unless --accountant rdp"))
 
+
+def verify_output(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
 # The parser texts of each command (help, description, epilog).
 TEXTS = {
     "extract": dict(

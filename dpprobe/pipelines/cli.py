@@ -26,7 +26,14 @@ from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extrac
 from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
 from dpprobe.pipelines.probe_job import ProbeConfig, run_probe
-from dpprobe.pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
+from dpprobe.pipelines.store_jobs import (
+    InfoConfig,
+    VerifyConfig,
+    store_info,
+    verify,
+    verify_json,
+    verify_report,
+)
 from dpprobe.pipelines.tune_job import TuneConfig, run_tune
 
 # A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
@@ -60,7 +67,10 @@ def _extract(config: ExtractConfig, args) -> int:
 
 def _verify(config: VerifyConfig, args) -> int:
     report = verify(config)
-    print(report.text() if config.store is None else reporting.verify_report(report))
+    if getattr(args, "json", False):
+        print(json.dumps(verify_json(report), indent=2, default=str))
+    else:
+        print(report.text() if config.store is None else verify_report(report))
     return 0 if report.ok else 1
 
 
@@ -139,7 +149,7 @@ COMMANDS = {
     "finetune": (None, FinetuneConfig, _finetune),
     "account": (arguments.account_output, AccountConfig, _account),
     "audit": (None, AuditConfig, _audit),
-    "verify": (None, VerifyConfig, _verify),
+    "verify": (arguments.verify_output, VerifyConfig, _verify),
     "info": (arguments.info_output, InfoConfig, _info),
     "demo": (None, DemoConfig, _demo),
     "predict": (None, PredictConfig, _predict),

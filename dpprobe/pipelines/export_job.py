@@ -66,6 +66,9 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
+    if config.format != "timm":  # loading torch and the backbone, tracing: tens of seconds
+        log(f"export: tracing {config.model} as {config.format} (about a minute on a CPU)",
+            config.quiet)
     from dpprobe.model import torch_export  # torch: imported when a model is exported
 
     if config.format == "torch":

@@ -72,8 +72,8 @@ class ExtractConfig:
     views: int | None = option(
         None, type=integer, help="store K augmented views per example, shape (N, K, d), for "
         "augmentation multiplicity in the probe (train split only)")
-    augment: tuple[str, ...] = option((), type=options.names, help=lambda: (
-        f"augmentations of the views, from {','.join(extract.AUGMENTATIONS)} (De et al.)"))
+    augment: tuple[str, ...] = option((), type=options.names, help=(
+        f"augmentations of the views, from {','.join(options.AUGMENTATIONS)} (De et al.)"))
     augment_seed: int = option(0, type=integer,
                                help="seed of the augmentations (default %(default)s)")
     ray: bool = option(False, action="store_true",
@@ -151,6 +151,8 @@ def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
         model = extract.create_backbone(
             config.backbone, weights=config.weights, random_init=config.random_init,
             seed=config.seed, resize=config.resize, crop=config.crop, device=config.device,
+            mode=extract.image_mode_of(splits.values()) if config.backbone == "scatternet"
+            else None,
         )
     return [
         extract.extract_split(

@@ -289,6 +289,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         if checkpointer is not None:
             checkpointer.close()
             shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
+        for path in (model_files.MODEL_FILE, "results.json"):
+            log(f"wrote {out / path}", quiet)
+        log(f"wrote {out / OPTIONS_FILE} (the run's options, for its rerun: yours only)", quiet)
     return results
 
 

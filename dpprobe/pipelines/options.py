@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dpprobe import accounting
 
 __all__ = [
+    "AUGMENTATIONS",
     "LOSSES",
     "NORMALIZATIONS",
     "OPTIMIZERS",
@@ -269,8 +270,8 @@ def names(text: str) -> tuple[str, ...]:
 
 class Choices(collections.abc.Sequence):
     """A package's constant as `choices`, imported when argparse first needs it (a value given,
-    --help): importing `probe` loads JAX, which a probe job imports while it reads the store
-    (`probe_job._read_splits`), not before; `extract`'s backbones load torch."""
+    --help), for a package light enough to import for `--help` (JAX's and torch's vocabularies
+    are written out below)."""
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
@@ -286,10 +287,15 @@ class Choices(collections.abc.Sequence):
         return len(self.values)
 
 
-OPTIMIZERS = Choices("dpprobe.dp", "OPTIMIZERS")
-LOSSES = Choices("dpprobe.probe", "LOSSES")
-NORMALIZATIONS = Choices("dpprobe.probe", "NORMALIZATIONS")
-TRAIN_MODES = Choices("dpprobe.finetune.modes", "TRAIN_MODES")
+# The library's vocabularies as the command line spells them, written out: `--help` shows them,
+# and the modules that define them (`dp.optimizers`, `probe.clipping`, `probe.normalization`,
+# `finetune.modes`, `extract.extractor`) load JAX or torch, seconds before any help is printed.
+# tests/pipelines/test_cli.py keeps each equal to its library constant.
+OPTIMIZERS = ("sgd", "momentum", "adam", "sign", "lamb")  # dp.OPTIMIZERS
+LOSSES = ("softmax", "sigmoid")  # probe.LOSSES
+NORMALIZATIONS = ("none", "l2", "group")  # probe.NORMALIZATIONS
+TRAIN_MODES = ("all", "head", "bias", "lora")  # finetune.modes.TRAIN_MODES
+AUGMENTATIONS = ("flip", "crop")  # extract.AUGMENTATIONS
 
 
 class RangeEnd(argparse.Action):

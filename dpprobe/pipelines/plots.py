@@ -15,7 +15,8 @@ import numpy as np
 from dpprobe.files import atomic_write_bytes
 from dpprobe.pipelines.reporting import format_epsilon
 
-__all__ = ["Reference", "accuracy_error_bars", "plot_accuracy", "plot_audit", "plot_title"]
+__all__ = ["Reference", "accuracy_error_bars", "accuracy_figure", "plot_accuracy", "plot_audit",
+           "plot_title"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,13 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
     """PNG of test accuracy (mean ± std over seeds) vs epsilon (log axis), with the
     non-private line, `references` as single labelled points, and `warnings` (e.g. features
     of a randomly initialized backbone) printed in red across the plot."""
+    fig = accuracy_figure(summary, title=title, references=references, warnings=warnings)
+    _save_png(fig, path, warnings)
+
+
+def accuracy_figure(summary: Sequence[dict], *, title: str = "",
+                    references: Sequence[Reference] = (), warnings: Sequence[str] = ()):
+    """The matplotlib figure of `plot_accuracy` (same arguments, but the path)."""
     import matplotlib  # heavy: imported when a plot is drawn, not at the CLI's start
 
     matplotlib.use("Agg")
@@ -45,7 +53,7 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
     for row in summary:  # a series: one recipe over epsilon (its own "series" label, or T, lr)
         groups[row.get("series") or f"T={row.get('steps')}, lr={row.get('learning_rate'):g}"
                ].append(row)
-    ticks = set()
+    ticks, non_private = set(), []
     for index, (label, rows) in enumerate(groups.items()):
         color = f"C{index % 10}"
         private = sorted((r for r in rows if math.isfinite(r["epsilon"])),
@@ -65,8 +73,13 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
                                 xytext=(3, -10), textcoords="offset points", color=color)
         for r in rows:
             if not math.isfinite(r["epsilon"]):
-                ax.axhline(100 * r["test_accuracy_mean"], linestyle="--", color=color,
-                           alpha=0.7, label=f"non-private ({label})")
+                level = 100 * r["test_accuracy_mean"]
+                non_private.append(level)
+                ax.axhline(level, linestyle="--", linewidth=1.6, color=color, zorder=2.5,
+                           label=f"non-private ({label})")
+                ax.annotate(f"non-private {level:.2f}%", (0.01, level), color=color,
+                            xycoords=("axes fraction", "data"), xytext=(0, 3), fontsize=7,
+                            textcoords="offset points", va="bottom")
     for reference in references:
         ticks.add(reference.epsilon)
         ax.plot([reference.epsilon], [reference.accuracy], linestyle="none",
@@ -75,6 +88,10 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
                 label=reference.label, zorder=3 if reference.filled else 4)
     ax.set_xscale("log")
     ax.margins(x=0.1)  # room for the epsilon labels beside the last points
+    if non_private:  # the line and its label inside the frame, not on its edge
+        low, high = ax.get_ylim()
+        pad = 0.08 * (max(high, *non_private) - min(low, *non_private) or 1.0)
+        ax.set_ylim(min(low, min(non_private) - pad), max(high, max(non_private) + pad))
     if ticks:
         ax.set_xticks(sorted(ticks), [f"{t:g}" for t in sorted(ticks)])
         ax.minorticks_off()
@@ -86,7 +103,7 @@ def plot_accuracy(summary: Sequence[dict], path, *, title: str = "",
     for offset, warning in enumerate(warnings):
         ax.text(0.01, 0.98 - 0.07 * offset, "WARNING: " + warning, transform=ax.transAxes,
                 fontsize=7, color="red", va="top", wrap=True)
-    _save_png(fig, path, warnings)
+    return fig
 
 
 def _save_png(fig, path, warnings: Sequence[str] = ()) -> None:

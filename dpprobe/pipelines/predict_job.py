@@ -23,6 +23,7 @@ from dpprobe.model import inputs as predict_inputs
 from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import preflight
 from dpprobe.pipelines.options import integer, option
+from dpprobe.pipelines.reporting import log
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
@@ -73,6 +74,9 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
+    if source.images and model.kind == "linear":  # torch and the backbone load: seconds
+        log(f"predict: {source.num_rows} input(s) of {source.describe} through "
+            f"{config.model}'s backbone", quiet=config.quiet)
     if config.out:
         preflight.check_output_paths(out=config.out)
         _refuse_overwriting(config.out, (config.model, *source.paths))
@@ -107,18 +111,27 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
     names = np.asarray(model.class_names, dtype=object)
     pending = collections.deque()  # (ids, labels) of chunks read but not yet predicted
 
+    # The bar counts the rows the model has taken in (embedded, for images): its logits come
+    # out in evaluation blocks of many chunks, at the end for a few hundred images. It opens
+    # once the first chunk went through (the input fits the model: a refusal is one line).
+    bar = None
+
     def batches():
+        nonlocal bar
         for batch, ids, labels in source.chunks:
             pending.append((np.asarray(ids, dtype=object), labels))
             yield batch
-
-    bar = None
-    try:
-        for logits in model.iter_logits(batches()):
-            if bar is None:  # the first block went through: the input fits the model
-                writer.writerow(columns)
+            if bar is None:
                 bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
                            file=sys.stderr, dynamic_ncols=True)
+            bar.update(len(ids))  # the model asked for the next chunk: this one is taken in
+
+    header = False
+    try:
+        for logits in model.iter_logits(batches()):
+            if not header:  # the first block went through: the input fits the model
+                writer.writerow(columns)
+                header = True
             ids, labels = _take(pending, len(logits))
             probabilities = model.probabilities(logits)
             order = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
@@ -134,11 +147,10 @@ def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
                 counts["top1"] += int(np.sum(best == labels))
                 counts["topk"] += int(np.sum((order == labels[:, None]).any(axis=1)))
             counts["rows"] += len(logits)
-            bar.update(len(logits))
     finally:
         if bar is not None:
             bar.close()
-    if bar is None:
+    if not header:
         writer.writerow(columns)
 
 

@@ -89,6 +89,8 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     # Calibrate the noise of each (epsilon, T). epsilon = inf is the same recipe without noise
     # (clipping kept): the reference isolates what the noise costs, at the same learning rate.
     plans = {}
+    log(f"probe: calibrating the noise of {len(config.epsilons) * len(chosen.steps)} "
+        "(epsilon, T) pair(s)", quiet)
     for epsilon, num_steps in itertools.product(config.epsilons, chosen.steps):
         plans[epsilon, num_steps] = accounting.calibrate_plan(
             epsilon, delta, steps=num_steps, sampling_probability=config.sampling_probability,
@@ -98,6 +100,7 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     grid = [(e, t, chosen.learning_rate(e, t, lr), k) for e, t, lr, k in itertools.product(
         config.epsilons, chosen.steps, chosen.learning_rates or (None,), range(config.seeds))]
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
+    log(f"probe: {len(runs)} run(s) on {num_examples} rows; the first step compiles", quiet)
     result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
                                               stream=stream, num_examples=num_examples, dim=dim)
 
@@ -142,19 +145,23 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     }
     if config.diagnostics:
         _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+        log(f"wrote {config.diagnostics}", quiet)
     if config.out:
         reporting.write_json(config.out, results)
         log(f"wrote {config.out}", quiet)  # no duration: it depends on the records
     if config.csv:
         reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+        log(f"wrote {config.csv}", quiet)
     if config.plot:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
                             warnings=warnings)
+        log(f"wrote {config.plot}", quiet)
     models = model_files.probe_model_parts(config, results, grid, plans, result.params, spec,
                                            train_attrs)
     if config.save_model:
         results["model_files"] = model_files.probe_models(config.save_model, models)
-        log(f"wrote {len(results['model_files'])} model(s) to {config.save_model}", quiet)
+        for path in results["model_files"]:
+            log(f"wrote {path}", quiet)
     if config.out:  # the owner's, never published: how long depends on the records
         timings.write_timings(config.out, "probe", stopwatch, quiet=quiet)
     return results, models

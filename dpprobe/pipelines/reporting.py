@@ -27,7 +27,6 @@ __all__ = [
     "probe_table",
     "summarize_runs",
     "tune_report",
-    "verify_report",
     "warning_lines",
     "write_csv",
     "write_json",
@@ -270,14 +269,6 @@ def format_store_info(store, summary: dict) -> str:
                                                         or dataset.get("class_names") or [])),
             f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
         ]
-    return "\n".join(lines)
-
-
-def verify_report(report) -> str:
-    """What `dpprobe verify` prints: each split, each problem, and the verdict."""
-    lines = [f"{split}: {info}" for split, info in report.splits.items()]
-    lines += [f"PROBLEM {problem}" for problem in report.problems]
-    lines.append("OK" if report.ok else f"{len(report.problems)} problem(s)")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from dpprobe.pipelines import config as cfg
 from dpprobe.pipelines import reporting
 from dpprobe.pipelines.options import num_classes_option, option
 
-__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
+__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify", "verify_json", "verify_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +114,35 @@ def store_info(config: InfoConfig | str, /) -> str:
     """The provenance of a store, for people."""
     store = config.store if isinstance(config, InfoConfig) else config
     return reporting.format_store_info(store, extract.store_summary(store))
+
+
+def verify_report(report) -> str:
+    """What `dpprobe verify` prints: each split, each problem, and the verdict."""
+    lines = [f"{split}: {_split_check(info)}" for split, info in report.splits.items()]
+    lines += [f"PROBLEM {problem}" for problem in report.problems]
+    lines.append("OK" if report.ok else f"{len(report.problems)} problem(s)")
+    return "\n".join(lines)
+
+
+def _split_check(info: dict) -> str:
+    """'1438 examples, complete; 1 chunk checked, none bad' (what `verify_store` saw)."""
+    parts = [f"{info.get('num_examples')} examples, "
+             + ("complete" if info.get("complete") else "INCOMPLETE")]
+    if "chunks_checked" in info:
+        checked, bad = info["chunks_checked"], info.get("bad_chunks", 0)
+        parts.append(f"{checked} chunk{'s' * (checked != 1)} checked, "
+                     + (f"{bad} bad" if bad else "none bad"))
+    parts += [f"{key.replace('_', ' ')} {value}" for key, value in info.items()
+              if key not in ("num_examples", "complete", "chunks_checked", "bad_chunks")]
+    return "; ".join(parts)
+
+
+def verify_json(report) -> dict:
+    """`dpprobe verify --json`: the verdict, the problems and each split's findings (of a
+    store), or each record the rule would change (of `--data`: for the data's owner only)."""
+    if hasattr(report, "problems"):
+        return {"ok": report.ok, "problems": list(report.problems), "splits": report.splits}
+    return {"ok": report.ok, "spec": report.spec, "for": "the data's owner only",
+            "splits": {name: {"records": size, "changed": [
+                {"record": where, "kind": defect.kind, "detail": defect.detail}
+                for where, defect in found]} for name, (size, found) in report.splits.items()}}

@@ -30,8 +30,10 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     if config.save_model:
         model_files.tune_model(config, results, params, standardizer)
         results["model_file"] = str(config.save_model)
+        reporting.log(f"wrote {config.save_model}", config.quiet)
     if config.out:
         reporting.write_json(config.out, results)
+        reporting.log(f"wrote {config.out}", config.quiet)
         # The owner's, never published: how long it took depends on the records.
         timings.write_timings(config.out, "tune", stopwatch, quiet=config.quiet)
     results["params"] = params

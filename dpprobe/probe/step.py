@@ -20,6 +20,7 @@ hands them to `dp_update`, which is the same for all, so they agree for the same
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -158,11 +159,30 @@ def step_bar(total: int, progress: bool, desc: str):
                 dynamic_ncols=True, leave=False)
 
 
-def step_blocks(total: int, bar) -> Iterator[tuple[int, int]]:
-    """(start, stop) blocks of steps 1..total-1, advancing `bar`: about 20 blocks when the bar
-    is shown, else one (each block is one compiled call)."""
-    block = max(1, (total - 1) // 20) if not bar.disable else max(1, total - 1)
-    for start in range(1, total, block):
+# Seconds between moves of a shown step bar: blocks of steps are sized to take about this long.
+BAR_SECONDS = 2.0
+
+
+def step_blocks(total: int, bar, seconds: float = BAR_SECONDS) -> Iterator[tuple[int, int]]:
+    """(start, stop) blocks of steps 1..total-1, advancing `bar` (each block is one compiled
+    call whose bounds are traced: any block size runs the same program).
+
+    With the bar shown, the caller waits for each block's result before asking for the next
+    (JAX dispatches asynchronously: a bar advanced at dispatch races ahead, then stalls until
+    the end), and each block is sized from the time per step measured so far, so that the bar
+    moves about every `seconds` whatever N and d: 1 step, then at most 4x the last block.
+    The block sizes never change what is computed, only when the host looks. Without the
+    bar: one block."""
+    if bar.disable:
+        if total > 1:
+            yield 1, total
+        return
+    start, block = 1, 1
+    while start < total:
         stop = min(start + block, total)
+        began = time.perf_counter()
         yield start, stop
+        per_step = (time.perf_counter() - began) / (stop - start)
         bar.update(stop - start)
+        block = max(1, min(4 * block, int(seconds / max(per_step, 1e-9))))
+        start = stop

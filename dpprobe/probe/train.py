@@ -179,4 +179,6 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
             del data  # the float16 or float32 copy: `rows` holds what the steps read
         for start, stop in step_blocks(total, bar):
             state = _more_steps(state, start, stop, rows, arrays, spec=spec)
+            if not bar.disable:  # the bar counts computed steps, not dispatched ones
+                jax.block_until_ready(state)
         return result(state, arrays)
