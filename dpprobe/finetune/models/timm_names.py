@@ -35,7 +35,7 @@ def timm_arrays(model: ResNet | EfficientNet) -> dict[str, np.ndarray]:
                          f"{type(model).__name__}")
     head = "fc" if isinstance(model, ResNet) else "classifier"
     arrays = {}
-    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param, nnx.BatchStat)):
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))):
         *modules, leaf = (str(p) for p in path)
         modules = [head if i == 0 and m == "head" else _MODULES.get(m, m)
                    for i, m in enumerate(modules)]
@@ -64,5 +64,5 @@ def load_into_timm(model: ResNet | EfficientNet, timm_model: Any) -> None:
         if tuple(array.shape) != tuple(state[key].shape):
             raise ValueError(f"shape mismatch copying {key} into timm: {array.shape} into "
                              f"{tuple(state[key].shape)}")
-        state[key] = torch.from_numpy(array)
+        state[key] = torch.from_numpy(np.array(array))  # a writable copy
     timm_model.load_state_dict(state, strict=True)
