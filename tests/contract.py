@@ -320,3 +320,162 @@ class TrainerContract:
         again = count_compilations(lambda: self.train(features * 2, labels[::-1].copy(), runs,
                                                       self.spec))
         assert again == 0
+
+
+def randomize_batchnorm(timm_model, seed: int) -> None:
+    """Running statistics, scales and offsets of every BatchNorm of a torch model drawn at
+    random (timm's init makes them 0, 1, 1, 0 and zeroes each residual branch's last scale,
+    which would hide a wrong statistic or branch)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in timm_model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                c = module.num_features
+                module.running_mean.copy_(0.1 * torch.randn(c, generator=gen))
+                module.running_var.copy_(0.5 + torch.rand(c, generator=gen))
+                module.weight.copy_(0.5 + torch.rand(c, generator=gen))
+                module.bias.copy_(0.1 * torch.randn(c, generator=gen))
+
+
+class ModelFamilyContract:
+    """Subclass and set `timm_name` (a timm model of a family `finetune.models` converts) and
+    `image_size`: the family's NNX model (`model_from_timm`, timm's random init with random
+    BatchNorm statistics, timm's head kept) gives timm's logits, no example touches another's
+    forward pass, and its book-keeping clipped sum is per-example clipping of
+    `jax.vmap(jax.grad)`'s gradients, moved by at most C when one example leaves."""
+
+    timm_name = ""
+    image_size = 32
+    examples = 5
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def family(cls):
+        import timm
+        import torch
+        from flax import nnx
+
+        from dpprobe.finetune.models import model_from_timm
+
+        torch.manual_seed(0)
+        timm_model = timm.create_model(cls.timm_name, pretrained=False,
+                                       num_classes=NUM_CLASSES).eval()
+        randomize_batchnorm(timm_model, 1)
+        model = model_from_timm(timm_model, None, rngs=nnx.Rngs(0))
+        rng = np.random.default_rng(2)
+        images = rng.normal(size=(cls.examples, 3, cls.image_size, cls.image_size))
+        return timm_model, model, images.astype(np.float32)
+
+    @staticmethod
+    def nhwc(images):
+        return jnp.asarray(images.transpose(0, 2, 3, 1))
+
+    def test_logits_match_timm(self, family):
+        import torch
+
+        timm_model, model, images = family
+        with torch.no_grad():
+            expected = timm_model(torch.from_numpy(images)).numpy()
+        np.testing.assert_allclose(np.asarray(model(self.nhwc(images))), expected, rtol=0,
+                                   atol=1e-4)
+
+    def clippers(self, model, ghost=None):
+        """(trained params, the book-keeping clipper in an x64 program, the jitted per-example
+        gradients `jax.vmap(jax.grad)`) of `model`; `ghost` as `dp.bookkeeping_clipper`'s.
+        Built once per class and `ghost` (each compile of a whole EfficientNet costs tens of
+        seconds here)."""
+        from flax import nnx
+
+        cache = type(self).__dict__.get("_compiled")
+        if cache is None:
+            cache = {}
+            type(self)._compiled = cache
+        if ghost in cache:
+            return cache[ghost]
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(logits, label):
+            # A temperature keeps the softmax of random weights' large logits unsaturated
+            # (saturated, a gradient is 1e-9 of float32 cancellation in both computations).
+            return optax.softmax_cross_entropy_with_integer_labels(logits / 100.0,
+                                                                   label[None])[0]
+
+        clipper = dp.x64_jit(dp.bookkeeping_clipper(
+            lambda m, extra, x, y: loss(m(x[None]), y), graphdef, rest, ghost=ghost))
+
+        def one(p, x, y):
+            return loss(nnx.merge(graphdef, p, rest)(x[None]), y)
+
+        grads = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0, 0)))
+        cache[ghost] = params, clipper, grads
+        return cache[ghost]
+
+    def test_no_example_touches_another(self, family):
+        """Changing one example changes no other example's logits, nor (in the DP step's own
+        forward and backward pass) its gradient norm: BatchNorm is frozen."""
+        _, model, images = family
+        changed = images.copy()
+        changed[0] = 5.0 * changed[0] + 1.0
+        before, after = model(self.nhwc(images)), model(self.nhwc(changed))
+        assert not np.allclose(before[0], after[0])
+        np.testing.assert_array_equal(np.asarray(before[1:]), np.asarray(after[1:]))
+        params, clipper, _ = self.clippers(model)
+        labels = jnp.arange(self.examples) % NUM_CLASSES
+        mask = jnp.ones(self.examples, jnp.float32)
+        norms = [np.asarray(clipper(params, (self.nhwc(x), labels), jnp.float32(1.0),
+                                    mask).norms) for x in (images, changed)]
+        assert norms[0][0] != norms[1][0]
+        np.testing.assert_allclose(norms[0][1:], norms[1][1:], rtol=1e-6)
+
+    def per_example(self, family, ghost):
+        """(x, labels, params, the clipper, per-example gradients as float64 rows)."""
+        _, model, images = family
+        params, clipper, per_example_grads = self.clippers(model, ghost)
+        x, labels = self.nhwc(images), jnp.arange(self.examples) % NUM_CLASSES
+        grads = per_example_grads(params, x, labels)
+        rows = np.concatenate([np.asarray(g, np.float64).reshape(self.examples, -1)
+                               for g in jax.tree.leaves(grads)], axis=1)
+        return x, labels, params, clipper, rows
+
+    @staticmethod
+    def flat(grads) -> np.ndarray:
+        return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
+
+    def test_clipped_sum_is_per_example_clipping(self, family):
+        """Every gradient instantiated (no ghost norm): the clipped sum within 1e-5 relative of
+        sum_i min(1, C / |g_i|) g_i with g_i from `jax.vmap(jax.grad)` and C the median norm
+        (half the examples clipped), and at C = inf of the plain sum."""
+        x, labels, params, clipper, rows = self.per_example(family, ghost=False)
+        norms = np.linalg.norm(rows, axis=1)
+        mask = jnp.ones(self.examples, jnp.float32)
+        for clip in (float(np.median(norms)), np.inf):
+            expected = (np.minimum(1.0, clip / norms)[:, None] * rows).sum(0)
+            result = clipper(params, (x, labels), jnp.float32(clip), mask)
+            np.testing.assert_allclose(np.asarray(result.norms, np.float64), norms, rtol=1e-5)
+            assert (np.linalg.norm(self.flat(result.grads) - expected)
+                    <= 1e-5 * np.linalg.norm(expected))
+
+    def test_leave_one_out_moves_the_sum_by_at_most_c(self, family):
+        """The clipper as the trainer runs it (ghost norm or instantiation per layer by cost):
+        its norms are upper bounds of `jax.vmap(jax.grad)`'s within 1e-3 (the ghost norm's
+        float32 rounding bound), its unclipped sum is the plain sum within 1e-5, and removing
+        any one example moves the clipped sum by at most C (1 + 1e-6)."""
+        x, labels, params, clipper, rows = self.per_example(family, ghost=None)
+        norms = np.linalg.norm(rows, axis=1)
+        full_mask = np.ones(self.examples, np.float32)
+        plain = clipper(params, (x, labels), jnp.float32(np.inf), jnp.asarray(full_mask))
+        assert (np.linalg.norm(self.flat(plain.grads) - rows.sum(0))
+                <= 1e-5 * np.linalg.norm(rows.sum(0)))
+        bounds = np.asarray(plain.norms, np.float64)
+        assert (bounds >= norms * (1 - 1e-6)).all() and (bounds <= norms * (1 + 1e-3)).all()
+        clip = float(np.median(norms))
+        full = self.flat(clipper(params, (x, labels), jnp.float32(clip),
+                                 jnp.asarray(full_mask)).grads)
+        for row in range(self.examples):
+            mask = full_mask.copy()
+            mask[row] = 0
+            moved = np.linalg.norm(full - self.flat(clipper(
+                params, (x, labels), jnp.float32(clip), jnp.asarray(mask)).grads))
+            assert moved <= clip * (1 + 1e-6), (row, moved / clip)

@@ -5,7 +5,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpprobe import dp, probe
-from tests.contract import NUM_CLASSES, ClipperContract, TrainerContract, probe_loss
+from tests.contract import (
+    NUM_CLASSES,
+    ClipperContract,
+    ModelFamilyContract,
+    TrainerContract,
+    probe_loss,
+)
 
 
 class TestClosedFormClipper(ClipperContract):
@@ -102,3 +108,22 @@ class TestBookkeepingClipper(ClipperContract):
 
     def inputs(self, features, labels, clip_norm):
         return TestPerExampleClipper.inputs(self, features, labels, clip_norm)
+
+
+class TestResNet18(ModelFamilyContract):
+    """timm's resnet18: BasicBlocks, BatchNorm frozen."""
+
+    timm_name = "resnet18"
+
+
+class TestEfficientNetB0(ModelFamilyContract):
+    """timm's efficientnet_b0: depthwise convolutions, squeeze-excite, SiLU, BatchNorm frozen."""
+
+    timm_name = "efficientnet_b0"
+
+
+class TestEfficientNetLite0(ModelFamilyContract):
+    """timm's tf_efficientnet_lite0: TF "same" padding, ReLU6, no squeeze-excite."""
+
+    timm_name = "tf_efficientnet_lite0"
+    image_size = 33  # odd: the asymmetric "same" padding of its strided convolutions

@@ -1,7 +1,8 @@
 """Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, the ScatterNet models, timm
-ViTs) in a model file: their parameters keyed by module path, the architecture to rebuild them,
-and the image transforms training used (resize, crop, channels, [0, 1] scaling, per-channel mean
-and std).
+ViTs, ResNets and EfficientNets) in a model file: their parameters keyed by module path (and a
+frozen BatchNorm's running statistics, the pretrained public constants, under `stats/`), the
+architecture to rebuild them, and the image transforms training used (resize, crop, channels,
+[0, 1] scaling, per-channel mean and std).
 
 A loaded network computes its logits with `finetune.iter_logits`, the function the finetune
 job's evaluation uses, so that it predicts the classes its job scored.
@@ -13,32 +14,38 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["PARAMS_PREFIX", "SCATTERNET_FAMILIES", "network_arrays", "network_document",
-           "rebuild_network"]
+__all__ = ["PARAMS_PREFIX", "SCATTERNET_FAMILIES", "STATS_PREFIX", "TIMM_CNN",
+           "network_arrays", "network_document", "rebuild_network"]
 
 PARAMS_PREFIX = "params/"
+STATS_PREFIX = "stats/"  # frozen BatchNorm statistics (`finetune.models.FrozenBatchNorm`)
+TIMM_CNN = "timm_cnn"  # the family of timm's ResNets and EfficientNets, rebuilt through timm
 SCATTERNET_FAMILIES = ("scatternet_cnn", "scatternet_cnn_linear")  # a fixed kymatio front
 
 
 def network_arrays(model) -> dict[str, np.ndarray]:
-    """The model's `nnx.Param`s as float32 arrays keyed `params/<module path>`."""
+    """The model's `nnx.Param`s as float32 arrays keyed `params/<module path>`, and its frozen
+    BatchNorm statistics (`nnx.BatchStat`) keyed `stats/<module path>`."""
     from flax import nnx
 
-    return {PARAMS_PREFIX + "/".join(map(str, keys)): np.asarray(value[...], np.float32)
-            for keys, value in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {prefix + "/".join(map(str, keys)): np.asarray(value[...], np.float32)
+            for prefix, kind in ((PARAMS_PREFIX, nnx.Param), (STATS_PREFIX, nnx.BatchStat))
+            for keys, value in nnx.to_flat_state(nnx.state(model, kind))}
 
 
 def network_document(model, *, name: str, num_classes: int, image_size: int, channels: int,
                      resize: int | None, crop: int | None, rgb: bool, mean, std,
                      timm_architecture: str | None) -> dict:
     """The architecture and transforms of a fine-tuned model (public inputs only)."""
-    from dpprobe.finetune.models import VisionTransformer
+    from dpprobe.finetune.models import EfficientNet, ResNet, VisionTransformer
 
     architecture = {"name": name, "num_classes": num_classes, "image_size": image_size,
                     "in_channels": channels}
     if isinstance(model, VisionTransformer):
         architecture |= {"family": "vit", "vit_config": dataclasses.asdict(model.config),
                          "timm_architecture": timm_architecture}
+    elif isinstance(model, ResNet | EfficientNet):
+        architecture |= {"family": TIMM_CNN, "timm_architecture": timm_architecture}
     else:
         architecture["family"] = name
     if name in SCATTERNET_FAMILIES:
@@ -83,6 +90,8 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
         config = models.ViTConfig(**config)
         model = nnx.eval_shape(lambda: models.VisionTransformer(config, classes,
                                                                 rngs=nnx.Rngs(0)))
+    elif arch["family"] == TIMM_CNN:  # timm's module tree at random init, every value then set
+        model = _timm_cnn(arch["timm_architecture"], classes, channels)
     elif arch["family"] in SCATTERNET_FAMILIES and arch.get("scatternet") != _scatternet():
         raise ModelFileError(f"{path}: its ScatterNet {arch.get('scatternet')} is not this "
                              f"version's {_scatternet()}")
@@ -93,9 +102,10 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
         raise ModelFileError(f"{path}: unknown network family {arch['family']!r}")
     expected = set()
     for keys, param in nnx.iter_graph(model):
-        if not isinstance(param, nnx.Param):
+        if not isinstance(param, nnx.Param | nnx.BatchStat):
             continue
-        name = PARAMS_PREFIX + "/".join(map(str, keys))
+        prefix = PARAMS_PREFIX if isinstance(param, nnx.Param) else STATS_PREFIX
+        name = prefix + "/".join(map(str, keys))
         expected.add(name)
         if name not in arrays:
             raise ModelFileError(f"{path} lacks the parameter {name}")
@@ -104,7 +114,8 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
             raise ModelFileError(f"{path}: parameter {name} is {value.shape}, the architecture "
                                  f"needs {tuple(param.shape)}")
         param.set_value(jnp.asarray(value))
-    extra = sorted(k for k in arrays if k.startswith(PARAMS_PREFIX) and k not in expected)
+    extra = sorted(k for k in arrays if k.startswith((PARAMS_PREFIX, STATS_PREFIX))
+                   and k not in expected)
     if extra:
         raise ModelFileError(f"{path} holds parameters the architecture lacks: {extra[:3]}")
     unset = [p for p, n in nnx.iter_graph(model)
@@ -112,3 +123,15 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
     if unset:
         raise ModelFileError(f"{path}: parameters left unset: {unset[:3]}")
     return model
+
+
+def _timm_cnn(architecture: str, num_classes: int, channels: int):
+    """Our ResNet / EfficientNet of timm's `architecture` (values to be overwritten)."""
+    import timm
+    from flax import nnx
+
+    from dpprobe.finetune.models import model_from_timm
+
+    timm_model = timm.create_model(architecture, pretrained=False, num_classes=num_classes,
+                                   in_chans=channels)
+    return model_from_timm(timm_model.eval(), None, rngs=nnx.Rngs(0))

@@ -7,7 +7,8 @@ returns the logits: a probe on features is its backbone (timm's module or Scatte
 mean/std normalization, the per-example normalization and the linear head; a fine-tuned network
 is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
 wrn16_4 and the ScatterNet models; timm's own VisionTransformer, filled by
-`finetune.models.timm_weights.copy_to_timm`).
+`finetune.models.timm_weights.copy_to_timm`; timm's own ResNet or EfficientNet, filled by
+`finetune.models.timm_names.load_into_timm`, in eval mode: its BatchNorm frozen as trained).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
 Features computed from images are float32 here; the store held them as float16 (rounding
@@ -104,6 +105,8 @@ def _network_to_torch(model) -> torch.nn.Module:
     normalize = model.document["transforms"][3]
     if arch["family"] == "vit":
         net = _timm_vit(model)
+    elif arch["family"] == "timm_cnn":
+        net = _timm_cnn(model)
     else:
         net = _torch_cnn(model)
     return torch.nn.Sequential(Normalize(normalize["mean"], normalize["std"]), net)
@@ -125,16 +128,34 @@ def _timm_vit(model):
     return timm_model.eval()
 
 
+def _timm_cnn(model):
+    """timm's ResNet or EfficientNet holding the fine-tuned weights and frozen statistics."""
+    import timm
+
+    from dpprobe.finetune.models.timm_names import load_into_timm
+
+    arch = model.document["architecture"]
+    timm_model = timm.create_model(arch["timm_architecture"], pretrained=False,
+                                   num_classes=arch["num_classes"], in_chans=arch["in_channels"])
+    load_into_timm(model._network, timm_model)
+    return timm_model.eval()
+
+
 def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """A fine-tuned ViT as timm's state dict, and the `timm.create_model` arguments that load
-    it with `load_state_dict(strict=True)`."""
-    if model.kind != "network" or model.document["architecture"]["family"] != "vit":
-        raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT; this is a "
-                         f"{_describe(model)} (use `format=torch` or `format=onnx`)")
+    """A fine-tuned timm ViT, ResNet or EfficientNet as timm's state dict, and the
+    `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
+    family = model.document["architecture"]["family"] if model.kind == "network" else None
+    if family not in ("vit", "timm_cnn"):
+        raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, ResNet or "
+                         f"EfficientNet; this is a {_describe(model)} (use `format=torch` or "
+                         f"`format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],
-              "img_size": arch["image_size"], "in_chans": arch["in_channels"]}
-    state = {k: v.detach().clone().contiguous() for k, v in _timm_vit(model).state_dict().items()}
+              "in_chans": arch["in_channels"]}
+    if family == "vit":
+        kwargs["img_size"] = arch["image_size"]
+    net = _timm_vit(model) if family == "vit" else _timm_cnn(model)
+    state = {k: v.detach().clone().contiguous() for k, v in net.state_dict().items()}
     return state, kwargs
 
 

@@ -1,8 +1,9 @@
 """The export job: a released model (`dpmodel`) written where models are served.
 
   * `torch`: a `torch.export` program (`torch.export.load(OUT).module()`), any model;
-  * `timm`: a fine-tuned timm ViT as timm's state dict (safetensors), loaded by
-    `timm.create_model(name, num_classes=K, img_size=S)` and `load_state_dict(strict=True)`;
+  * `timm`: a fine-tuned timm ViT, ResNet or EfficientNet as timm's state dict (safetensors),
+    loaded by `timm.create_model(name, num_classes=K[, img_size=S])` and
+    `load_state_dict(strict=True)`;
   * `onnx`: an ONNX model (opset from torch's exporter), any model.
 
 The exported modules take float32 NCHW images in [0, 1] at the model's input size (a probe on
@@ -41,8 +42,8 @@ class ExportConfig:
 
     model: str = option(help="a dpprobe model file")
     format: str = option(choices=FORMATS, help="torch: a torch.export program (any model); "
-                         "timm: a fine-tuned timm ViT's state dict; onnx: an ONNX model (any "
-                         "model)")
+                         "timm: a fine-tuned timm ViT's, ResNet's or EfficientNet's state "
+                         "dict; onnx: an ONNX model (any model)")
     out: str = option(positional=True, metavar="OUT", help="the file to write")
     weights: str | None = option(
         None, help="a copy of the backbone's weights file (sha256 checked)")

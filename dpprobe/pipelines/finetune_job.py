@@ -370,8 +370,8 @@ def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, chan
     backbone = extract.create_backbone(config.model, weights=config.weights,
                                        random_init=config.random_init, seed=config.seed,
                                        crop=image_size, device="cpu")
-    model = finetune.models.vit_from_timm(backbone.module, num_classes, rngs=rngs,
-                                          head_bias_init=config.head_bias_init)
+    model = finetune.models.model_from_timm(backbone.module, num_classes, rngs=rngs,
+                                            head_bias_init=config.head_bias_init)
     if config.train == "lora":
         finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
     prep = backbone.preprocessing

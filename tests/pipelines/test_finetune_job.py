@@ -1,5 +1,5 @@
 """`dpprobe finetune` end to end: results, the neighbour test, SIGKILL and resume, timm
-weights, BatchNorm refused."""
+weights (a ViT, a ResNet), unconverted families refused."""
 
 from __future__ import annotations
 
@@ -191,11 +191,46 @@ def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path, m
     assert not checkpoints.exists()
 
 
-def test_batchnorm_models_are_refused(rng, tmp_path, monkeypatch, capsys):
+def test_unconverted_timm_families_are_refused(rng, tmp_path, monkeypatch, capsys):
+    """A timm family with no NNX converter (MobileNetV3), and a ResNet variant the converter
+    does not reproduce (resnet10t's deep stem), are refused in one line before training."""
     _write(tmp_path, _images(rng, 40, 32, 3), _images(rng, 20, 32, 3))
     monkeypatch.chdir(tmp_path)
+    assert _finetune("--model", "mobilenetv3_small_050", "--random-init", "--steps", "1") == 2
+    assert "VisionTransformer, ResNet, EfficientNet; got MobileNetV3" in capsys.readouterr().err
     assert _finetune("--model", "resnet10t", "--random-init", "--steps", "1") == 2
-    assert "BatchNorm" in capsys.readouterr().err
+    assert "deep-stem ResNets" in capsys.readouterr().err
+
+
+def test_a_resnet_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypatch):
+    """--model resnet18 --weights FILE: timm's state dict is loaded strictly and converted
+    (BatchNorm frozen at the file's statistics), a DP step trains, and the released model file
+    holds those statistics unchanged and loads back."""
+    import timm
+    import torch
+
+    from tests.contract import randomize_batchnorm
+
+    torch.manual_seed(0)
+    source = timm.create_model("resnet18", pretrained=False)
+    randomize_batchnorm(source, 0)
+    torch.save(source.state_dict(), tmp_path / "resnet.pth")
+    _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 12, 32, 3))
+    monkeypatch.chdir(tmp_path)
+    assert _finetune("--model", "resnet18", "--weights", "resnet.pth", "--steps", "1",
+                     "--batch-size", "8", "--physical-batch-size", "8", "--augmult", "1",
+                     "--lr", "1e-5", "--out", "run", "--quiet") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["model"]["weights_source"] == "file"
+    from dpprobe.model import load_model, read_model_file
+
+    saved, _ = read_model_file(tmp_path / "run" / "model.safetensors")
+    np.testing.assert_array_equal(saved["stats/layer2/0/bn1/var"],
+                                  source.layer2[0].bn1.running_var.numpy())
+    np.testing.assert_allclose(saved["params/layer2/0/bn1/scale"],
+                               source.layer2[0].bn1.weight.detach().numpy(), atol=1e-3)
+    assert load_model(tmp_path / "run" / "model.safetensors").logits(
+        _images(rng, 2, 32, 3)[0]).shape == (2, 4)
 
 
 def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ The contract of a model `m` here (every constructor in `finetune.models` meets i
   * `m(x)[i]` depends on `x[i]` and the parameters only: no batch statistics, no dropout, no
     random numbers at call time. So a per-example gradient is well defined and
     `vmap(grad(loss))` over examples equals a loop of single-example gradients.
-  * Every trainable weight is an `nnx.Param`; there is no other state.
+  * Every trainable weight is an `nnx.Param`; the only other state is a frozen BatchNorm's
+    running statistics (`nnx.BatchStat`, pretrained constants the trainer never updates,
+    `finetune.models.layers.FrozenBatchNorm`).
   * The computation follows the dtype of the parameters and input (bfloat16 in, bfloat16
     matmuls and convolutions); only normalization statistics and softmax run in at least
     float32, and the logits come out in float32.

@@ -1,5 +1,6 @@
 """Book-keeping rules (`dp.taps`) for this package's layers: the im2col convolution, the
-weight-standardized convolution and the ViT's patch embed.
+weight-standardized convolution, the ViT's patch embed, and the convolutions of timm's
+convolutional families (grouped and depthwise included).
 
 Each layer computes y = A W with A its im2col patches (or the image's non-overlapping patches)
 and W its kernel flattened to (d, p), so one example's kernel gradient is A^T B. For a
@@ -19,6 +20,7 @@ from dpprobe.dp.bookkeeping import after
 from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_rule
 from dpprobe.finetune.models._conv import Conv, im2col, shifted_windows
+from dpprobe.finetune.models.layers import Conv2d, GroupedConv2d, conv_patches
 from dpprobe.finetune.models.vit import PatchEmbed
 from dpprobe.finetune.models.wrn import WSConv, standardize_weight
 from dpprobe.finetune.models.ws_ghost import WS_GHOST
@@ -120,4 +122,22 @@ register_rule(Conv, Rule(inputs=_conv_rows, example_grads=_conv_example_grads))
 register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
                            grads=_standardized_grads, ghost=WS_GHOST,
                            example_grads=_conv_example_grads))
+def _grouped_row_grads(module, a, b):
+    """Every example's kernel gradient of a grouped convolution from its patches a (n, T,
+    kh kw c_in) and output gradient b (n, T, c_out): group g's block of the kernel is its
+    input channels' patches times its output channels' b (the other blocks of A^T B are not
+    parameters); depthwise (one channel per group) costs as much as the forward."""
+    kh, kw, per_group, out = module.kernel.shape
+    groups = module.groups
+    n, tokens = a.shape[:2]
+    a = a.reshape(n, tokens, kh * kw, groups, per_group)
+    b = b.reshape(n, tokens, groups, out // groups)
+    g = jnp.einsum("ntkgc,ntgo->nkcgo", a, b, precision=HIGHEST)
+    return {"kernel": g.reshape(n, kh, kw, per_group, out)}
+
+
 register_rule(PatchEmbed, Rule(inputs=_patch_rows))
+# timm's convolutional families (`finetune.models.layers`): one group, patches times the kernel
+# (ghost norm or instantiation by cost); grouped and depthwise, each group's block exactly.
+register_rule(Conv2d, Rule(inputs=conv_patches))
+register_rule(GroupedConv2d, Rule(inputs=conv_patches, row_grads=_grouped_row_grads))

@@ -1,0 +1,192 @@
+"""The layers of timm's convolutional families (ResNet, EfficientNet) in Flax NNX, each built
+from the timm (torch) layer it reproduces: convolution (grouped and depthwise included, torch's
+symmetric padding or TF's "same" padding), BatchNorm with frozen running statistics, the
+activations.
+
+BatchNorm is frozen as at inference (timm's `model.eval()`): y = (x - mean) / sqrt(var + eps)
+* scale + bias with `mean` and `var` the pretrained running statistics, held as
+`nnx.BatchStat` (never trained, never updated: the trainer splits off `nnx.Param` only), and
+`scale`, `bias` trained. In training mode BatchNorm would normalize each example by statistics
+of its whole batch, so one example's gradient would depend on the others and clipping it would
+bound nothing; frozen, each example's logits depend on that example and the parameters only
+(the contract of `finetune.models.common`), so its gradient is well defined and per-example
+clipping bounds its contribution. The running statistics are public: part of the pretrained
+weights, never computed from the private data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpprobe.finetune.models.common import zero_head
+
+__all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
+           "batchnorm_from_torch", "conv_from_torch", "conv_patches", "linear_from_torch",
+           "same_padding", "timm_head"]
+
+ACTIVATIONS = {
+    "identity": lambda x: x,
+    "relu": jax.nn.relu,
+    "relu6": jax.nn.relu6,
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+# torch / timm activation classes by name -> ours (timm's Swish and nn.SiLU compute the same).
+_TORCH_ACTIVATIONS = {"Identity": "identity", "ReLU": "relu", "ReLU6": "relu6", "SiLU": "silu",
+                      "Swish": "silu", "Sigmoid": "sigmoid", "GELU": "gelu"}
+
+
+def activation_name(module: Any) -> str:
+    """Our name of a torch activation module; ValueError for one we do not reproduce."""
+    name = type(module).__name__
+    if name not in _TORCH_ACTIVATIONS or (name == "GELU" and module.approximate != "none"):
+        raise ValueError(f"unsupported activation {module}")
+    return _TORCH_ACTIVATIONS[name]
+
+
+def _array(tensor: Any) -> jax.Array:
+    return jnp.asarray(tensor.detach().cpu().float().numpy())
+
+
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """TF's "same" padding of one side (timm's `pad_same`): the total that makes the output
+    ceil(size / stride), the extra pixel at the end."""
+    total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def _pads(padding, shape, kernel: tuple[int, int], stride: int):
+    """((top, bottom), (left, right)) of an NHWC input `shape`."""
+    if padding == "same":
+        return tuple(same_padding(shape[-3 + i], kernel[i], stride) for i in range(2))
+    return tuple(padding)
+
+
+def conv_patches(module: Conv2d, x: jax.Array) -> jax.Array:
+    """The im2col patches of `x` (..., H, W, C) under `module`'s kernel and padding:
+    (..., OH, OW, kh kw C), features ordered (kh, kw, c) as an HWIO kernel flattens."""
+    kh, kw = module.kernel.shape[:2]
+    stride = module.stride
+    (top, bottom), (left, right) = _pads(module.padding, x.shape, (kh, kw), stride)
+    lead = [(0, 0)] * (x.ndim - 3)
+    x = jnp.pad(x, [*lead, (top, bottom), (left, right), (0, 0)])
+    oh = (x.shape[-3] - kh) // stride + 1
+    ow = (x.shape[-2] - kw) // stride + 1
+    windows = [x[..., i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
+               for i in range(kh) for j in range(kw)]
+    return jnp.concatenate(windows, axis=-1)
+
+
+class Conv2d(nnx.Module):
+    """An NHWC convolution of one group: HWIO `kernel`, optional `bias`, `stride`, `padding`
+    ((top, bottom), (left, right)) or "same" (TF's, from the input's size: timm's
+    `Conv2dSame`). Book-keeping rule: patches times the kernel (`finetune.models.taps`)."""
+
+    groups = 1
+
+    def __init__(self, kernel: jax.Array, bias: jax.Array | None, *, stride: int, padding):
+        self.kernel = nnx.Param(kernel)
+        self.bias = None if bias is None else nnx.Param(bias)
+        self.stride = stride
+        self.padding = padding
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel))
+        pads = _pads(self.padding, x.shape, kernel.shape[:2], self.stride)
+        y = jax.lax.conv_general_dilated(
+            x, kernel, (self.stride, self.stride), pads,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=self.groups)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class GroupedConv2d(Conv2d):
+    """A grouped convolution (`groups` > 1; depthwise when groups = input channels): HWIO
+    kernel (kh, kw, c_in / groups, c_out), output channel o in group o // (c_out / groups).
+    Book-keeping rule: each group's patches times its block of the kernel."""
+
+    def __init__(self, kernel: jax.Array, bias: jax.Array | None, *, stride: int, padding,
+                 groups: int):
+        super().__init__(kernel, bias, stride=stride, padding=padding)
+        self.groups = groups
+
+
+def conv_from_torch(conv: Any) -> Conv2d:
+    """Our convolution with the weights of a torch `nn.Conv2d` (or timm's `Conv2dSame`);
+    ValueError for dilation, non-square strides or padding modes other than zeros."""
+    if conv.dilation != (1, 1) or conv.stride[0] != conv.stride[1]:
+        raise ValueError(f"unsupported convolution (dilation or unequal strides): {conv}")
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        raise ValueError(f"unsupported convolution padding: {conv}")
+    same = type(conv).__name__ == "Conv2dSame"  # timm pads it at call time, as TF's "same"
+    padding = "same" if same else tuple((p, p) for p in conv.padding)
+    kernel = _array(conv.weight.permute(2, 3, 1, 0))  # OIHW -> HWIO
+    bias = None if conv.bias is None else _array(conv.bias)
+    if conv.groups == 1:
+        return Conv2d(kernel, bias, stride=conv.stride[0], padding=padding)
+    return GroupedConv2d(kernel, bias, stride=conv.stride[0], padding=padding,
+                         groups=conv.groups)
+
+
+class FrozenBatchNorm(nnx.Module):
+    """BatchNorm at inference, then an activation: `mean` and `var` frozen (`nnx.BatchStat`),
+    `scale` and `bias` trained (module docstring). Statistics in at least float32."""
+
+    def __init__(self, scale: jax.Array, bias: jax.Array, mean: jax.Array, var: jax.Array, *,
+                 eps: float, activation: str = "identity"):
+        self.scale = nnx.Param(scale)
+        self.bias = nnx.Param(bias)
+        self.mean = nnx.BatchStat(mean)
+        self.var = nnx.BatchStat(var)
+        self.eps = eps
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        inverse = jax.lax.rsqrt(self.var[...].astype(wide) + self.eps)
+        y = (x.astype(wide) - self.mean[...]) * (self.scale[...] * inverse) + self.bias[...]
+        return ACTIVATIONS[self.activation](y).astype(x.dtype)
+
+
+def batchnorm_from_torch(bn: Any, activation: str | None = None) -> FrozenBatchNorm:
+    """Our `FrozenBatchNorm` from a torch `BatchNorm2d` or timm's `BatchNormAct2d` (its fused
+    activation included); ValueError without affine parameters or running statistics."""
+    if not bn.affine or bn.running_mean is None:
+        raise ValueError(f"BatchNorm needs affine parameters and running statistics: {bn}")
+    if activation is None:
+        activation = "identity"
+        if hasattr(bn, "act"):  # timm's BatchNormAct2d: norm, drop (eval: identity), act
+            if type(bn.drop).__name__ not in ("Identity", "Dropout"):
+                raise ValueError(f"unsupported BatchNormAct2d drop layer: {bn.drop}")
+            activation = activation_name(bn.act)
+    return FrozenBatchNorm(_array(bn.weight), _array(bn.bias), _array(bn.running_mean),
+                           _array(bn.running_var), eps=float(bn.eps), activation=activation)
+
+
+def linear_from_torch(linear: Any) -> nnx.Linear:
+    """An `nnx.Linear` with a torch `nn.Linear`'s weights (kernel = weight^T)."""
+    out_features, in_features = linear.weight.shape
+    layer = nnx.eval_shape(lambda: nnx.Linear(in_features, out_features,
+                                              use_bias=linear.bias is not None,
+                                              rngs=nnx.Rngs(0)))
+    layer.kernel.set_value(_array(linear.weight.T))
+    if linear.bias is not None:
+        layer.bias.set_value(_array(linear.bias))
+    return layer
+
+
+def timm_head(classifier: Any, features: int, num_classes: int | None, rngs: nnx.Rngs,
+          head_bias_init: float) -> nnx.Linear:
+    """timm's classifier as an `nnx.Linear` (num_classes None) or a new zero head."""
+    if num_classes is None:
+        if type(classifier).__name__ != "Linear":
+            raise ValueError("num_classes=None keeps timm's head, but this model has none "
+                             "(num_classes=0); pass the number of classes")
+        return linear_from_torch(classifier)
+    return zero_head(features, num_classes, head_bias_init=head_bias_init, rngs=rngs)

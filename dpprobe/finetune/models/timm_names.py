@@ -1,0 +1,68 @@
+"""The way back from our ResNet / EfficientNet to timm: every `nnx.Param` and frozen BatchNorm
+statistic of the NNX model under its timm state-dict key, in timm's layout.
+
+The NNX modules mirror timm's module names (`finetune.models.resnet`, `.efficientnet`), so a
+key is the module path joined by dots, with the head under timm's name (`fc`, `classifier`),
+a ResNet shortcut's `down_conv`/`down_bn` as `downsample.0`/`.1`, and the leaves renamed
+(kernel -> weight, HWIO -> OIHW for a convolution, (in, out) -> (out, in) for a Linear; scale ->
+weight, mean -> running_mean, var -> running_var). `load_into_timm` writes them into a timm
+model of the same architecture and requires that every timm tensor but BatchNorm's
+`num_batches_tracked` counters (unused in eval mode) is written: the inverse of
+`model_from_timm`, tested both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from dpprobe.finetune.models.efficientnet import EfficientNet
+from dpprobe.finetune.models.resnet import ResNet
+
+__all__ = ["load_into_timm", "timm_arrays"]
+
+_LEAVES = {"scale": "weight", "mean": "running_mean", "var": "running_var", "bias": "bias"}
+_MODULES = {"down_conv": "downsample.0", "down_bn": "downsample.1"}
+
+
+def timm_arrays(model: ResNet | EfficientNet) -> dict[str, np.ndarray]:
+    """timm's state-dict key -> float32 array in timm's layout, for every parameter and
+    BatchNorm statistic of `model` (ValueError for another model class)."""
+    if not isinstance(model, ResNet | EfficientNet):
+        raise ValueError(f"timm_arrays converts a ResNet or EfficientNet, got "
+                         f"{type(model).__name__}")
+    head = "fc" if isinstance(model, ResNet) else "classifier"
+    arrays = {}
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))):
+        *modules, leaf = (str(p) for p in path)
+        modules = [head if i == 0 and m == "head" else _MODULES.get(m, m)
+                   for i, m in enumerate(modules)]
+        array = np.asarray(value[...], np.float32)
+        if leaf == "kernel":
+            array = array.transpose(3, 2, 0, 1) if array.ndim == 4 else array.T
+            leaf = "weight"
+        arrays[".".join([*modules, _LEAVES.get(leaf, leaf)])] = array
+    return arrays
+
+
+def load_into_timm(model: ResNet | EfficientNet, timm_model: Any) -> None:
+    """Write `model`'s parameters and statistics into `timm_model` (same architecture and
+    classes); ValueError if a tensor is missing on either side or has another shape."""
+    import torch
+
+    arrays = timm_arrays(model)
+    state = timm_model.state_dict()
+    unknown = sorted(set(arrays) - set(state))
+    unwritten = sorted(k for k in set(state) - set(arrays)
+                       if not k.endswith("num_batches_tracked"))
+    if unknown or unwritten:
+        raise ValueError(f"the timm model's architecture differs from the NNX model's "
+                         f"(ours only: {unknown[:3]}, timm's only: {unwritten[:3]})")
+    for key, array in arrays.items():
+        if tuple(array.shape) != tuple(state[key].shape):
+            raise ValueError(f"shape mismatch copying {key} into timm: {array.shape} into "
+                             f"{tuple(state[key].shape)}")
+        state[key] = torch.from_numpy(np.array(array))  # a writable copy
+    timm_model.load_state_dict(state, strict=True)

@@ -1,0 +1,97 @@
+"""The layers of timm's convolutional families (`finetune.models.layers`) in a small model:
+a grouped convolution with several channels per group (ResNeXt's), a depthwise one with TF
+"same" padding and a frozen BatchNorm; book-keeping clipping equals per-example clipping of
+`jax.vmap(jax.grad)`'s gradients, and each layer equals its torch counterpart."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+from dpprobe import dp
+from dpprobe.finetune.models.layers import (
+    Conv2d,
+    FrozenBatchNorm,
+    GroupedConv2d,
+    batchnorm_from_torch,
+    conv_from_torch,
+)
+
+
+def _torch_conv(cin, cout, k, stride, groups, same=False, seed=0):
+    torch.manual_seed(seed)
+    if same:
+        from timm.layers import Conv2dSame
+
+        return Conv2dSame(cin, cout, k, stride=stride, groups=groups, bias=True)
+    return torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups)
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,groups,same", [
+    (4, 6, 3, 1, 2, False), (4, 6, 3, 2, 2, True), (6, 6, 5, 2, 6, True), (6, 12, 3, 1, 6, False),
+    (3, 5, 1, 1, 1, False)])
+def test_convolution_and_batchnorm_match_torch(cin, cout, k, stride, groups, same):
+    conv = _torch_conv(cin, cout, k, stride, groups, same)
+    bn = torch.nn.BatchNorm2d(cout).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.uniform_(-1, 1)
+    x = torch.randn(2, cin, 11, 11)
+    with torch.no_grad():
+        expected = bn(conv(x)).numpy().transpose(0, 2, 3, 1)
+    ours = batchnorm_from_torch(bn)(conv_from_torch(conv)(jnp.asarray(
+        x.numpy().transpose(0, 2, 3, 1))))
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+
+
+class _Small(nnx.Module):
+    def __init__(self):
+        convs = [_torch_conv(3, 4, 3, 1, 1, seed=1), _torch_conv(4, 6, 3, 2, 2, seed=2),
+                 _torch_conv(6, 6, 3, 2, 6, same=True, seed=3)]
+        self.conv1, self.conv2, self.conv3 = (conv_from_torch(c) for c in convs)
+        rng = np.random.default_rng(0)
+        self.bn = FrozenBatchNorm(*(jnp.asarray(rng.uniform(0.5, 2, 6), jnp.float32)
+                                    for _ in range(4)), eps=1e-3, activation="relu6")
+        self.head = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.conv2(jax.nn.relu(self.conv1(x))))
+        return self.head(self.bn(self.conv3(x)).mean(axis=(-3, -2)))
+
+
+def test_grouped_and_depthwise_clipping_equals_per_example_clipping():
+    model = _Small()
+    assert type(model.conv1) is Conv2d and type(model.conv2) is GroupedConv2d
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
+
+    clipper = dp.x64_jit(dp.bookkeeping_clipper(lambda m, e, x, y: loss(m(x[None]), y),
+                                                graphdef, rest, ghost=False))
+    rng = np.random.default_rng(1)
+    n = 6
+    x = jnp.asarray(rng.normal(size=(n, 9, 9, 3)).astype(np.float32))
+    y = jnp.asarray(np.arange(n) % 3)
+    grads = jax.vmap(jax.grad(lambda p, xi, yi: loss(nnx.merge(graphdef, p, rest)(xi[None]),
+                                                     yi)), in_axes=(None, 0, 0))(params, x, y)
+    rows = np.concatenate([np.asarray(g, np.float64).reshape(n, -1)
+                           for g in jax.tree.leaves(grads)], axis=1)
+    norms = np.linalg.norm(rows, axis=1)
+    clip = float(np.median(norms))
+    expected = (np.minimum(1.0, clip / norms)[:, None] * rows).sum(0)
+    result = clipper(params, (x, y), jnp.float32(clip), jnp.ones(n, jnp.float32))
+    ours = np.concatenate([np.asarray(g, np.float64).ravel()
+                           for g in jax.tree.leaves(result.grads)])
+    np.testing.assert_allclose(np.asarray(result.norms), norms, rtol=1e-5)
+    assert np.linalg.norm(ours - expected) <= 1e-5 * np.linalg.norm(expected)
+    # The running statistics are not trained: they are not in the clipped sum's parameters.
+    assert not any("mean" in str(path) or "var" in str(path)
+                   for path, _ in nnx.to_flat_state(params))
