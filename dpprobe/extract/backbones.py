@@ -6,7 +6,9 @@ Mehta et al. (2023) (384 -> 256). Weights come from the hub, a local file (`.saf
 `.pth`, through timm's `pretrained_cfg_overlay`), or a seeded random init (tests).
 
 `scatternet` is kymatio's Scattering2D with J=2, L=8 (Tramer & Boneh 2021): no weights at all,
-so the pipeline runs fully offline. Images keep their channels (grayscale stays 1 channel).
+so the pipeline runs fully offline. On the CPU it runs as one XLA program
+(`scattering_xla`: kymatio's numbers within float32 rounding); on an accelerator, kymatio's
+module. Images keep their channels (grayscale stays 1 channel).
 """
 
 from __future__ import annotations

@@ -148,6 +148,15 @@ def _scatter(images, psi, lowpass, *, pad, J: int):
     return jnp.concatenate(orders[0] + orders[1], axis=1)
 
 
+@functools.cache
+def _program(pad: tuple, J: int):
+    """One jitted program per (padding, J): modules built again for the same image size (a
+    predict after an extract, in one process) reuse its compiled code."""
+    import jax
+
+    return jax.jit(functools.partial(_scatter, pad=pad, J=J))
+
+
 class ScatteringXLA(torch.nn.Module):
     """kymatio's `Scattering2D(J, shape, L)` (max_order 2, array output) on the CPU, as one
     XLA program: (..., M, N) float32 tensors -> (..., K, M / 2^J, N / 2^J), K = 1 + J L +
@@ -179,7 +188,7 @@ class ScatteringXLA(torch.nn.Module):
         per_image = 8 * L * L * half[0] * half[1] * 3  # complex64 second order, a few copies
         self.block = int(max(1, min(MAX_BLOCK, 2 ** int(np.log2(max(1, BLOCK_BYTES
                                                                       // per_image))))))
-        self._program = jax.jit(functools.partial(_scatter, pad=self.pad, J=self.J))
+        self._program = _program(self.pad, self.J)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., M, N) -> (..., K, h, w), as kymatio's module."""
