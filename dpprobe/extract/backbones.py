@@ -6,7 +6,9 @@ Mehta et al. (2023) (384 -> 256). Weights come from the hub, a local file (`.saf
 `.pth`, through timm's `pretrained_cfg_overlay`), or a seeded random init (tests).
 
 `scatternet` is kymatio's Scattering2D with J=2, L=8 (Tramer & Boneh 2021): no weights at all,
-so the pipeline runs fully offline. Images keep their channels (grayscale stays 1 channel).
+so the pipeline runs fully offline. On the CPU it runs as one XLA program
+(`scattering_xla`: kymatio's numbers within float32 rounding); on an accelerator, kymatio's
+module. Images keep their channels (grayscale stays 1 channel).
 """
 
 from __future__ import annotations
@@ -261,6 +263,20 @@ class Scattering(torch.nn.Module):
         return self.scattering(x)
 
 
+def _scattering_module(shape: tuple[int, int], J: int, L: int,
+                       device: torch.device) -> torch.nn.Module:
+    """The ScatterNet for images of `shape` on `device`: on the CPU the compiled XLA program
+    (`scattering_xla`, kymatio's numbers within float32 rounding, several times faster), on
+    an accelerator (and for images so small that kymatio pads them by a special case)
+    kymatio's own module."""
+    from dpprobe.extract.scattering_xla import ScatteringXLA, padding
+
+    fits = all(max(pad) < side for pad, side in zip(padding(shape, J), shape, strict=True))
+    if device.type == "cpu" and fits and 2 ** J <= min(shape):
+        return ScatteringXLA(shape, J, L)
+    return Scattering(shape, J, L).to(device)
+
+
 def _scatternet(device, *, resize=None, crop=None, mode=None, J: int = 2, L: int = 8) -> Backbone:
     import kymatio
     import torchvision.transforms.functional as TF
@@ -280,12 +296,12 @@ def _scatternet(device, *, resize=None, crop=None, mode=None, J: int = 2, L: int
 
         def __init__(self):
             super().__init__()
-            self.inner = None
+            self.inner, self.shape = None, None
 
         def forward(self, x):
             shape = tuple(x.shape[-2:])
-            if self.inner is None or self.inner.scattering.shape != shape:
-                self.inner = Scattering(shape, J, L).to(x.device)
+            if self.inner is None or self.shape != shape:
+                self.inner, self.shape = _scattering_module(shape, J, L, x.device), shape
             return self.inner(x)
 
     module = _Lazy().to(device)

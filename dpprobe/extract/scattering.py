@@ -17,7 +17,8 @@ products with the DFT's cosine and sine matrices (float32, built in float64; not
 dict), so the graph holds only real matrix products: the same model exports in 9.6 s to a 1.4
 MB file that onnxruntime runs at 441 images/s. Eager torch on a CPU is not faster batched
 (256 images at 28 px: kymatio 0.34 s, batched FFTs 0.43 s, matrix DFTs 0.64 s; kymatio's small
-per-path temporaries stay in cache), so extraction and `torch` exports keep kymatio's module.
+per-path temporaries stay in cache), so `torch` exports keep kymatio's module; CPU extraction
+runs `scattering_xla` (one XLA program, several times faster than either).
 
 `dft="fft"` is kymatio's arithmetic: the same products, Fourier periodization as means in the
 same order, `torch.fft` of the same sizes, and kymatio's output order (order 0, then order 1 in
