@@ -56,12 +56,19 @@ def test_hf_folder_gives_both_splits_with_images_labels_and_class_names(hf_folde
     assert splits["train"].fingerprint != splits["test"].fingerprint
 
 
+def _rgb(images: np.ndarray) -> np.ndarray:
+    """Grayscale images (N, H, W) as PIL converts them to RGB: the value in each channel."""
+    return np.repeat(images[..., None], 3, axis=-1)
+
+
 def test_hf_store_equals_the_npz_store_of_the_same_images(hf_folder, tmp_path):
     path, train, test = hf_folder
     assert cli.main(["extract", "--backbone", "scatternet", "--data", f"hf:{path}", "--out",
                      str(tmp_path / "hf.zarr"), "--quiet"]) == 0
     for name, (images, labels) in (("train", train), ("test", test)):
-        np.savez(tmp_path / f"{name}.npz", images=images, labels=labels,
+        # Rows of an image column are read as RGB (as torchvision's ImageFolder reads files);
+        # an array keeps its channels: the npz holds the same images as RGB.
+        np.savez(tmp_path / f"{name}.npz", images=_rgb(images), labels=labels,
                  class_names=np.array(CLASSES))
         assert cli.main(["extract", "--backbone", "scatternet", "--data",
                          f"npz:{tmp_path / f'{name}.npz'}", "--split", name, "--out",
@@ -133,7 +140,9 @@ def test_python_extract_api_takes_a_torch_dataset(rng, tmp_path):
     (report,) = run_extract(backbone="scatternet", data=Pairs(), out=str(tmp_path / "t.zarr"),
                             progress=False)
     assert report.complete and report.split == "train"
-    np.savez(tmp_path / "a.npz", images=images, labels=labels, class_names=np.array(CLASSES))
+    # A dataset is read image by image, as RGB (`extract.image_mode_of`): the npz holds RGB.
+    np.savez(tmp_path / "a.npz", images=_rgb(images), labels=labels,
+             class_names=np.array(CLASSES))
     run_extract(backbone="scatternet", data=f"npz:{tmp_path / 'a.npz'}",
                 out=str(tmp_path / "n.zarr"), progress=False)
     a, b = (extract.load_split(str(tmp_path / s), "train") for s in ("t.zarr", "n.zarr"))

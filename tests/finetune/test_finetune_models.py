@@ -298,7 +298,7 @@ def test_create_model_names_and_errors():
     assert set(fm.MODEL_NAMES) >= {"cnn", "wrn16_4"}
     with pytest.raises(ValueError, match=r"unknown model 'nope'.*'cnn'.*'wrn16_4'"):
         fm.create_model("nope", 10, image_size=32, in_channels=3, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="not a timm VisionTransformer"):
+    with pytest.raises(ValueError, match="deep-stem ResNets .* are not supported"):
         fm.create_model("resnet10t", 10, image_size=32, in_channels=3, rngs=nnx.Rngs(0))
 
 
