@@ -47,9 +47,17 @@ class DPLinearProbe(ClassifierMixin, BaseEstimator):
         off `y` (the set of labels present is a statistic of the private data).
       num_classes: C instead of `classes`: `y` holds 0..C-1. Fit on a store, both default to
         the store's declared class list.
-      optimizer, steps, lr, loss, clip_norm, accountant, normalize, groups, bias_init,
-        sampling_probability, physical_batch_size: as `dpprobe probe --help` explains them
-        (`steps` and `lr` one value each).
+      optimizer: as `dpprobe probe --optimizer`.
+      steps: T, one value (`--steps`).
+      lr: the learning rate, one value (`--lr`).
+      loss: as `--loss`.
+      clip_norm: C, as `--clip-norm`.
+      accountant: as `--accountant`.
+      normalize: as `--normalize`.
+      groups: as `--groups`.
+      bias_init: as `--bias-init`.
+      sampling_probability: as `--sampling-probability`.
+      physical_batch_size: as `--physical-batch-size` (memory only).
       quiet: no recipe line and no progress bar on stderr.
 
     Attributes (after `fit`):
