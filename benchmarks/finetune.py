@@ -130,8 +130,10 @@ def _torch_model(name, side, channels):
         return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)
     if name == "wrn16_4":
         return torch_models.TorchWRN(CLASSES, depth=16, width=4, in_channels=channels)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=CLASSES,
-                             img_size=side, in_chans=channels)
+    # "vit" is the table's ViT-tiny; a timm ViT name (gpu.py's ViT-B/16) is built as named
+    timm_name = name if name.startswith(("vit_", "deit")) else "vit_tiny_patch16_224"
+    return timm.create_model(timm_name, pretrained=False, num_classes=CLASSES, img_size=side,
+                             in_chans=channels)
 
 
 def opacus_and_torch(name, side, channels, p, steps, repeats):

@@ -140,10 +140,12 @@ def train_probe_in_memory(data, sigmas, optimizer: str, steps: int, lr: float,
 
 
 def opacus_runs(data, runs, optimizer: str, steps: int, lr: float,
-                mode: str) -> tuple[float, list]:
+                mode: str, device: str = "cpu") -> tuple[float, list]:
     """Each run: a fresh zero-init nn.Linear made private by Opacus, full batch (Poisson sampling
     with q = 1, Opacus's DP data loader), in `grad_sample_mode` `mode` ("hooks": per-sample
-    gradients; "ghost": ghost clipping, whose criterion wrapper runs two backward passes)."""
+    gradients; "ghost": ghost clipping, whose criterion wrapper runs two backward passes), on
+    torch device `device` (the loader's batches are copied there, as a real loader's are; the
+    clock waits for a GPU)."""
     import warnings
 
     import torch
@@ -157,7 +159,7 @@ def opacus_runs(data, runs, optimizer: str, steps: int, lr: float,
     accuracies = []
     start = time.perf_counter()
     for sigma in runs:
-        model = torch.nn.Linear(x.shape[1], int(y.max()) + 1)
+        model = torch.nn.Linear(x.shape[1], int(y.max()) + 1).to(device)
         torch.nn.init.zeros_(model.weight)
         torch.nn.init.zeros_(model.bias)
         if optimizer == "adam":
@@ -178,6 +180,7 @@ def opacus_runs(data, runs, optimizer: str, steps: int, lr: float,
         done = 0
         while done < steps:
             for xb, yb in loader:  # sample rate 1: every example, one batch per epoch
+                xb, yb = xb.to(device), yb.to(device)
                 opt.zero_grad()
                 criterion(model(xb), yb).backward()
                 opt.step()
@@ -185,7 +188,8 @@ def opacus_runs(data, runs, optimizer: str, steps: int, lr: float,
                 if done == steps:
                     break
         with torch.no_grad():
-            accuracies.append(float((model(xt).argmax(1) == yt).float().mean()))
+            predicted = model(xt.to(device)).argmax(1).cpu()
+            accuracies.append(float((predicted == yt).float().mean()))
     return time.perf_counter() - start, accuracies
 
 
