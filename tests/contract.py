@@ -349,6 +349,8 @@ class ModelFamilyContract:
     timm_name = ""
     image_size = 32
     examples = 5
+    timm_kwargs: dict = {}  # more `timm.create_model` arguments (a tiny config of the family)
+    perturb_std = 0.0  # Gaussian noise added to every timm parameter (zero-initialized tables)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -361,8 +363,11 @@ class ModelFamilyContract:
 
         torch.manual_seed(0)
         timm_model = timm.create_model(cls.timm_name, pretrained=False,
-                                       num_classes=NUM_CLASSES).eval()
+                                       num_classes=NUM_CLASSES, **cls.timm_kwargs).eval()
         randomize_batchnorm(timm_model, 1)
+        with torch.no_grad():
+            for param in timm_model.parameters():
+                param.add_(cls.perturb_std * torch.randn_like(param))
         model = model_from_timm(timm_model, None, rngs=nnx.Rngs(0))
         rng = np.random.default_rng(2)
         images = rng.normal(size=(cls.examples, 3, cls.image_size, cls.image_size))

@@ -127,3 +127,27 @@ class TestEfficientNetLite0(ModelFamilyContract):
 
     timm_name = "tf_efficientnet_lite0"
     image_size = 33  # odd: the asymmetric "same" padding of its strided convolutions
+
+
+# A tiny BEiT through timm's Beit class (the registry name's constructor, its size overridden).
+_TINY_BEIT = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2}
+
+
+class TestBeit(ModelFamilyContract):
+    """timm's beit_base_patch16_224 family, tiny: relative position tables per block, layer
+    scale, q/v biases without a k bias, mean pooling and fc_norm; every parameter perturbed
+    (timm zero-initializes the tables and biases)."""
+
+    timm_name = "beit_base_patch16_224"
+    timm_kwargs = _TINY_BEIT
+    perturb_std = 0.05
+
+
+class TestBeitSharedTable(ModelFamilyContract):
+    """A BEiT with one relative position table shared by all blocks, an absolute position
+    embedding and class-token pooling (timm's `use_shared_rel_pos_bias`)."""
+
+    timm_name = "beit_base_patch16_224"
+    timm_kwargs = _TINY_BEIT | {"use_rel_pos_bias": False, "use_shared_rel_pos_bias": True,
+                                "use_abs_pos_emb": True, "global_pool": "token"}
+    perturb_std = 0.05

@@ -4,12 +4,12 @@
   * "head": the classifier only, the model's `head` (an `nnx.Linear`): DP linear probing of
     the model's own features, trained end to end;
   * "bias": every bias and normalization offset (params named `bias`: Linear, Conv, WSConv,
-    PatchEmbed, LayerNorm, GroupNorm) and the head: DP-BiTFiT (Bu et al. 2022,
-    "Differentially Private Bias-Term only Fine-tuning of Foundation Models",
+    PatchEmbed, LayerNorm, GroupNorm; BEiT's `q_bias` and `v_bias`) and the head: DP-BiTFiT
+    (Bu et al. 2022, "Differentially Private Bias-Term only Fine-tuning of Foundation Models",
     https://arxiv.org/abs/2210.00036);
   * "lora": low-rank adapters W + A B (A (d_in, r), B (r, d_out), B = 0 at the start: the
-    model starts as it was) on a ViT's attention and MLP dense layers (qkv, proj, fc1, fc2)
-    through Flax's `nnx.LoRA` (its `LoRAParam`s), and the head (Hu et al. 2021, "LoRA",
+    model starts as it was) on a ViT's (or BEiT's) attention and MLP dense layers (qkv, proj,
+    fc1, fc2) through Flax's `nnx.LoRA` (its `LoRAParam`s), and the head (Hu et al. 2021, "LoRA",
     https://arxiv.org/abs/2106.09685; under DP: Yu et al. 2021,
     https://arxiv.org/abs/2110.06500).
 
@@ -59,7 +59,8 @@ def _in_head(path: tuple, _value) -> bool:
 
 
 def _bias(path: tuple, _value) -> bool:
-    return bool(path) and path[-1] == "bias"
+    # `bias`, and BEiT's attention biases `q_bias` / `v_bias`
+    return bool(path) and str(path[-1]) in ("bias", "q_bias", "v_bias")
 
 
 def trained_filter(mode: str):
@@ -81,14 +82,14 @@ def count_params(tree: Any) -> int:
 
 
 def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs) -> nnx.Module:
-    """`model` with each ViT block's qkv, proj, fc1 and fc2 wrapped in `nnx.LoRA(d_in, rank,
-    d_out, base_module=layer)` (A he-uniform from `rngs`, B = 0: the same function as before);
-    modified in place and returned. Raises ValueError (one line) for a model without ViT
-    blocks: LoRA here adapts pretrained attention and MLP layers, which the CNNs trained from
-    scratch lack."""
-    from dpprobe.finetune.models import VisionTransformer
+    """`model` with each ViT (or BEiT) block's qkv, proj, fc1 and fc2 wrapped in
+    `nnx.LoRA(d_in, rank, d_out, base_module=layer)` (A he-uniform from `rngs`, B = 0: the
+    same function as before); modified in place and returned. Raises ValueError (one line)
+    for a model without ViT or BEiT blocks: LoRA here adapts pretrained attention and MLP
+    layers, which the CNNs trained from scratch lack."""
+    from dpprobe.finetune.models import Beit, VisionTransformer
 
-    if not isinstance(model, VisionTransformer):
+    if not isinstance(model, VisionTransformer | Beit):
         raise ValueError(f"`train='lora'` adapts a ViT's attention and MLP layers; "
                          f"{type(model).__name__} has none: train all, head or bias")
     if not (isinstance(rank, int) and rank >= 1):

@@ -1,6 +1,6 @@
 """Fine-tuned networks (`finetune.models`: cnn, cnn_cifar, wrn16_4, the ScatterNet models, timm
-ViTs, ResNets and EfficientNets) in a model file: their parameters keyed by module path (and a
-frozen BatchNorm's running statistics, the pretrained public constants, under `stats/`), the
+ViTs, BEiTs, ResNets and EfficientNets) in a model file: their parameters keyed by module path
+(and a frozen BatchNorm's running statistics, the pretrained public constants, under `stats/`), the
 architecture to rebuild them, and the image transforms training used (resize, crop, channels,
 [0, 1] scaling, per-channel mean and std).
 
@@ -37,12 +37,15 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                      resize: int | None, crop: int | None, rgb: bool, mean, std,
                      timm_architecture: str | None) -> dict:
     """The architecture and transforms of a fine-tuned model (public inputs only)."""
-    from dpprobe.finetune.models import EfficientNet, ResNet, VisionTransformer
+    from dpprobe.finetune.models import Beit, EfficientNet, ResNet, VisionTransformer
 
     architecture = {"name": name, "num_classes": num_classes, "image_size": image_size,
                     "in_channels": channels}
     if isinstance(model, VisionTransformer):
         architecture |= {"family": "vit", "vit_config": dataclasses.asdict(model.config),
+                         "timm_architecture": timm_architecture}
+    elif isinstance(model, Beit):
+        architecture |= {"family": "beit", "beit_config": dataclasses.asdict(model.config),
                          "timm_architecture": timm_architecture}
     elif isinstance(model, ResNet | EfficientNet):
         architecture |= {"family": TIMM_CNN, "timm_architecture": timm_architecture}
@@ -90,6 +93,10 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
         config = models.ViTConfig(**config)
         model = nnx.eval_shape(lambda: models.VisionTransformer(config, classes,
                                                                 rngs=nnx.Rngs(0)))
+    elif arch["family"] == "beit":
+        beit = models.BeitConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                    for k, v in arch["beit_config"].items()})
+        model = nnx.eval_shape(lambda: models.Beit(beit, classes, rngs=nnx.Rngs(0)))
     elif arch["family"] == TIMM_CNN:  # timm's module tree at random init, every value then set
         model = _timm_cnn(arch["timm_architecture"], classes, channels)
     elif arch["family"] in SCATTERNET_FAMILIES and arch.get("scatternet") != _scatternet():

@@ -7,7 +7,8 @@ returns the logits: a probe on features is its backbone (timm's module or Scatte
 mean/std normalization, the per-example normalization and the linear head; a fine-tuned network
 is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
 wrn16_4 and the ScatterNet models; timm's own VisionTransformer, filled by
-`finetune.models.timm_weights.copy_to_timm`; timm's own ResNet or EfficientNet, filled by
+`finetune.models.timm_weights.copy_to_timm`, or Beit, filled by
+`finetune.models.beit_weights.load_beit_into_timm`; timm's own ResNet or EfficientNet, filled by
 `finetune.models.timm_names.load_into_timm`, in eval mode: its BatchNorm frozen as trained).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
@@ -103,7 +104,7 @@ def _linear_to_torch(model) -> torch.nn.Module:
 def _network_to_torch(model) -> torch.nn.Module:
     arch = model.document["architecture"]
     normalize = model.document["transforms"][3]
-    if arch["family"] == "vit":
+    if arch["family"] in ("vit", "beit"):
         net = _timm_vit(model)
     elif arch["family"] == "timm_cnn":
         net = _timm_cnn(model)
@@ -113,9 +114,10 @@ def _network_to_torch(model) -> torch.nn.Module:
 
 
 def _timm_vit(model):
-    """timm's VisionTransformer holding the fine-tuned weights."""
+    """timm's VisionTransformer (or Beit) holding the fine-tuned weights."""
     import timm
 
+    from dpprobe.finetune.models.beit_weights import load_beit_into_timm
     from dpprobe.finetune.models.timm_weights import copy_to_timm
 
     arch = model.document["architecture"]
@@ -124,7 +126,14 @@ def _timm_vit(model):
     timm_model = timm.create_model(arch["timm_architecture"], pretrained=False,
                                    num_classes=arch["num_classes"], img_size=arch["image_size"],
                                    in_chans=arch["in_channels"])
-    copy_to_timm(model._network, timm_model)
+    if arch["family"] == "beit":
+        load_beit_into_timm(model._network, timm_model)
+        # The same attention without torch's fused kernel: the ONNX exporter cannot decompose
+        # the fused one's output reshape (torch 2.x: "Cannot view a tensor with shape").
+        for block in timm_model.blocks:
+            block.attn.fused_attn = False
+    else:
+        copy_to_timm(model._network, timm_model)
     return timm_model.eval()
 
 
@@ -142,19 +151,19 @@ def _timm_cnn(model):
 
 
 def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """A fine-tuned timm ViT, ResNet or EfficientNet as timm's state dict, and the
+    """A fine-tuned timm ViT, BEiT, ResNet or EfficientNet as timm's state dict, and the
     `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
     family = model.document["architecture"]["family"] if model.kind == "network" else None
-    if family not in ("vit", "timm_cnn"):
-        raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, ResNet or "
-                         f"EfficientNet; this is a {_describe(model)} (use `format=torch` or "
-                         f"`format=onnx`)")
+    if family not in ("vit", "beit", "timm_cnn"):
+        raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, BEiT, "
+                         f"ResNet or EfficientNet; this is a {_describe(model)} (use "
+                         f"`format=torch` or `format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],
               "in_chans": arch["in_channels"]}
-    if family == "vit":
+    if family in ("vit", "beit"):
         kwargs["img_size"] = arch["image_size"]
-    net = _timm_vit(model) if family == "vit" else _timm_cnn(model)
+    net = _timm_vit(model) if family in ("vit", "beit") else _timm_cnn(model)
     state = {k: v.detach().clone().contiguous() for k, v in net.state_dict().items()}
     return state, kwargs
 

@@ -146,7 +146,8 @@ def test_timm_format_is_refused_for_a_probe(digits_store, tmp_path, capsys):
     assert cli.main(["export", "--model", str(tmp_path / "eps8.safetensors"), "--format",
                      "timm", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "exports a fine-tuned timm ViT, ResNet or EfficientNet; this is a linear probe" in err
+    assert ("exports a fine-tuned timm ViT, BEiT, ResNet or EfficientNet; this is a linear "
+            "probe") in err
     assert len(err.splitlines()) == 1 and not out.exists()
 
 
@@ -182,3 +183,24 @@ def test_finetuned_timm_cnn_round_trips_through_the_model_file_and_timm(name, tm
     with torch.no_grad():
         theirs = loaded.eval()(x).numpy()
     assert np.abs(theirs - dpmodel.load_model(path).logits(images)).max() <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "tf_efficientnet_lite0"])
+def test_finetuned_timm_cnn_exports_to_onnx(name, tmp_path):
+    """`--format onnx` of a fine-tuned ResNet / EfficientNet-Lite (BatchNorm frozen at random
+    statistics, every parameter perturbed) runs in onnxruntime and gives dpprobe's logits
+    within 1e-4: the frozen statistics are constants of the exported graph."""
+    import timm
+
+    from tests.contract import randomize_batchnorm
+
+    torch.manual_seed(1)
+    source = timm.create_model(name, pretrained=False, num_classes=len(CLASSES)).eval()
+    randomize_batchnorm(source, 4)
+    model = fm.model_from_timm(source, len(CLASSES), rngs=nnx.Rngs(0))
+    perturb_nnx(model, 0.01)
+    path = network_file(tmp_path / "m.safetensors", model, name=name, side=32, channels=3,
+                        mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), rgb=True,
+                        timm_architecture=name)
+    _compare(path, uint8_images(3, 32, 3), tmp_path, formats=("onnx",))

@@ -9,14 +9,17 @@ contract).
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
     2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
     fixed ScatterNet), "scatternet_cnn_linear" (that CNN and a linear model on the ScatterNet,
-    one head), or a timm ViT, ResNet or EfficientNet name at random init;
-  * `model_from_timm(timm_model, ...)`: a timm VisionTransformer (`vit_from_timm`), ResNet
+    one head), or a timm ViT, BEiT, ResNet or EfficientNet name at random init;
+  * `model_from_timm(timm_model, ...)`: a timm VisionTransformer (`vit_from_timm`), Beit
+    (`beit_from_timm`), ResNet
     (`resnet_from_timm`) or EfficientNet (`efficientnet_from_timm`), pretrained or not, as
     NNX, BatchNorm frozen (`FrozenBatchNorm`);
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
 
 from dpprobe.finetune.models import taps as _taps  # noqa: F401 - registers the book-keeping rules
+from dpprobe.finetune.models.beit import Beit, BeitConfig
+from dpprobe.finetune.models.beit_weights import beit_from_timm
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
 from dpprobe.finetune.models.efficientnet import EfficientNet, efficientnet_from_timm
@@ -35,6 +38,9 @@ from dpprobe.finetune.models.wrn import WideResNet, WSConv, standardize_weight
 
 __all__ = [
     "BATCHNORM_MESSAGE",
+    "Beit",
+    "BeitConfig",
+    "beit_from_timm",
     "MODEL_NAMES",
     "TIMM_FAMILIES",
     "CifarCNN",
