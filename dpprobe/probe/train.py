@@ -172,13 +172,19 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
         data = (feats, onehot, mask * padding)
     total = int(arrays.steps.max())
     with step_bar(total, progress, "probe steps") as bar:
+        # What the bar's heartbeat names while a call runs long: the first call of each
+        # program compiles it (a cached program's one-step call returns in well under the
+        # heartbeat's interval, so only a compile shows this note).
+        bar.wait_for("compiling the first step")
         state = _first_step(*data, arrays, spec=spec)
         bar.update(1)
+        bar.wait_for("compiling the steps")
         if total > 1:
             rows = _prepare(*data)
             del data  # the float16 or float32 copy: `rows` holds what the steps read
         for start, stop in step_blocks(total, bar):
             state = _more_steps(state, start, stop, rows, arrays, spec=spec)
+            bar.wait_for(f"steps {start + 1}-{stop}")  # named after this block's compile
             if not bar.disable:  # the bar counts computed steps, not dispatched ones
                 jax.block_until_ready(state)
         return result(state, arrays)
