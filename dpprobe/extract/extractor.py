@@ -12,6 +12,7 @@ Augmented views (`views=K`, `augment=("flip", "crop")`) are a pure function of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -273,7 +274,8 @@ def extract_split(
                                   augment=augment, seed=augment_seed)
     except BaseException as err:
         if isinstance(err, Exception):  # a record or the backbone failed, not an interrupt
-            mark_failed(writer.group, err)
+            with contextlib.suppress(Exception):  # the error itself matters more than its mark
+                mark_failed(writer.group, err)
         writer.abandon()  # removes a split it created only if no chunk of it is finished
         raise
     writer.close()
