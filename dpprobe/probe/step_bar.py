@@ -4,8 +4,9 @@ A sweep's steps run in a few compiled calls, and the first call of each program 
 (36 s for the default sweep on 60,000 x 3,969 features, 2 loaded cores); a streamed step reads
 the whole store. The bar itself only moves when a call returns, so a timer thread says what
 the job waits for and for how long ("compiling the steps, 12 s") whenever the bar has not
-moved for `HEARTBEAT_SECONDS`. What it prints is public: the wait's name and the wall time
-(the same as the bar's own elapsed time).
+moved for `HEARTBEAT_SECONDS`. It adds nothing of another kind to what the bar shows: the
+wait's name (public: which phase of the code runs) and seconds of wall time, as the bar's own
+elapsed time and rate already show.
 """
 
 from __future__ import annotations
