@@ -1,12 +1,12 @@
 """The probe's progress bar over steps, which never stays silent through a long wait.
 
 A sweep's steps run in a few compiled calls, and the first call of each program compiles it
-(36 s for the default sweep on 60,000 x 3,969 features, 2 loaded cores); a streamed step reads
-the whole store. The bar itself only moves when a call returns, so a timer thread says what
-the job waits for and for how long ("compiling the steps, 12 s") whenever the bar has not
-moved for `HEARTBEAT_SECONDS`. It adds nothing of another kind to what the bar shows: the
-wait's name (public: which phase of the code runs) and seconds of wall time, as the bar's own
-elapsed time and rate already show.
+(36 s was measured for the default sweep on 60,000 x 3,969 features, 2 cores at load 10); a
+streamed step reads the whole store. The bar itself only moves when a call returns, so a timer
+thread says what the job waits for and for how long ("compiling the steps, 12 s") whenever the
+bar has not moved for `HEARTBEAT_SECONDS`. It adds nothing of another kind to what the bar
+shows: the wait's name (public: which phase of the code runs) and seconds of wall time, as
+the bar's own elapsed time and rate already show.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 __all__ = ["HEARTBEAT_SECONDS", "StepBar", "step_bar"]
 
 # Longest silence of a shown bar: the timer refreshes it after this many seconds without a
-# step (issue 49 asks that stderr move at least every ~10 s).
+# step, so that stderr moves at least every few seconds through any wait.
 HEARTBEAT_SECONDS = 3.0
 
 
