@@ -1,25 +1,33 @@
 """Names of a package imported on first use (PEP 562), so that importing the package loads no
-JAX: the command line imports `probe` and `finetune` to build its options."""
+JAX: the command line imports `probe` and `finetune` to build its options.
+
+Called, such a package runs its job: `dpprobe.probe(...)` is `dpprobe.jobs.probe` (installed by
+`dpprobe/__init__.py`; the package never imports its job, which imports `pipelines`).
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 
-def lazy_names(package: str, table: dict[str, str]) -> tuple[Callable, Callable]:
+def lazy_names(package: str, names: Mapping[str, Iterable[str]],
+               submodules: Iterable[str] = ()) -> tuple[Callable, Callable]:
     """The package's `__getattr__` and `__dir__`.
 
     Args:
       package: the package's `__name__` (already in `sys.modules` while its `__init__` runs).
-      table: each public name -> the module that defines it (a submodule's own name -> itself).
+      names: each submodule (its name inside `package`) -> the public names it defines.
+      submodules: submodules that are public names themselves (`finetune.models`).
 
     Returns:
       (`__getattr__`, `__dir__`): a name is imported from its module on first use, then kept
       in the package's namespace.
     """
     namespace = vars(sys.modules[package])
+    table = {name: f"{package}.{module}" for module, listed in names.items() for name in listed}
+    table.update({module: f"{package}.{module}" for module in submodules})
 
     def __getattr__(name: str):
         if name not in table:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import numpy as np
 from scipy import stats
@@ -121,6 +122,21 @@ class OneRunAudit:
     included: int
     confidence: float
     delta: float
+
+    # What a kind of audit writes beside its fields in results.json: properties computed from
+    # them (`DERIVED`, by name) and what it says of itself (`DESCRIPTION`: its canary, its
+    # score). One `to_dict` serves every kind.
+    DERIVED: ClassVar[tuple[str, ...]] = ()
+    DESCRIPTION: ClassVar[dict] = {}
+
+    def to_dict(self) -> dict:
+        """The audit for results.json.
+
+        Returns:
+          every field, then the `DERIVED` properties, then the `DESCRIPTION`.
+        """
+        return (dataclasses.asdict(self) | {name: getattr(self, name) for name in self.DERIVED}
+                | self.DESCRIPTION)
 
 
 def _upper_rate(count, total: int, significance: float):

@@ -298,25 +298,33 @@ class GradientCanaryAudit(OneRunAudit):
     accountant: str
     estimate_accountant: str
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {
-            "kind": "gradient",
-            "ratio_lower": self.epsilon_lower / self.claimed_epsilon,
-            "ratio_estimate": self.epsilon_estimate / self.claimed_epsilon,
-            "canary": "Dirac gradient canaries of norm far above C on distinct coordinates of "
-                      "the model's own trained parameters (every parameter array gets its "
-                      "share), each a training record with probability 1/2, else a null "
-                      "record (zero-out neighbours); sampled, clipped, summed and noised by "
-                      "the trainer with the real examples",
-            "score": "log-likelihood ratio of each step's privatized sum at the canary's "
-                     "coordinate (white box; the real examples' gradient there is part of "
-                     "the noise), the noise std per parameter array, summed over the run",
-            "model_is_audit_artefact": True,
-            "epsilon_lower_method": "Steinke, Nasr & Jagielski 2023 one-run bound: rigorous",
-            "epsilon_estimate_method": "an estimate, not a bound: the epsilon of the "
-                                       "Poisson-subsampled Gaussian fitted to the canaries' "
-                                       "per-step projections (Andrew et al. 2024 in spirit)",
-        }
+    DERIVED = ("ratio_lower", "ratio_estimate")
+    DESCRIPTION = {
+        "kind": "gradient",
+        "canary": "Dirac gradient canaries of norm far above C on distinct coordinates of "
+                  "the model's own trained parameters (every parameter array gets its "
+                  "share), each a training record with probability 1/2, else a null "
+                  "record (zero-out neighbours); sampled, clipped, summed and noised by "
+                  "the trainer with the real examples",
+        "score": "log-likelihood ratio of each step's privatized sum at the canary's "
+                 "coordinate (white box; the real examples' gradient there is part of "
+                 "the noise), the noise std per parameter array, summed over the run",
+        "model_is_audit_artefact": True,
+        "epsilon_lower_method": "Steinke, Nasr & Jagielski 2023 one-run bound: rigorous",
+        "epsilon_estimate_method": "an estimate, not a bound: the epsilon of the "
+                                   "Poisson-subsampled Gaussian fitted to the canaries' "
+                                   "per-step projections (Andrew et al. 2024 in spirit)",
+    }
+
+    @property
+    def ratio_lower(self) -> float:
+        """epsilon_lower / claimed_epsilon."""
+        return self.epsilon_lower / self.claimed_epsilon
+
+    @property
+    def ratio_estimate(self) -> float:
+        """epsilon_estimate / claimed_epsilon."""
+        return self.epsilon_estimate / self.claimed_epsilon
 
 
 def audit_gradient_canaries(projections: np.ndarray, canaries: GradientCanaries, plan: DpPlan,

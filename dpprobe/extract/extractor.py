@@ -12,6 +12,7 @@ Augmented views (`views=K`, `augment=("flip", "crop")`) are a pure function of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 from dpprobe.extract.backbones import Backbone, input_mismatch
 from dpprobe.extract.data_check import check_one_size
 from dpprobe.extract.sources import ImageSplit, PrecomputedSplit
-from dpprobe.extract.store import shard_chunks
+from dpprobe.extract.store import mark_failed, shard_chunks
 from dpprobe.extract.writer import SplitWriter
 
 __all__ = ["AUGMENTATIONS", "ExtractReport", "augment_image", "embed_images", "extract_split"]
@@ -271,7 +272,10 @@ def extract_split(
                                   batch_size=batch_size, num_workers=num_workers, amp=amp,
                                   channels_last=channels_last, compile=compile, views=views,
                                   augment=augment, seed=augment_seed)
-    except BaseException:
+    except BaseException as err:
+        if isinstance(err, Exception):  # a record or the backbone failed, not an interrupt
+            with contextlib.suppress(Exception):  # the error itself matters more than its mark
+                mark_failed(writer.group, err)
         writer.abandon()  # removes a split it created only if no chunk of it is finished
         raise
     writer.close()

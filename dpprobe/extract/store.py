@@ -68,6 +68,8 @@ __all__ = [
     "check_chunk_files",
     "check_out_path",
     "choose_rows_per_chunk",
+    "failed_split",
+    "mark_failed",
     "chunk_checksum",
     "identity_differences",
     "jsonable",
@@ -277,6 +279,34 @@ def _is_fill_chunk(group: zarr.Group, store: StorePath, split: str, sums: np.nda
     except Exception:  # noqa: BLE001 - an unreadable chunk is not a fill chunk
         return False
     return bytes(sums[chunk]) == chunk_checksum(block, labels)
+
+
+def mark_failed(group: zarr.Group, error: BaseException) -> None:
+    """Record on a split that is not complete that its extraction raised `error` (its type
+    only: a message may name a record), so that a corrected rerun may replace it
+    (`failed_split`).
+
+    Args:
+      group: the split's Zarr group (open for writing).
+      error: what the extraction raised.
+    """
+    if not group.attrs.get("complete", False):
+        group.attrs.update({"failed": {"error": type(error).__name__, "at": timestamp()}})
+
+
+def failed_split(attrs: dict) -> bool:
+    """Whether a split's own extraction failed and it never completed: such a split holds
+    nothing a reader uses, so any job may replace it without `overwrite` (a split that was
+    killed, not failed, is resumed by its own job or replaced with `overwrite`; a complete
+    split is never replaced without it).
+
+    Args:
+      attrs: the split's attributes.
+
+    Returns:
+      True for a failed, never-completed split.
+    """
+    return bool(attrs.get("failed")) and not attrs.get("complete", False)
 
 
 def split_attrs(store: StorePath, split: str) -> dict:

@@ -26,6 +26,7 @@ from dpprobe.extract.store import (
     check_out_path,
     choose_rows_per_chunk,
     chunk_checksum,
+    failed_split,
     identity_differences,
     jsonable,
     timestamp,
@@ -227,11 +228,9 @@ class SplitWriter:
         new_attrs = {"feature_shape": job["feature_shape"], "class_names": class_names,
                      "backbone": job["backbone"], "preprocessing": job["preprocessing"],
                      "dataset": job["dataset"]}
-        for other in present:
-            if other == self.split:
-                continue
-            differ = identity_differences(dict(open_group(root, self.store, other).attrs),
-                                          new_attrs)
+        for other in (name for name in present if name != self.split):
+            other_attrs = dict(open_group(root, self.store, other).attrs)
+            differ = not failed_split(other_attrs) and identity_differences(other_attrs, new_attrs)
             if differ:
                 raise ValueError(
                     f"{self.store}/{other} was extracted with a different "
@@ -244,12 +243,13 @@ class SplitWriter:
             same_job = all(jsonable(old.get(k)) == jsonable(job[k]) for k in _JOB_KEYS)
             if same_job:
                 return existing, True
-            if old.get("format") == FORMAT and _chunks_done_count(existing) > 0:
+            if (old.get("format") == FORMAT and _chunks_done_count(existing) > 0
+                    and not failed_split(old)):
                 raise ValueError(
                     f"{self.store}/{self.split} was written by a different job (backbone, "
                     "data, preprocessing or layout differ); pass `overwrite=True` to replace it"
                 )
-            # A split without a single finished chunk holds no data: any job may replace it.
+            # Without a finished chunk, or failed (`failed_split`): any job may replace it.
         if existing is not None and dict(existing.attrs).get("format") != FORMAT:
             raise ValueError(f"{self.store}/{self.split} was not written by dpprobe; "
                              "`overwrite` only replaces dpprobe splits")

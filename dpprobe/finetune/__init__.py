@@ -3,47 +3,24 @@ head, the biases or LoRA adapters (`finetune.modes`), on the DP mechanism of `dp
 per-example clipper, the privatizer); the models in `finetune.models`; its one-run privacy audit
 in `finetune.canaries`.
 
-Every name is imported on first use (PEP 562), so that `import dpprobe.finetune` loads no JAX:
-the command line imports this package to build its options.
-
-Called, the package runs its job: `dpprobe.finetune(...)` is `dpprobe.jobs.finetune` (installed by
-`dpprobe/__init__.py`; this package never imports the job, which imports `pipelines`).
+Every name is imported on first use and `dpprobe.finetune(...)` runs its job (`dpprobe._lazy`).
 """
 
 from dpprobe._lazy import lazy_names
 
-_LAZY = {
-    "models": "dpprobe.finetune.models",
-    "modes": "dpprobe.finetune.modes",
-    "augment_views": "dpprobe.finetune.augment",
-    "CanaryAudit": "dpprobe.finetune.canaries",
-    "audit_finetune": "dpprobe.finetune.canaries",
-    "Checkpointer": "dpprobe.finetune.checkpoint",
-    "EVAL_BATCH_SIZE": "dpprobe.finetune.evaluation",
-    "evaluate_model": "dpprobe.finetune.evaluation",
-    "iter_logits": "dpprobe.finetune.evaluation",
-    "normalize_images": "dpprobe.finetune.evaluation",
-    "TRAIN_MODES": "dpprobe.finetune.modes",
-    "add_lora": "dpprobe.finetune.modes",
-    "merge_lora": "dpprobe.finetune.modes",
-    "SCHEDULES": "dpprobe.finetune.specs",
-    "FinetuneFlags": "dpprobe.finetune.specs",
-    "FinetuneResult": "dpprobe.finetune.specs",
-    "FinetuneSpec": "dpprobe.finetune.specs",
-    "TrainState": "dpprobe.finetune.specs",
-    "print_progress": "dpprobe.finetune.timing",
-    "clipped_sum": "dpprobe.finetune.train",
-    "ema_decay_at": "dpprobe.finetune.train",
-    "gradient_sum": "dpprobe.finetune.train",
-    "init_state": "dpprobe.finetune.train",
-    "model_inputs": "dpprobe.finetune.train",
-    "split_trained": "dpprobe.finetune.train",
-    "train_finetune": "dpprobe.finetune.train",
-    "trained_sizes": "dpprobe.finetune.train",
-}
-
-
-__getattr__, __dir__ = lazy_names(__name__, _LAZY)
+__getattr__, __dir__ = lazy_names(__name__, {
+    "augment": ("augment_views",),
+    "canaries": ("CanaryAudit", "audit_finetune"),
+    "checkpoint": ("Checkpointer",),
+    "evaluation": ("EVAL_BATCH_SIZE", "evaluate_model", "iter_logits", "normalize_images"),
+    "modes": ("TRAIN_MODES", "add_lora", "merge_lora"),
+    "specs": ("FinetuneFlags", "FinetuneResult", "FinetuneSpec", "SCHEDULES", "TrainState"),
+    "timing": ("print_progress",),
+    "train": (
+        "clipped_sum", "ema_decay_at", "gradient_sum", "init_state", "model_inputs",
+        "split_trained", "train_finetune", "trained_sizes",
+    ),
+}, submodules=("models", "modes"))
 
 
 __all__ = [

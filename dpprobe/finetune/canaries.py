@@ -90,16 +90,15 @@ class CanaryAudit(OneRunAudit):
     ratio: float
     auroc: float
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {
-            "canary": "uniform noise images in the data's shape, uniformly random labels "
-                      "(seeded: the auditor's public randomness); each in with probability "
-                      "1/2, an excluded one is a null record (zero-out neighbours)",
-            "score": "log-probability of the canary's label under the final (non-EMA) model",
-            "threshold": "chosen on half the canaries, bounded on the other (MultiSplit, "
-                         "median of 100 splits)",
-            "note": NOTE,
-        }
+    DESCRIPTION = {
+        "canary": "uniform noise images in the data's shape, uniformly random labels "
+                  "(seeded: the auditor's public randomness); each in with probability "
+                  "1/2, an excluded one is a null record (zero-out neighbours)",
+        "score": "log-probability of the canary's label under the final (non-EMA) model",
+        "threshold": "chosen on half the canaries, bounded on the other (MultiSplit, "
+                     "median of 100 splits)",
+        "note": NOTE,
+    }
 
 
 def make_canaries(shape: tuple[int, ...], dtype, num_classes: int, count: int,

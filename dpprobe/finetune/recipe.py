@@ -57,6 +57,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dpprobe.choices import given_or_default
+
 __all__ = ["FinetuneRecipe", "default_model", "ema_full_step", "finetune_recipe"]
 
 MAX_BATCH = 2048  # Tramer & Boneh's batch for Fashion-MNIST
@@ -177,14 +179,10 @@ def finetune_recipe(config, *, num_examples: int, image_size: int, num_classes: 
     learning_rate = config.learning_rate
     if learning_rate is None:
         learning_rate, chosen["learning_rate"] = _learning_rate(config, batch_size)
-    clip_norm = config.clip_norm
-    if clip_norm is None:
-        clip_norm = CLIP_NORM
-        chosen["clip_norm"] = "Tramer & Boneh"
-    ema_decay = config.ema_decay
-    if ema_decay is None:
-        ema_decay = EMA_DECAY
-        chosen["ema_decay"] = (f"De et al.; their warm-up (1 + t) / (10 + t) until step "
-                               f"{ema_full_step(ema_decay):,}")
+    clip_norm = given_or_default(chosen, "clip_norm", config.clip_norm, CLIP_NORM,
+                                 "Tramer & Boneh")
+    ema_decay = given_or_default(chosen, "ema_decay", config.ema_decay, EMA_DECAY,
+                                 f"De et al.; their warm-up (1 + t) / (10 + t) until step "
+                                 f"{ema_full_step(EMA_DECAY):,}")
     return FinetuneRecipe(int(batch_size), None if config.steps is not None else float(epochs),
                           float(learning_rate), float(clip_norm), float(ema_decay), chosen)

@@ -18,68 +18,38 @@ clipper interface, the privatizer, auditing).
     `dp.auditing`).
 
 
-Every name is imported on first use (PEP 562), so that `import dpprobe.probe` loads no JAX:
-the command line imports this package to build its options.
-
-Called, the package runs its job: `dpprobe.probe(...)` is `dpprobe.jobs.probe` (installed by
-`dpprobe/__init__.py`; this package never imports the job, which imports `pipelines`).
+Every name is imported on first use and `dpprobe.probe(...)` runs its job (`dpprobe._lazy`).
 """
 
 from dpprobe._lazy import lazy_names
 
-_LAZY = {
-    "DEFAULT_MEMORY_BUDGET": "dpprobe.probe.budget",
-    "StreamPlan": "dpprobe.probe.budget",
-    "plan_stream": "dpprobe.probe.budget",
-    "CANARY_LABEL": "dpprobe.probe.canaries",
-    "CANARY_NORM": "dpprobe.probe.canaries",
-    "add_canary": "dpprobe.probe.canaries",
-    "StepCost": "dpprobe.probe.cost",
-    "step_cost": "dpprobe.probe.cost",
-    "audit_learning_rate": "dpprobe.probe.canaries",
-    "canary_direction": "dpprobe.probe.canaries",
-    "canary_scores": "dpprobe.probe.canaries",
-    "claimed_canary_scores": "dpprobe.probe.canaries",
-    "train_canary_runs": "dpprobe.probe.canaries",
-    "LOSSES": "dpprobe.probe.clipping",
-    "clipped_grad_sum": "dpprobe.probe.clipping",
-    "example_losses": "dpprobe.probe.clipping",
-    "feature_gram": "dpprobe.probe.clipping",
-    "linear_clipper": "dpprobe.probe.clipping",
-    "linear_logits": "dpprobe.probe.clipping",
-    "per_example_grad_norms": "dpprobe.probe.clipping",
-    "residuals": "dpprobe.probe.clipping",
-    "DPLinearProbe": "dpprobe.probe.estimator",
-    "EVAL_BLOCK_ROWS": "dpprobe.probe.evaluation",
-    "block_logits": "dpprobe.probe.evaluation",
-    "evaluate": "dpprobe.probe.evaluation",
-    "evaluate_chunks": "dpprobe.probe.evaluation",
-    "fixed_blocks": "dpprobe.probe.evaluation",
-    "NORMALIZATIONS": "dpprobe.probe.normalization",
-    "normalize_features": "dpprobe.probe.normalization",
-    "normalized_norm_bound": "dpprobe.probe.normalization",
-    "train_probe_poisson": "dpprobe.probe.poisson",
-    "correct_counts": "dpprobe.probe.selection",
-    "noisy_correct_counts": "dpprobe.probe.selection",
-    "make_data_mesh": "dpprobe.probe.sharding",
-    "shard_rows": "dpprobe.probe.sharding",
-    "FEATURE_DTYPES": "dpprobe.probe.specs",
-    "Params": "dpprobe.probe.specs",
-    "PerformanceFlags": "dpprobe.probe.specs",
-    "ProbeSpec": "dpprobe.probe.specs",
-    "RunSpec": "dpprobe.probe.specs",
-    "TrainResult": "dpprobe.probe.specs",
-    "Standardizer": "dpprobe.probe.standardization",
-    "private_standardizer": "dpprobe.probe.standardization",
-    "init_params": "dpprobe.probe.step",
-    "train_probe_streaming": "dpprobe.probe.streaming",
-    "prepare_features": "dpprobe.probe.train",
-    "prepare_inputs": "dpprobe.probe.train",
-    "train_probe": "dpprobe.probe.train",
-}
-
-
-__getattr__, __dir__ = lazy_names(__name__, _LAZY)
+__getattr__, __dir__ = lazy_names(__name__, {
+    "budget": ("DEFAULT_MEMORY_BUDGET", "StreamPlan", "plan_stream"),
+    "canaries": (
+        "CANARY_LABEL", "CANARY_NORM", "add_canary", "audit_learning_rate", "canary_direction",
+        "canary_scores", "claimed_canary_scores", "train_canary_runs",
+    ),
+    "clipping": (
+        "LOSSES", "clipped_grad_sum", "example_losses", "feature_gram", "linear_clipper",
+        "linear_logits", "per_example_grad_norms", "residuals",
+    ),
+    "cost": ("StepCost", "step_cost"),
+    "estimator": ("DPLinearProbe",),
+    "evaluation": (
+        "EVAL_BLOCK_ROWS", "block_logits", "evaluate", "evaluate_chunks", "fixed_blocks",
+    ),
+    "normalization": ("NORMALIZATIONS", "normalize_features", "normalized_norm_bound"),
+    "poisson": ("train_probe_poisson",),
+    "selection": ("correct_counts", "noisy_correct_counts"),
+    "sharding": ("make_data_mesh", "shard_rows"),
+    "specs": (
+        "FEATURE_DTYPES", "Params", "PerformanceFlags", "ProbeSpec", "RunSpec", "TrainResult",
+    ),
+    "standardization": ("Standardizer", "private_standardizer"),
+    "step": ("init_params",),
+    "streaming": ("train_probe_streaming",),
+    "train": ("prepare_features", "prepare_inputs", "train_probe"),
+})
 
 
 __all__ = [

@@ -80,6 +80,7 @@ def train_probe_poisson(
                               arrays.steps, flags.physical_batch_size, rng)
     with step_bar(total, progress, "probe steps (Poisson)") as bar:
         for step, batch in enumerate(batches):
+            bar.wait_for(f"step {step + 1}" + (" (the first compiles)" if step == 0 else ""))
             batch_sizes[step] = batch.sizes
             sums = None
             for index, batch_mask in zip(batch.index, batch.mask, strict=True):

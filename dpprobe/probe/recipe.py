@@ -52,6 +52,7 @@ import dataclasses
 import math
 
 from dpprobe import accounting
+from dpprobe.choices import given_or_default
 from dpprobe.probe.cost import StepCost
 
 __all__ = [
@@ -329,10 +330,8 @@ def probe_recipe(config, train_attrs: dict, num_examples: int,
                                                    train_attrs.get("backbone"))
     if why is not None:
         chosen["normalization"] = why
-    optimizer = config.optimizer
-    if optimizer is None:
-        optimizer = PROBE_OPTIMIZER
-        chosen["optimizer"] = "default"
+    optimizer = given_or_default(chosen, "optimizer", config.optimizer, PROBE_OPTIMIZER,
+                                 "default")
     steps = config.steps
     if steps is None:
         full_batch = config.sampling_probability >= 1

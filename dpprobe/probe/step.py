@@ -19,7 +19,6 @@ hands them to `dp_update`, which is the same for all, so they agree for the same
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -28,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from dpprobe.dp.accumulate import x64_jit
 from dpprobe.dp.noise import noise_stddev
 from dpprobe.dp.optimizers import private_optimizer
 from dpprobe.probe.specs import Params, ProbeSpec, RunSpec, TrainResult
+from dpprobe.probe.step_bar import step_bar
 
 __all__ = ["RunArrays", "State", "dp_update", "dp_update_jit", "init_params",
            "init_state", "init_state_jit", "result", "run_arrays", "shared_start_sums",
@@ -151,12 +150,6 @@ def result(state: State, runs: RunArrays, batch_sizes=None) -> TrainResult:
     """The frozen result, as NumPy (waits for the device)."""
     clipped = np.asarray(state.clipped_total) / runs.steps
     return TrainResult(jax.tree.map(np.asarray, state.params), clipped, batch_sizes)
-
-
-def step_bar(total: int, progress: bool, desc: str):
-    """A progress bar over steps on stderr (off unless `progress`)."""
-    return tqdm(total=total, unit="step", desc=desc, disable=not progress, file=sys.stderr,
-                dynamic_ncols=True, leave=False)
 
 
 # Seconds between moves of a shown step bar: blocks of steps are sized to take about this long.

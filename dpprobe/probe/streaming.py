@@ -159,6 +159,8 @@ def _train_group(chunks, runs, keys, spec, *, num_examples, dim, rows, max_rows,
 
     with step_bar(total, progress, "probe steps (streamed)") as bar:
         for step in range(total):
+            bar.wait_for(f"step {step + 1}, reading the store"
+                         + (" (the first compiles)" if step == 0 else ""))
             sums, num_clipped = (shared_start_sums(spec, arrays, dim, sum_fn) if step == 0
                                  else sum_fn(state.params, arrays.clip))
             state = dp_update_jit(spec, arrays, state, sums, num_clipped, step,

@@ -160,25 +160,33 @@ def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec
     """
     flags = flags or PerformanceFlags()
     check_full_batch(runs)
-    feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
-    # N is public; in a multi-host job each process passes its own, equally many rows.
-    if num_examples is None:
-        num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
-    arrays = run_arrays(runs, keys, num_examples)
-    if flags.mesh is None:  # on the device once, not once per block of steps
-        data = jax.device_put((feats, onehot, mask))
-    else:  # each device sums its own rows; XLA reduces the partial sums
-        feats, onehot, mask, padding = shard_rows(flags.mesh, feats, onehot, mask)
-        data = (feats, onehot, mask * padding)
-    total = int(arrays.steps.max())
+    total = max(run.plan.steps for run in runs)  # public
     with step_bar(total, progress, "probe steps") as bar:
+        # What the bar's heartbeat names while a call runs long. Normalizing and moving the
+        # features takes seconds at N x d = 60,000 x 3,969. The first call of each program
+        # compiles it (a cached program's one-step call returns in well under the
+        # heartbeat's interval, so only a compile shows the note).
+        bar.wait_for("preparing the features")
+        feats, onehot, mask = prepare_inputs(features, labels, spec, flags.feature_dtype)
+        # N is public; in a multi-host job each process passes its own, equally many rows.
+        if num_examples is None:
+            num_examples = len(feats) * (jax.process_count() if flags.mesh is not None else 1)
+        arrays = run_arrays(runs, keys, num_examples)
+        if flags.mesh is None:  # on the device once, not once per block of steps
+            data = jax.device_put((feats, onehot, mask))
+        else:  # each device sums its own rows; XLA reduces the partial sums
+            feats, onehot, mask, padding = shard_rows(flags.mesh, feats, onehot, mask)
+            data = (feats, onehot, mask * padding)
+        bar.wait_for("compiling the first step")
         state = _first_step(*data, arrays, spec=spec)
         bar.update(1)
+        bar.wait_for("compiling the steps")
         if total > 1:
             rows = _prepare(*data)
             del data  # the float16 or float32 copy: `rows` holds what the steps read
         for start, stop in step_blocks(total, bar):
             state = _more_steps(state, start, stop, rows, arrays, spec=spec)
+            bar.wait_for(f"steps {start + 1}-{stop}")  # named after this block's compile
             if not bar.disable:  # the bar counts computed steps, not dispatched ones
                 jax.block_until_ready(state)
         return result(state, arrays)

@@ -204,3 +204,75 @@ def test_hf_array_images_follow_the_pixel_rule_record_by_record(monkeypatch):
     (images, labels), _, _ = load_images(config, rgb=False)
     assert labels.tolist() == [0, 1, -1, 0, 1, 2, -1, 1, 2, 0]
     assert images[[0, 2, 4, 6]].max(axis=(1, 2, 3)).tolist() == [5, 0, 255, 0]
+
+
+def test_a_failed_hf_extract_never_blocks_the_corrected_rerun(rng, tmp_path, capsys):
+    """One record of another size fails ScatterNet mid-way (train chunks already written): the
+    corrected command (`--resize --crop`) replaces that failed, never-completed split without
+    `--overwrite`, giving the store a fresh extraction gives; the completed split then stays
+    protected from yet another job. The old writer refused the rerun ("a different job")."""
+    from PIL import Image
+
+    train, test = _images(rng, 30), _images(rng, 12)
+    records = [Image.fromarray(x) for x in train[0]]
+    records[21] = Image.fromarray(rng.integers(0, 256, (20, 24)).astype(np.uint8))
+    train_set = datasets.Dataset.from_dict(
+        {"image": records, "label": train[1].tolist()},
+        features=datasets.Features({"image": datasets.Image(),
+                                    "label": datasets.ClassLabel(names=CLASSES)}))
+    datasets.DatasetDict(train=train_set, test=_dataset(*test)).save_to_disk(
+        str(tmp_path / "ds"))
+    out, data = str(tmp_path / "s.zarr"), f"hf:{tmp_path / 'ds'}"
+    base = ["extract", "--backbone", "scatternet", "--data", data, "--rows-per-chunk", "4",
+            "--quiet"]
+    assert cli.main([*base, "--out", out]) == 2
+    assert not extract.split_attrs(out, "train")["complete"]
+    assert int(np.asarray(extract.open_split(out, "train", require_complete=False)
+                          ["chunks_done"][:]).sum()) == 5  # rows 0-19 were written
+    capsys.readouterr()
+
+    # The same command, corrected: the failed split is replaced, no --overwrite needed.
+    corrected = [*base, "--resize", "16", "--crop", "16"]
+    assert cli.main([*corrected, "--out", out]) == 0, capsys.readouterr().err
+    assert cli.main([*corrected, "--out", str(tmp_path / "fresh.zarr")]) == 0
+    for split in ("train", "test"):
+        got, want = (extract.load_split(path, split)
+                     for path in (out, str(tmp_path / "fresh.zarr")))
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert "failed" not in extract.split_attrs(out, split)
+
+    # A split another job completed stays protected: other options need --overwrite.
+    capsys.readouterr()
+    assert cli.main([*base, "--resize", "12", "--crop", "12", "--out", out]) == 2
+    assert "different" in capsys.readouterr().err
+    np.testing.assert_array_equal(extract.load_split(out, "train")[0],
+                                  extract.load_split(str(tmp_path / "fresh.zarr"), "train")[0])
+
+
+def test_a_failed_torch_dataset_extract_never_blocks_the_corrected_rerun(rng, tmp_path):
+    """The same rule through the Python API with a torch Dataset: its record 21 has another
+    size, so the extraction fails after 5 chunks; the corrected call replaces the failed split
+    without `overwrite`. The old writer refused it."""
+    import torch.utils.data
+
+    images, labels = _images(rng, 30)
+    odd = rng.integers(0, 256, (20, 24)).astype(np.uint8)
+
+    class Pairs(torch.utils.data.Dataset):
+        classes = CLASSES
+
+        def __len__(self):
+            return len(labels)
+
+        def __getitem__(self, i):
+            return (odd if i == 21 else images[i]), int(labels[i])
+
+    out = str(tmp_path / "t.zarr")
+    options = dict(backbone="scatternet", data=Pairs(), out=out, rows_per_chunk=4,
+                   progress=False)
+    with pytest.raises(ValueError, match="one size"):
+        run_extract(**options)
+    assert not extract.split_attrs(out, "train")["complete"]
+    (report,) = run_extract(**options, resize=16, crop=16)
+    assert report.complete and not report.resumed and report.chunks_written == 8

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["BATCHNORM_MESSAGE", "check_no_batchnorm", "float32_logits", "zero_head"]
+__all__ = ["BATCHNORM_MESSAGE", "HeadOnFeatures", "check_no_batchnorm", "float32_logits",
+           "zero_head"]
 
 BATCHNORM_MESSAGE = (
     "BatchNorm mixes examples in a batch, so a per-example gradient (and its sensitivity) is "
@@ -48,6 +49,22 @@ def zero_head(in_features: int, num_classes: int, *, head_bias_init: float,
 def float32_logits(logits: jax.Array) -> jax.Array:
     """Logits in float32 whatever the compute dtype (the loss and its softmax need it)."""
     return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
+class HeadOnFeatures(nnx.Module):
+    """A model of the contract above whose logits are its `head` on its pre-logits: a
+    subclass defines `features(x)` and sets `head` (an `nnx.Linear`)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Float32 logits (N, num_classes).
+
+        Args:
+          x: normalized NHWC images (N, H, W, C).
+
+        Returns:
+          `float32_logits(self.head(self.features(x)))`.
+        """
+        return float32_logits(self.head(self.features(x)))
 
 
 def check_no_batchnorm(module: Any) -> None:

@@ -28,13 +28,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from dpprobe.finetune.models.common import float32_logits
+from dpprobe.finetune.models.common import HeadOnFeatures
 from dpprobe.finetune.models.layers import (
     ACTIVATIONS,
     activation_name,
     batchnorm_from_torch,
     conv_from_torch,
-    timm_head,
+    timm_builder,
 )
 
 __all__ = ["EfficientNet", "efficientnet_from_timm"]
@@ -91,7 +91,7 @@ class Block(nnx.Module):
         return x + shortcut if self.has_skip else x
 
 
-class EfficientNet(nnx.Module):
+class EfficientNet(HeadOnFeatures):
     """timm's EfficientNet in NNX (module docstring); built by `efficientnet_from_timm`."""
 
     def __init__(self, timm_model: Any, head: nnx.Linear):
@@ -116,34 +116,12 @@ class EfficientNet(nnx.Module):
             x = self.bn2(self.conv_head(x))
         return x.mean(axis=(-3, -2))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Float32 logits (N, num_classes)."""
-        return float32_logits(self.head(self.features(x)))
 
-
-def efficientnet_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
-                           head_bias_init: float = 0.0) -> EfficientNet:
-    """Our NNX `EfficientNet` with the weights of a timm `EfficientNet` (its BatchNorm frozen).
-
-    For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals `timm_model.eval()(b)` up to
-    float rounding.
-
-    Args:
-      timm_model: a timm `EfficientNet` instance (see the module docstring for which).
-      num_classes: None keeps timm's classifier; an int replaces it with a new zero-initialized
-        head of that many classes with bias `head_bias_init`.
-      rngs: for a new head's construction (its values are constants).
-      head_bias_init: bias of a new head.
-
-    Returns:
-      An `EfficientNet` meeting the contract of `finetune.models.common`.
-
-    Raises:
-      ValueError: for a block, pooling or layer this module does not reproduce.
-    """
+def _check_supported(timm_model: Any) -> None:
+    """Raise ValueError for a block, pooling or layer this module does not reproduce."""
     pool = timm_model.global_pool
     if getattr(pool, "pool_type", "avg") != "avg":
         raise ValueError(f"EfficientNet pooling must be 'avg', got {pool.pool_type!r}")
-    return EfficientNet(timm_model, timm_head(timm_model.classifier, timm_model.num_features,
-                                              num_classes, rngs, head_bias_init))
 
+
+efficientnet_from_timm = timm_builder(EfficientNet, "classifier", _check_supported)

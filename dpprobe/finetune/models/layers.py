@@ -17,6 +17,7 @@ weights, never computed from the private data.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
            "batchnorm_from_torch", "conv_from_torch", "conv_patches", "linear_from_torch",
-           "same_padding", "timm_head"]
+           "same_padding", "timm_builder", "timm_head"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -190,3 +191,35 @@ def timm_head(classifier: Any, features: int, num_classes: int | None, rngs: nnx
                              "(num_classes=0); pass the number of classes")
         return linear_from_torch(classifier)
     return zero_head(features, num_classes, head_bias_init=head_bias_init, rngs=rngs)
+
+
+def timm_builder(model_class: Any, classifier: str, check: Callable[[Any], None]) -> Callable:
+    """The `*_from_timm` function of an NNX class converted from timm with its weights.
+
+    Args:
+      model_class: the NNX class, called as `model_class(timm_model, head)`.
+      classifier: the name of timm's classifier attribute (`"fc"`, `"classifier"`).
+      check: raises ValueError for a timm instance the class does not reproduce.
+
+    Returns:
+      `build(timm_model, num_classes, *, rngs, head_bias_init=0.0)`: our NNX model with the
+      weights of `timm_model` (its BatchNorm frozen), meeting the contract of
+      `finetune.models.common`; for an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))`
+      equals `timm_model.eval()(b)` up to float rounding. `num_classes` None keeps timm's
+      classifier, an int replaces it with a new zero-initialized head of that many classes
+      with bias `head_bias_init` (`rngs`: for its construction; its values are constants).
+    """
+    name = model_class.__name__
+
+    def build(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
+              head_bias_init: float = 0.0):
+        check(timm_model)
+        return model_class(timm_model, timm_head(getattr(timm_model, classifier),
+                                                 timm_model.num_features, num_classes, rngs,
+                                                 head_bias_init))
+
+    build.__name__ = build.__qualname__ = f"{name.lower()}_from_timm"
+    build.__module__ = model_class.__module__
+    build.__doc__ = (f"Our NNX `{name}` with the weights of a timm `{name}` instance (see "
+                     f"`{model_class.__module__}` for which): `layers.timm_builder`.")
+    return build

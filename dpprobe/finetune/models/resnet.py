@@ -23,13 +23,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from dpprobe.finetune.models.common import float32_logits
+from dpprobe.finetune.models.common import HeadOnFeatures
 from dpprobe.finetune.models.layers import (
     ACTIVATIONS,
     activation_name,
     batchnorm_from_torch,
     conv_from_torch,
-    timm_head,
+    timm_builder,
 )
 
 __all__ = ["ResNet", "resnet_from_timm"]
@@ -82,7 +82,7 @@ def _max_pool(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_window(x, -jax.numpy.inf, jax.lax.max, window, strides, pads)
 
 
-class ResNet(nnx.Module):
+class ResNet(HeadOnFeatures):
     """timm's ResNet in NNX (module docstring); built by `resnet_from_timm`."""
 
     def __init__(self, timm_model: Any, head: nnx.Linear):
@@ -101,31 +101,9 @@ class ResNet(nnx.Module):
                 x = block(x)
         return x.mean(axis=(-3, -2))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Float32 logits (N, num_classes)."""
-        return float32_logits(self.head(self.features(x)))
 
-
-def resnet_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
-                     head_bias_init: float = 0.0) -> ResNet:
-    """Our NNX `ResNet` with the weights of a timm `ResNet` (its BatchNorm frozen).
-
-    For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals `timm_model.eval()(b)` up to
-    float rounding.
-
-    Args:
-      timm_model: a timm `ResNet` instance (see the module docstring for which).
-      num_classes: None keeps timm's fc; an int replaces it with a new zero-initialized head of
-        that many classes with bias `head_bias_init`.
-      rngs: for a new head's construction (its values are constants).
-      head_bias_init: bias of a new head.
-
-    Returns:
-      A `ResNet` meeting the contract of `finetune.models.common`.
-
-    Raises:
-      ValueError: for a stem, block or pooling this module does not reproduce.
-    """
+def _check_supported(timm_model: Any) -> None:
+    """Raise ValueError for a stem, block or pooling this module does not reproduce."""
     if type(timm_model.conv1).__name__ != "Conv2d":
         raise ValueError("deep-stem ResNets (resnet*c, resnet*d) are not supported")
     pool = timm_model.maxpool
@@ -134,5 +112,6 @@ def resnet_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs
         raise ValueError(f"the ResNet stem pool must be MaxPool2d(3, 2, 1), got {pool}")
     if getattr(timm_model.global_pool, "pool_type", "avg") != "avg":
         raise ValueError("ResNet pooling must be 'avg'")
-    return ResNet(timm_model, timm_head(timm_model.fc, timm_model.num_features, num_classes,
-                                        rngs, head_bias_init))
+
+
+resnet_from_timm = timm_builder(ResNet, "fc", _check_supported)
