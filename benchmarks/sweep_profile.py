@@ -55,13 +55,14 @@ def wrap(owner, name, label):
             w, cc = phases.get(label, (0.0, 0.0))
             phases[label] = (w + time.perf_counter() - wall, cc + cpu() - c)
     setattr(owner, name, timed)
-from dpprobe.pipelines import cli, probe_job, reporting, timings
+from dpprobe import files, timings
+from dpprobe.pipelines import cli, probe_job, reporting
 from dpprobe import accounting
 wrap(probe_job, "_read_splits", "store read")
 wrap(accounting, "calibrate_noise_multiplier", "calibration")
 wrap(probe_job, "_run_record", "records (epsilon per run, PLD)")
 wrap(probe_job, "_composed_epsilon", "records (epsilon per run, PLD)")
-wrap(reporting, "write_json", "writing (results.json)")
+wrap(files, "write_json", "writing (results.json)")
 wrap(timings, "write_timings", "writing (timings)")
 wrap(reporting, "probe_table", "table")
 def start_job(inner=probe_job.run_probe):

@@ -26,11 +26,12 @@ import types
 from typing import Any
 
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import reporting, timings
+from dpprobe import timings
+from dpprobe.model_files import MODEL_FILE
+from dpprobe.pipelines import reporting
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
 from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
-from dpprobe.pipelines.model_files import MODEL_FILE
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
 from dpprobe.pipelines.probe_job import ProbeConfig, probe_job
 from dpprobe.pipelines.tune_job import TuneConfig, run_tune

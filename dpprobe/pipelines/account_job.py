@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprobe import accounting
+from dpprobe import accounting, checks
 from dpprobe.accounting import records
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import accountant_option, delta_option, integer, number, option
+from dpprobe.options import accountant_option, delta_option, integer, number, option
 
 __all__ = ["AccountConfig", "account"]
 
@@ -35,22 +34,22 @@ class AccountConfig:
         if (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of `epsilon` and `noise_multiplier`")
         if self.epsilon is not None:
-            cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
+            checks.freeze(self, epsilon=checks.check_epsilon("epsilon", self.epsilon))
         else:
-            cfg.freeze(self, noise_multiplier=cfg.check_number(
+            checks.freeze(self, noise_multiplier=checks.check_number(
                 "noise_multiplier", self.noise_multiplier, 0, low_open=False))
-        cfg.freeze(self, delta=cfg.check_delta("delta", self.delta),
-                   steps=cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS),
-                   sampling_probability=cfg.check_number(
+        checks.freeze(self, delta=checks.check_delta("delta", self.delta),
+                   steps=checks.check_int("steps", self.steps, 1, checks.MAX_STEPS),
+                   sampling_probability=checks.check_number(
                        "sampling_probability", self.sampling_probability, 0, 1))
         if self.num_examples is not None:
-            cfg.check_int("num_examples", self.num_examples)
+            checks.check_int("num_examples", self.num_examples)
 
 
 def account(config: AccountConfig | None = None, /, **options) -> dict:
     """Epsilon from a noise multiplier, or the noise multiplier for a target epsilon: the
     answer with its `DpEvent`. Takes an `AccountConfig`, or its fields as keywords."""
-    config = cfg.make_config(AccountConfig, config, None, **options)
+    config = checks.make_config(AccountConfig, config, None, **options)
     noise_multiplier = config.noise_multiplier
     if config.epsilon is not None:
         noise_multiplier = accounting.calibrate_noise_multiplier(

@@ -1,6 +1,6 @@
 """What the `dpprobe` command line adds to the jobs' configs: each command's texts (help,
 description, epilog) and the options that change only how it prints (`--json`). Every other
-option is written once, on the config field it sets (`pipelines.options`)."""
+option is written once, on the config field it sets (`dpprobe.options`)."""
 
 from __future__ import annotations
 

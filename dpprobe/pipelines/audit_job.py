@@ -15,14 +15,12 @@ import time
 
 import numpy as np
 
-from dpprobe import accounting, extract, probe
+from dpprobe import accounting, checks, extract, files, plots, preflight, probe, timings
 from dpprobe.accounting import records
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, reporting, timings
-from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
+from dpprobe.messages import log
+from dpprobe.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
-from dpprobe.pipelines.progress import RateProgress
-from dpprobe.pipelines.reporting import log
+from dpprobe.timings import RateProgress
 
 __all__ = ["AuditConfig", "run_audit"]
 
@@ -78,18 +76,18 @@ class AuditConfig:
     quiet: bool = option(False, action="store_true", help="print only the report")
 
     def __post_init__(self):
-        cfg.freeze(
+        checks.freeze(
             self, store=str(self.store),
-            epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=False),
-            delta=cfg.check_delta("delta", self.delta),
-            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-            confidence=cfg.check_number("confidence", self.confidence, 0.5, 1, high_open=True),
+            epsilon=checks.check_epsilon("epsilon", self.epsilon, allow_inf=False),
+            delta=checks.check_delta("delta", self.delta),
+            clip_norm=checks.check_number("clip_norm", self.clip_norm, 0),
+            confidence=checks.check_number("confidence", self.confidence, 0.5, 1, high_open=True),
         )
-        cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS)
-        cfg.check_int("runs", self.runs, 2, MAX_RUNS)
-        cfg.check_int("rows", self.rows)
+        checks.check_int("steps", self.steps, 1, checks.MAX_STEPS)
+        checks.check_int("runs", self.runs, 2, MAX_RUNS)
+        checks.check_int("rows", self.rows)
         if self.runs_per_call is not None:
-            cfg.check_int("runs_per_call", self.runs_per_call)
+            checks.check_int("runs_per_call", self.runs_per_call)
 
 
 def run_audit(config: AuditConfig | str, /, **options) -> dict:
@@ -100,7 +98,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
       The results dict (also written to `out` as JSON when given); its "scores" (the two
       samples, NumPy) are returned only, not written.
     """
-    config = cfg.make_config(AuditConfig, config, "store", **options)
+    config = checks.make_config(AuditConfig, config, "store", **options)
     preflight.check_output_paths(out=config.out, plot=config.plot)
     preflight.check_timings_file(config.out)
     stopwatch = timings.Stopwatch()
@@ -211,7 +209,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
         "warnings": records.warnings(train_attrs),  # features of a random-init backbone
     }
     if config.out:
-        reporting.write_json(config.out, results)
+        files.write_json(config.out, results)
     if config.plot:
         plots.plot_audit(results, config.plot)
     if config.out:  # the owner's, never published: how long depends on the rows

@@ -13,13 +13,14 @@ import os
 import sys
 import warnings
 
+from dpprobe import options
 from dpprobe.accounting import records
+from dpprobe.checks import ConfigError
 from dpprobe.extract import store_summary
 from dpprobe.multihost import processes
-from dpprobe.pipelines import _fast_exit, arguments, options, reporting
+from dpprobe.pipelines import _fast_exit, arguments, reporting
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
-from dpprobe.pipelines.config import ConfigError
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
 from dpprobe.pipelines.export_job import ExportConfig, run_export
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract

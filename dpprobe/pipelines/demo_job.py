@@ -19,14 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpprobe import extract
+from dpprobe import checks, extract, plots, preflight
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight
+from dpprobe.messages import log
+from dpprobe.options import integer, option
 from dpprobe.pipelines.extract_job import run_extract
-from dpprobe.pipelines.options import integer, option
 from dpprobe.pipelines.probe_job import run_probe
-from dpprobe.pipelines.reporting import log
 from dpprobe.pipelines.tune_job import run_tune
 from dpprobe.probe import recipe
 
@@ -67,8 +65,8 @@ class DemoConfig:
 
     def __post_init__(self):
         if self.data is not None and self.data not in DEMO_DATA:
-            raise cfg.ConfigError("data", f"must be one of {DEMO_DATA}, got {self.data!r}")
-        cfg.check_int("seeds", self.seeds)
+            raise checks.ConfigError("data", f"must be one of {DEMO_DATA}, got {self.data!r}")
+        checks.check_int("seeds", self.seeds)
 
 
 def demo_data() -> str:
@@ -89,9 +87,9 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
       {"data", "store", "sweep" (the probe's results), "tune" (the tune's results, without
       its parameters), "files" (what it wrote), "reused_features", "wall_seconds"}. The demo's
       data is public, so its duration may be shown; its sweep and tune write their timings to
-      their owner's files all the same (`pipelines.timings`).
+      their owner's files all the same (`dpprobe.timings`).
     """
-    config = cfg.make_config(DemoConfig, config, "out_dir", **options)
+    config = checks.make_config(DemoConfig, config, "out_dir", **options)
     out = Path(config.out_dir)
     files = {"sweep": out / "results.json", "tune": out / "tune.json",
              "model": out / "tuned.safetensors", "plot": out / "tradeoff.png"}

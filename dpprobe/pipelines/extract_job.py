@@ -7,11 +7,9 @@ import dataclasses
 import os
 from typing import Any
 
-from dpprobe import extract
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import options, preflight
-from dpprobe.pipelines.options import Choices, integer, num_classes_option, option
-from dpprobe.pipelines.reporting import log
+from dpprobe import checks, extract, options, preflight
+from dpprobe.messages import log
+from dpprobe.options import Choices, integer, num_classes_option, option
 
 __all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
 
@@ -85,20 +83,20 @@ class ExtractConfig:
     num_classes: int | None = num_classes_option()
 
     def __post_init__(self):
-        cfg.freeze(self, augment=tuple(self.augment),
+        checks.freeze(self, augment=tuple(self.augment),
                    shard=None if self.shard is None else tuple(self.shard))
-        cfg.check_int("seed", self.seed, 0)
-        cfg.check_int("augment_seed", self.augment_seed, 0)
-        cfg.check_int("batch_size", self.batch_size)
+        checks.check_int("seed", self.seed, 0)
+        checks.check_int("augment_seed", self.augment_seed, 0)
+        checks.check_int("batch_size", self.batch_size)
         for name in ("resize", "crop", "rows_per_chunk", "views", "ray_shards", "num_classes"):
             if getattr(self, name) is not None:
-                cfg.check_int(name, getattr(self, name))
+                checks.check_int(name, getattr(self, name))
         if self.num_workers is not None:
-            cfg.check_int("num_workers", self.num_workers, 0)
+            checks.check_int("num_workers", self.num_workers, 0)
         if self.shard is not None:
             index, count = self.shard
             if not (count >= 1 and 0 <= index < count):
-                raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
+                raise checks.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
         if self.views is not None and self.views > 1 and not self.augment:
             raise ValueError(f"`views={self.views}` without `augment` would store identical "
                              "views; add `augment=flip,crop`")
@@ -121,7 +119,7 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     or `num_classes`, declare the class list; `split` names its split). Returns one
     `ExtractReport` per split; with progress on, each also says how it ended.
     """
-    config = cfg.make_config(ExtractConfig, config, None, **options)
+    config = checks.make_config(ExtractConfig, config, None, **options)
     extract.check_out_path(config.out)
     if config.ray:
         preflight.require_module("ray", "`ray=True`", "pip install ray==2.60.0")
@@ -210,7 +208,7 @@ def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
     """
     import ray  # optional (dpprobe[ray]), imported when Ray runs the job
 
-    config = cfg.make_config(ExtractConfig, config, None, **options)
+    config = checks.make_config(ExtractConfig, config, None, **options)
     if not ray.is_initialized():
         ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)

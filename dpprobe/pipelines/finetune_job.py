@@ -16,16 +16,14 @@ import os
 import shutil
 from pathlib import Path
 
-from dpprobe import accounting, extract, files, finetune
+from dpprobe import accounting, checks, extract, files, finetune, model_files, preflight, timings
 from dpprobe.accounting import records
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.data import DATA_RULE, load_images
 from dpprobe.finetune.recipe import default_model, finetune_recipe
+from dpprobe.messages import log
 from dpprobe.multihost import processes
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import model_files, preflight, reporting, timings
 from dpprobe.pipelines.finetune_config import FinetuneConfig
-from dpprobe.pipelines.reporting import log
 
 __all__ = ["FinetuneConfig", "run_finetune"]
 
@@ -54,11 +52,11 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     the parameters `train` names (the others are public constants: the initialization). Noise
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
     trained model, its test accuracy) and public inputs; the run's wall-clock timings go to
-    the owner's `out`/results.timings.json (`pipelines.timings`), which is not covered. With
+    the owner's `out`/results.timings.json (`dpprobe.timings`), which is not covered. With
     `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
     results and model file say so.
     """
-    config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    config = checks.make_config(FinetuneConfig, config, "data", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     multi, config = processes.active(), processes.writer_config(config, ("out",))
     if multi and config.audit_canaries:
@@ -285,7 +283,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         timings.write_timings(out / "results.json", "finetune", stopwatch, quiet=quiet,
                               compile_seconds=trained.compile_seconds,
                               images_per_second=trained.images_per_second)
-        reporting.write_json(out / "results.json", results)
+        files.write_json(out / "results.json", results)
         if checkpointer is not None:
             checkpointer.close()
             shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done

@@ -17,13 +17,12 @@ import sys
 
 import numpy as np
 
+from dpprobe import checks, preflight
 from dpprobe import model as dpmodel
 from dpprobe.files import atomic_writer
+from dpprobe.messages import log
 from dpprobe.model import inputs as predict_inputs
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import preflight
-from dpprobe.pipelines.options import integer, option
-from dpprobe.pipelines.reporting import log
+from dpprobe.options import integer, option
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
@@ -61,16 +60,16 @@ class PredictConfig:
     def __post_init__(self):
         data = (self.data,) if isinstance(self.data, str | os.PathLike) else tuple(self.data)
         if not data:
-            raise cfg.ConfigError("data", "give a store, a data spec or image files")
-        cfg.freeze(self, model=os.fspath(self.model), data=tuple(os.fspath(d) for d in data))
-        cfg.check_int("top_k", self.top_k)
+            raise checks.ConfigError("data", "give a store, a data spec or image files")
+        checks.freeze(self, model=os.fspath(self.model), data=tuple(os.fspath(d) for d in data))
+        checks.check_int("top_k", self.top_k)
 
 
 def run_predict(config: PredictConfig | str, /, **options) -> dict:
     """Predict with a model file: `run_predict(PredictConfig(...))` or
     `run_predict(model, data=..., ...)`. Writes the CSV (to `out`, else stdout) and returns
     {"rows", "accuracy" (None without labels), "top_k_accuracy", ...}."""
-    config = cfg.make_config(PredictConfig, config, "model", **options)
+    config = checks.make_config(PredictConfig, config, "model", **options)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)

@@ -11,13 +11,22 @@ import os
 
 import numpy as np
 
-from dpprobe import accounting, extract, probe
+from dpprobe import (
+    accounting,
+    checks,
+    extract,
+    files,
+    model_files,
+    plots,
+    preflight,
+    probe,
+    timings,
+)
 from dpprobe.accounting import records
+from dpprobe.messages import log
 from dpprobe.multihost import processes
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import model_files, plots, preflight, reporting, timings
+from dpprobe.pipelines import reporting
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
-from dpprobe.pipelines.reporting import log
 from dpprobe.probe import cost, recipe
 
 __all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "run_probe"]
@@ -47,7 +56,7 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
 def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     """`run_probe`, and its models in memory: (the results dict, a (file name, arrays,
     document) per model, as `save_model` would write them (`model_files.probe_model_parts`))."""
-    config = cfg.make_config(ProbeConfig, config, "store", **options)
+    config = checks.make_config(ProbeConfig, config, "store", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     config = processes.writer_config(config, OUTPUTS)
     preflight.check_probe_job(config)
@@ -147,10 +156,10 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
         _write_diagnostics(config.diagnostics, grid, result, train_attrs)
         log(f"wrote {config.diagnostics}", quiet)
     if config.out:
-        reporting.write_json(config.out, results)
+        files.write_json(config.out, results)
         log(f"wrote {config.out}", quiet)  # no duration: it depends on the records
     if config.csv:
-        reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+        files.write_csv(config.csv, run_records, CSV_COLUMNS)
         log(f"wrote {config.csv}", quiet)
     if config.plot:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
@@ -307,7 +316,7 @@ def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
 def _write_diagnostics(path, grid, result, train_attrs) -> None:
     """Exact statistics of the private data, for local debugging only (never published)."""
     batch_sizes = result.batch_sizes
-    reporting.write_json(path, {
+    files.write_json(path, {
         "warning": records.DIAGNOSTICS_WARNING,
         "dpprobe_version": records.VERSION,
         "created": records.now(),

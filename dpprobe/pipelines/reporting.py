@@ -1,60 +1,26 @@
-"""Everything pipelines show or write for people: result files (JSON, CSV), mean +- std
-summaries, the tables and reports the CLI prints, the accuracy plot, progress messages."""
+"""What the commands print for people: mean +- std summaries, the tables and reports."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
-from dpprobe.files import atomic_write_text
-from dpprobe.messages import log
-from dpprobe.model.format import json_default
+from dpprobe.messages import format_epsilon
 
 __all__ = [
     "account_line",
     "audit_report",
     "demo_report",
-    "format_epsilon",
     "format_store_info",
     "format_table",
-    "log",
     "probe_table",
     "summarize_runs",
     "tune_report",
     "warning_lines",
-    "write_csv",
-    "write_json",
 ]
-
-
-def _finite(value):
-    """JSON has no inf/nan: inf epsilon is written as the string "inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def write_json(path, payload: dict) -> None:
-    atomic_write_text(path, json.dumps(_finite(payload), indent=2, default=json_default) + "\n")
-
-
-def write_csv(path, rows: Sequence[dict], columns: Sequence[str]) -> None:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: row.get(k) for k in columns})
-    atomic_write_text(path, buffer.getvalue())
 
 
 def summarize_runs(runs: Sequence[dict], group_keys: Sequence[str], metrics: Sequence[str]):
@@ -88,13 +54,6 @@ def _fmt(value) -> str:
             return f"{value:.3g}"
         return f"{value:.4g}"
     return str(value)
-
-
-def format_epsilon(value) -> str:
-    """An epsilon for people: 'inf (no guarantee)' when infinite."""
-    if value is None or (isinstance(value, float) and math.isinf(value)):
-        return "inf (no guarantee)"
-    return f"{value:.4g}"
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
@@ -313,7 +272,7 @@ def audit_report(results: dict) -> str:
 
 def finetune_line(results: dict) -> str:
     """One line: the model, its test accuracy (and its EMA's) and the guarantee; no duration
-    or speed (they depend on the records: the owner's timing file, `pipelines.timings`)."""
+    or speed (they depend on the records: the owner's timing file, `dpprobe.timings`)."""
     privacy = results["privacy"]
     ema = results.get("test_accuracy_ema")
     ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""

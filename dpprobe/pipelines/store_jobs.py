@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from dpprobe import extract
-from dpprobe.pipelines import config as cfg
+from dpprobe import checks, extract
+from dpprobe.options import num_classes_option, option
 from dpprobe.pipelines import reporting
-from dpprobe.pipelines.options import num_classes_option, option
 
 __all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify", "verify_json", "verify_report"]
 
@@ -33,9 +32,9 @@ class VerifyConfig:
 
     def __post_init__(self):
         if self.store is None and self.data is None:
-            raise cfg.ConfigError("store", "give a store to verify, or `data` to check raw data")
+            raise checks.ConfigError("store", "give a store to verify, or `data` to check raw data")
         if self.num_classes is not None:
-            cfg.check_int("num_classes", self.num_classes)
+            checks.check_int("num_classes", self.num_classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +58,7 @@ def verify(config: VerifyConfig | str | None = None, /,
       the store's `VerifyReport`, or for data alone a `DataReport` (private to the data's
       owner: it names records and quotes their values). Either has `ok`.
     """
-    config = cfg.make_config(VerifyConfig, config, "store", **options)
+    config = checks.make_config(VerifyConfig, config, "store", **options)
     if config.store is None:
         return extract.check_data(config.data, data_dir=config.data_dir,
                                   num_classes=config.num_classes)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpprobe import accounting
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import model_files, preflight, reporting, timings
+from dpprobe import accounting, checks, files, model_files, preflight, timings
+from dpprobe.messages import log
 from dpprobe.pipelines.tune_config import TuneConfig
 from dpprobe.probe import search_steps as steps
 from dpprobe.probe.search_calls import load_public_validation, private_standardization
@@ -22,7 +21,7 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
 
     Takes a `TuneConfig`, or the store and the config's fields as keywords.
     """
-    config = cfg.make_config(TuneConfig, config, "store", **options)
+    config = checks.make_config(TuneConfig, config, "store", **options)
     preflight.check_tune_job(config)
     stopwatch = timings.Stopwatch()
     results = linear_scaling_search(config)
@@ -30,10 +29,10 @@ def run_tune(config: TuneConfig | str, /, **options) -> dict:
     if config.save_model:
         model_files.tune_model(config, results, params, standardizer)
         results["model_file"] = str(config.save_model)
-        reporting.log(f"wrote {config.save_model}", config.quiet)
+        log(f"wrote {config.save_model}", config.quiet)
     if config.out:
-        reporting.write_json(config.out, results)
-        reporting.log(f"wrote {config.out}", config.quiet)
+        files.write_json(config.out, results)
+        log(f"wrote {config.out}", config.quiet)
         # The owner's, never published: how long it took depends on the records.
         timings.write_timings(config.out, "tune", stopwatch, quiet=config.quiet)
     results["params"] = params
@@ -55,7 +54,7 @@ def linear_scaling_search(config: TuneConfig | str, epsilon: float | None = None
     if not isinstance(config, TuneConfig):
         options |= {"epsilon": epsilon} if epsilon is not None else {}
         options |= {"delta": delta} if delta is not None else {}
-    config = cfg.make_config(TuneConfig, config, "store", **options)
+    config = checks.make_config(TuneConfig, config, "store", **options)
     rng = np.random.default_rng(config.seed)  # data-independent choices only
 
     # Inputs: the store; search or not (public quantities); what trains, what scores.

@@ -103,7 +103,7 @@ DEFECTS = {
 
 def _masked(text: str) -> str:
     """Printed text with the DP outputs (accuracies) and the live progress lines' timings (the
-    operator's terminal, `pipelines.timings`) masked."""
+    operator's terminal, `dpprobe.timings`) masked."""
     text = re.sub(r"\d+(\.\d+)?%", "ACC%", text)
     text = re.sub(r"\d+(\.\d+)? s\b", "TIME s", text)
     return re.sub(r"\d+ img/s", "RATE img/s", text)

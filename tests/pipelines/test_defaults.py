@@ -179,7 +179,7 @@ def test_the_learning_rate_keeps_momentums_step_for_every_update_rule(
 
 
 def test_a_momentum_of_one_or_more_is_refused():
-    from dpprobe.pipelines.config import ConfigError
+    from dpprobe.checks import ConfigError
 
     for momentum in (1.0, -0.1):
         with pytest.raises(ConfigError, match="momentum"):

@@ -4,7 +4,7 @@ A job's config field that is also a `dpprobe` option says so with `option(...)`:
 default `--field-name`), its help text and argparse's settings (`type`, `choices`, `action`, ...)
 live in the field's metadata, next to its default, and `add_options` builds the command's parser
 from them. A field without that metadata is for Python callers only. The types here only turn
-text into values; the config checks the values (`pipelines.config`).
+text into values; the config checks the values (`dpprobe.checks`).
 
 Library code names fields and parameters, not flags: an error says "`weights` and `random_init`
 exclude each other", or "`crop=300` exceeds ...", and `cli_words` turns each quoted field of the
