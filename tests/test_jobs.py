@@ -145,3 +145,41 @@ def test_audit_as_a_function(digits_store, tmp_path):
     assert result.table == reporting.audit_report(result.results)
     assert result.results["claim"]["epsilon"] == pytest.approx(1, rel=1e-6)
     assert result.paths == (str(out),) and result.ledger is None and result.models == ()
+
+
+def test_the_command_line_calls_the_job_functions(digits_store, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def recorded(name):
+        job = getattr(jobs, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            result = job(*args, **kwargs)
+            calls[-1] += (result,)
+            return result
+        return call
+
+    for name in ("probe", "predict"):
+        monkeypatch.setattr(jobs, name, recorded(name))
+    models = tmp_path / "models"
+    assert cli.main(["probe", digits_store, "--epsilons", "2", "--seeds", "1", "--steps", "5",
+                     "--save-model", str(models), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    (name, args, kwargs, result) = calls[0]
+    assert (name, kwargs) == ("probe", {}) and isinstance(args[0], dpprobe.ProbeConfig)
+    assert printed == result.table + "\n"  # the command prints the job function's table
+    assert cli.main(["predict", "--model", str(models / "eps2.safetensors"), "--data", digits_store,
+                     "--out", str(tmp_path / "p.csv"), "--quiet"]) == 0
+    (name, args, _, result) = calls[1]
+    assert name == "predict" and isinstance(args[0], dpprobe.PredictConfig)
+    assert capsys.readouterr().err.endswith(result.table + "\n")
+    assert result.paths == (str(tmp_path / "p.csv"),)
+
+
+def test_a_job_function_takes_its_config(digits_store):
+    config = dpprobe.ProbeConfig(digits_store, epsilons=[2], seeds=1, steps=[5], quiet=True)
+    result = dpprobe.probe(config)
+    assert [run["steps"] for run in result.results["runs"]] == [5]
+    with pytest.raises(TypeError):
+        dpprobe.probe(config, seeds=2)  # a config or keywords, not both

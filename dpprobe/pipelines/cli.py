@@ -1,7 +1,8 @@
 """The `dpprobe` command line. Run `dpprobe COMMAND --help` for each command's options.
 
 Each command parses its options into its job's frozen config (argparse destinations are the
-config's field names; an option not given takes the config's default), runs the job, and prints.
+config's field names; an option not given takes the config's default), runs the job through its
+Python function (`dpprobe.jobs`: `dpprobe.probe(config)`, ...), and prints its table.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ import os
 import sys
 import warnings
 
-from dpprobe import options
+from dpprobe import jobs, options
 from dpprobe.accounting import records
 from dpprobe.checks import ConfigError
 from dpprobe.extract import store_summary
 from dpprobe.multihost import processes
 from dpprobe.pipelines import _fast_exit, arguments, reporting
 from dpprobe.pipelines.account_job import AccountConfig, account
-from dpprobe.pipelines.audit_job import AuditConfig, run_audit
+from dpprobe.pipelines.audit_job import AuditConfig
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
 from dpprobe.pipelines.export_job import ExportConfig, run_export
-from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
-from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
-from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
-from dpprobe.pipelines.probe_job import ProbeConfig, run_probe
+from dpprobe.pipelines.extract_job import ExtractConfig
+from dpprobe.pipelines.finetune_job import FinetuneConfig
+from dpprobe.pipelines.predict_job import PredictConfig
+from dpprobe.pipelines.probe_job import ProbeConfig
 from dpprobe.pipelines.store_jobs import (
     InfoConfig,
     VerifyConfig,
@@ -35,7 +36,7 @@ from dpprobe.pipelines.store_jobs import (
     verify_json,
     verify_report,
 )
-from dpprobe.pipelines.tune_job import TuneConfig, run_tune
+from dpprobe.pipelines.tune_job import TuneConfig
 
 # A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
 # users who want the hub set HF_HUB_OFFLINE=0 explicitly.
@@ -58,12 +59,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _extract(config: ExtractConfig, args) -> int:
-    reports = run_extract(config)
+    result = jobs.extract(config)
     if not config.progress:  # --quiet: the final report only (else the job has said it)
-        print("\n".join(report_line(config.out, r, config.dtype) for r in reports))
+        print(result.table)
     if config.shard is not None:
         return 0  # a shard finished its chunks; the split completes with the last shard
-    return 0 if all(r.complete for r in reports) else 1
+    return 0 if all(r.complete for r in result.results) else 1
 
 
 def _verify(config: VerifyConfig, args) -> int:
@@ -84,29 +85,25 @@ def _info(config: InfoConfig, args) -> int:
 
 
 def _probe(config: ProbeConfig, args) -> int:
-    results = run_probe(config)
-    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
-        return 0
-    print(reporting.probe_table(results))
+    result = jobs.probe(config)
+    if processes.is_writer():  # process 0 of a multi-process job prints and writes
+        print(result.table)
     return 0
 
 
 def _tune(config: TuneConfig, args) -> int:
-    print(reporting.tune_report(run_tune(config)))
+    print(jobs.tune(config).table)
     return 0
 
 
 def _finetune(config: FinetuneConfig, args) -> int:
-    results = run_finetune(config)
+    result = jobs.finetune(config)
     if not processes.is_writer():  # process 0 of a multi-process job prints and writes
         return 0
-    if results.get("already_complete"):
-        print(f"already complete: {results['already_complete']}")
-    print(reporting.finetune_line(results))
-    if "audit" in results:
-        print(reporting.finetune_audit_line(results["audit"]))
-        return 1 if results["audit"]["refuted"] else 0
-    return 0
+    if result.results.get("already_complete"):
+        print(f"already complete: {result.results['already_complete']}")
+    print(result.table)
+    return 1 if result.results.get("audit", {}).get("refuted") else 0
 
 
 def _account(config: AccountConfig, args) -> int:
@@ -117,17 +114,16 @@ def _account(config: AccountConfig, args) -> int:
 
 
 def _audit(config: AuditConfig, args) -> int:
-    results = run_audit(config)
-    print(reporting.audit_report(results))
+    result = jobs.audit(config)
+    print(result.table)
     for path in (config.out, config.plot):
         if path:
             print(f"wrote {path}")
-    return 1 if results["claim_refuted"] else 0
+    return 1 if result.results["claim_refuted"] else 0
 
 
 def _predict(config: PredictConfig, args) -> int:
-    result = run_predict(config)
-    print(predict_line(result), file=sys.stderr)
+    print(jobs.predict(config).table, file=sys.stderr)
     return 0
 
 
