@@ -1,31 +1,28 @@
-"""The finetune job: DP-SGD on the weights of a backbone (`finetune.train_finetune`; all, the
-head, biases or LoRA adapters, `finetune.modes`), on images from the same data specs as
-`extract`, evaluated on the test split, recorded with its ledger.
+"""One finetune run, from a job's config to its results: DP-SGD on the weights of a backbone
+(`finetune.train_finetune`; all, the head, biases or LoRA adapters, `finetune.modes`), on images
+from the same data specs as `extract`, evaluated on the test split, recorded with its ledger.
 
 load images -> build the model (LoRA adapters) -> calibrate sigma for (epsilon, delta) from
 q = B/N and T -> train (checkpointed, resumable) -> merge the adapters -> evaluate the model and
-its EMA -> record. `non_private=True`: the same without clipping, noise or accounting.
+its EMA -> record. `non_private=True`: the same without clipping, noise or accounting. The
+command (`dpprobe.pipelines.finetune_job`) writes what this returns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import shutil
 from pathlib import Path
+from typing import Any
 
-from dpprobe import accounting, checks, extract, files, finetune, model_files, preflight, timings
+from dpprobe import accounting, extract, finetune
 from dpprobe.accounting import records
-from dpprobe.finetune import run_folder
 from dpprobe.finetune.data import DATA_RULE, load_images
 from dpprobe.finetune.recipe import default_model, finetune_recipe
 from dpprobe.messages import log
 from dpprobe.multihost import processes
-from dpprobe.pipelines.finetune_config import FinetuneConfig
 
-__all__ = ["FinetuneConfig", "run_finetune"]
+__all__ = ["NON_PRIVATE", "TRAIN_NOTES", "FinetuneRun", "finetune_run"]
 
 # What --non-private says wherever it is recorded.
 NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
@@ -39,61 +36,39 @@ TRAIN_NOTES = {
     "lora": "low-rank adapters W + A B on the attention and MLP layers (qkv, proj, fc1, fc2), "
             "and the head; released merged into the kernels (the model file holds W + A B)",
 }
-# In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
-OPTIONS_FILE = ".dpprobe-finetune-options.json"
 
+@dataclasses.dataclass
+class FinetuneRun:
+    """What a run gives its command to write.
 
-def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
-    """DP-SGD finetuning of a whole model: `run_finetune(FinetuneConfig(...))` or the config's
-    fields as keywords. Returns the results dict (also `out`/results.json).
-
-    Formal guarantee: one run of the Poisson-sampled Gaussian (`accounting.DpPlan(sigma, T, q, C)`,
-    sigma calibrated to (epsilon, delta) by `accountant`, zero-out neighbours, N public), on
-    the parameters `train` names (the others are public constants: the initialization). Noise
-    keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
-    trained model, its test accuracy) and public inputs; the run's wall-clock timings go to
-    the owner's `out`/results.timings.json (`dpprobe.timings`), which is not covered. With
-    `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
-    results and model file say so.
+    Attributes:
+      results: the results dict (DP outputs and public inputs only; results.json).
+      model: the released model (the EMA parameters when EMA is on, else the final iterate).
+      model_file: the keywords of `model_files.finetune_model` besides the path, the results
+        and the model (name, image size, channels, preprocessing, ...).
+      trained: the trainer's result (its compile seconds and images per second: the owner's).
+      checkpointer: the run's checkpointer (None without a checkpoint folder), still open.
     """
-    config = checks.make_config(FinetuneConfig, config, "data", **options)
-    processes.start(config)  # a multi-process job: only process 0 writes outputs
-    multi, config = processes.active(), processes.writer_config(config, ("out",))
-    if multi and config.audit_canaries:
-        raise ValueError("`audit_canaries` needs a one-process job")
-    if not config.out:
-        return _train(config, None)
-    out = Path(config.out)
-    run_folder.check_outside_inputs(out, _input_paths(config))
-    run_folder.check_checkpoint_folder(out / "checkpoint")
-    for name in ("results.json", model_files.MODEL_FILE):
-        preflight.check_output_paths(out=out / name)
-    preflight.check_timings_file(out / "results.json")
-    with run_folder.hold(out, "finetune"):  # one run at a time
-        finished = _finished_run(out, config)
-        if finished is not None and multi:  # the others would train on without it
-            raise ValueError(f"{out} holds a finished run; give a new `out`")
-        if finished is not None:
-            # A run killed after its results and before removing its checkpoint: remove it.
-            shutil.rmtree(out / "checkpoint", ignore_errors=True)
-            log(f"already complete: {out / 'results.json'}", config.quiet)
-            return finished
-        return _train(config, out)
+
+    results: dict
+    model: Any
+    model_file: dict
+    trained: Any
+    checkpointer: Any
 
 
-def _input_paths(config: FinetuneConfig) -> list[str]:
-    """The local files and folders the job reads (its output must not be, nor lie in, one)."""
-    paths = [config.data_dir, config.weights]
-    for spec in (config.data, config.test_data):
-        try:
-            paths.append(extract.parse_data_spec(spec)[1] if spec else None)
-        except ValueError:
-            pass  # refused by the reader, in its own words
-    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
+def finetune_run(config, checkpoint: Path | None, options: dict) -> FinetuneRun:
+    """Load, build, calibrate, train, evaluate and record (module docstring).
 
+    Args:
+      config: the job's `FinetuneConfig`.
+      checkpoint: the checkpoint folder (resumed from when it holds one), or None.
+      options: the options that make the run what it is (a checkpoint is resumed only by a
+        run with the same).
 
-def _train(config: FinetuneConfig, out: Path | None) -> dict:
-    """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
+    Returns:
+      A `FinetuneRun`.
+    """
     if config.train == "lora" and (config.model is None
                                    or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
@@ -103,9 +78,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
         raise ValueError("`weights` and `random_init` are for a timm model: name it (`model`); "
                          "the default models train from scratch")
 
-    stopwatch = timings.Stopwatch()
     quiet = config.quiet
-    options = _options(config)  # as given (a default model stays None: chosen again on rerun)
 
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
     # by the public per-record rule (a bad record trains as a null record; nothing counts them).
@@ -169,11 +142,11 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     # Train: checkpointed under out/checkpoint, resumed from it when present.
     checkpointer = None
-    if out is not None and not multi:  # a multi-process run does not checkpoint
-        checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
+    if checkpoint is not None and not multi:  # a multi-process run does not checkpoint
+        checkpointer = finetune.Checkpointer(checkpoint, every=config.checkpoint_every,
                                              config=options)
         if checkpointer.latest_step() is not None:
-            log(f"resuming from {out / 'checkpoint'} at step {checkpointer.latest_step()}", quiet)
+            log(f"resuming from {checkpoint} at step {checkpointer.latest_step()}", quiet)
 
     def epsilon_at(done: int) -> float:
         return (accounting.DpPlan(sigma, done, q, clip).epsilon(config.delta, config.accountant)
@@ -265,42 +238,22 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     results["model"]["audit_artefact"] = audit is not None
     released = "EMA" if trained.ema_model is not None else "final iterate"
     results["model"]["released_parameters"] = released
-    if out is not None:
-        model_files.finetune_model(
-            out / model_files.MODEL_FILE, results,
-            trained.ema_model if released == "EMA" else trained.model, released=released,
-            name=config.model, image_size=image_size, channels=channels, resize=config.resize,
-            crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
-            timm_architecture=model_info.get("architecture"), trained=trained_info)
-        results["model_file"] = str(out / model_files.MODEL_FILE)
-        # The options before the results: a run killed between the two reruns, not refused.
-        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
-        os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
-        # The owner's, never published (how long the run took depends on its records): the
-        # first step run (it compiles the step) and the expected images (q N per step) per
-        # second over the steps after it (`finetune.timing`). Before the results, whose
-        # presence marks a finished run.
-        timings.write_timings(out / "results.json", "finetune", stopwatch, quiet=quiet,
-                              compile_seconds=trained.compile_seconds,
-                              images_per_second=trained.images_per_second)
-        files.write_json(out / "results.json", results)
-        if checkpointer is not None:
-            checkpointer.close()
-            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
-        for path in (model_files.MODEL_FILE, "results.json"):
-            log(f"wrote {out / path}", quiet)
-        log(f"wrote {out / OPTIONS_FILE} (the run's options, for its rerun: yours only)", quiet)
-    return results
+    released_model = trained.ema_model if released == "EMA" else trained.model
+    model_file = dict(released=released, name=config.model, image_size=image_size,
+                      channels=channels, resize=config.resize, crop=config.crop,
+                      rgb=model_is_timm or channels == 3, mean=mean, std=std,
+                      timm_architecture=model_info.get("architecture"), trained=trained_info)
+    return FinetuneRun(results, released_model, model_file, trained, checkpointer)
 
 
-def _from_config(cls, config: FinetuneConfig, **given):
+def _from_config(cls, config, **given):
     """The trainer's `cls` (`FinetuneSpec`, `FinetuneFlags`) from the config's fields of the
     same names (declared with the trainer's defaults, `finetune.recipe`) and `given` values."""
     names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(config)}
     return cls(**{name: getattr(config, name) for name in names - given.keys()}, **given)
 
 
-def _trained_info(config: FinetuneConfig, model, spec) -> dict:
+def _trained_info(config, model, spec) -> dict:
     """Which parameters the run trains, and how many of how many (public: the architecture)."""
     _, params, rest = finetune.split_trained(model, spec)
     info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
@@ -311,44 +264,7 @@ def _trained_info(config: FinetuneConfig, model, spec) -> dict:
     return info
 
 
-def _options(config: FinetuneConfig) -> dict:
-    """The options that make a run what it is (not where it writes, not how much it prints)."""
-    return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
-                                 default=str))
-
-
-def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
-    """The results of the finished run in `out` when it ran with `config`'s options; None when
-    `out` holds no finished run. A finished run with other options is refused (one line)."""
-    results_file = out / "results.json"
-    if not results_file.is_file():
-        return None
-    try:
-        results = json.loads(results_file.read_text())
-        finished = results.get("job") == "finetune"
-    except (OSError, ValueError, AttributeError):
-        return None  # not a run of ours: the output checks refuse it
-    if not finished:
-        return None
-    try:
-        previous = json.loads((out / OPTIONS_FILE).read_text())
-    except (OSError, ValueError):
-        previous = None
-    if previous != _options(config):
-        differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
-            sorted(k for k in set(previous) | set(_options(config))
-                   if previous.get(k) != _options(config).get(k))) + ")")
-        hint = ""
-        if isinstance(previous, dict) and previous.get("model") and config.model is None:
-            hint = (f" (that run trained model {previous['model']}, and a run naming no model "
-                    f"now gets the default for its image size: add `--model "
-                    f"{previous['model']}` for that run)")
-        raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
-                         f"give a new `out` to train another model{hint}")
-    return results | {"already_complete": str(results_file)}
-
-
-def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
+def _build_model(config, num_classes: int, image_size: int, channels: int):
     """(model, mean, std, public description)."""
     from flax import nnx  # JAX: imported when the job runs, not at the CLI's start
 

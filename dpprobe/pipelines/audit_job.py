@@ -17,6 +17,7 @@ import numpy as np
 
 from dpprobe import accounting, checks, extract, files, plots, preflight, probe, timings
 from dpprobe.accounting import records
+from dpprobe.extract.read import sample_rows
 from dpprobe.messages import log
 from dpprobe.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
@@ -105,7 +106,7 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     quiet = config.quiet
     train_attrs = dict(extract.open_split(config.store, "train").attrs)
     test_attrs = extract.local_split_attrs(config.store, "test") or {}
-    features, labels = _sample_rows(config.store, config.rows)
+    features, labels = sample_rows(config.store, config.rows)
     from dpprobe import dp  # JAX: imported when the audit runs, not at the CLI's start
 
     num_classes = records.declared_num_classes(train_attrs)
@@ -217,21 +218,6 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
                               train_seconds=train_seconds)
     results["scores"] = scores
     return results
-
-
-def _sample_rows(store, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """`rows` rows of the train split drawn without replacement (all if it has fewer), read
-    chunk by chunk (each chunk's sha256 checked); the draw is from OS entropy."""
-    num_rows = int(extract.open_split(store, "train")["labels"].shape[0])
-    chosen = np.sort(np.random.default_rng().choice(num_rows, min(rows, num_rows),
-                                                    replace=False))
-    features, labels, offset = [], [], 0
-    for chunk, chunk_labels in extract.iter_split_chunks(store, "train", dtype=np.float32):
-        local = chosen[(chosen >= offset) & (chosen < offset + len(chunk))] - offset
-        features.append(chunk[local])
-        labels.append(chunk_labels[local])
-        offset += len(chunk)
-    return np.concatenate(features), np.concatenate(labels)
 
 
 def _histogram(in_scores, out_scores, bins: int = 60) -> dict:

@@ -10,15 +10,12 @@ from dpprobe.options import (
     OPTIMIZERS,
     TRAIN_MODES,
     accountant_option,
-    coordinator_option,
     delta_option,
     integer,
     num_classes_option,
-    num_processes_option,
     number,
     option,
-    process_id_option,
-    process_timeout_option,
+    process_fields,
 )
 
 __all__ = ["AUDIT_KINDS", "MAX_CANARIES", "FinetuneConfig"]
@@ -29,6 +26,7 @@ AUDIT_KINDS = ("gradient", "image")
 
 
 @dataclasses.dataclass(frozen=True)
+@process_fields
 class FinetuneConfig:
     """What `run_finetune` does; `dpprobe finetune --help` explains each option.
 
@@ -176,10 +174,6 @@ class FinetuneConfig:
         "canaries on the model's own coordinates (M at most its trained parameters), a "
         "rigorous lower bound and an estimate of epsilon; image: black-box noise images "
         "(loose)")
-    coordinator: str | None = coordinator_option()
-    num_processes: int | None = num_processes_option()
-    process_id: int | None = process_id_option()
-    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):

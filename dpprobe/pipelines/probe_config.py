@@ -12,17 +12,14 @@ from dpprobe.options import (
     NORMALIZATIONS,
     OPTIMIZERS,
     accountant_option,
-    coordinator_option,
     delta_option,
     flag,
     integer,
     integers,
-    num_processes_option,
     number,
     numbers,
     option,
-    process_id_option,
-    process_timeout_option,
+    process_fields,
 )
 
 __all__ = ["MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option",
@@ -58,6 +55,7 @@ def groups_option():
 
 
 @dataclasses.dataclass(frozen=True)
+@process_fields
 class ProbeConfig:
     """What `run_probe` does; `dpprobe probe --help` explains each option.
 
@@ -133,10 +131,6 @@ class ProbeConfig:
     save_model: str | None = option(
         None, metavar="DIR", help="write one model file per epsilon (its first seed's run) "
         "into DIR, named by epsilon (eps1.safetensors), for `dpprobe predict` and `export`")
-    coordinator: str | None = coordinator_option()
-    num_processes: int | None = num_processes_option()
-    process_id: int | None = process_id_option()
-    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="print only the table")
 
     def __post_init__(self):

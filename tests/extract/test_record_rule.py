@@ -16,9 +16,10 @@ from PIL import Image
 
 from dpprobe.extract import defects, open_source
 from dpprobe.finetune import data as finetune_data
+from dpprobe.finetune import job as finetune_job
 from dpprobe.finetune.data import DATA_RULE
 from dpprobe.model import read_model_file
-from dpprobe.pipelines import cli, finetune_job
+from dpprobe.pipelines import cli
 from tests.pipelines.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])

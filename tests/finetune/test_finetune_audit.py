@@ -13,8 +13,9 @@ from flax import nnx
 
 import dpprobe.finetune.train  # noqa: F401 (loads the submodule)
 from dpprobe import accounting, finetune, pipelines
+from dpprobe.finetune import job as finetune_job
 from dpprobe.finetune.canaries import insert_canaries, make_canaries
-from dpprobe.pipelines import cli, finetune_job, reporting
+from dpprobe.pipelines import cli, reporting
 
 DELTA = 1e-5
 CLASSES = 4
