@@ -56,16 +56,17 @@ def wrap(owner, name, label):
             phases[label] = (w + time.perf_counter() - wall, cc + cpu() - c)
     setattr(owner, name, timed)
 from dpprobe import files, timings
+from dpprobe.probe import results as probe_results
 from dpprobe.probe import store_runs
-from dpprobe.pipelines import cli, probe_job, reporting
+from dpprobe.pipelines import cli, probe_job
 from dpprobe import accounting
 wrap(store_runs, "read_splits", "store read")
 wrap(accounting, "calibrate_noise_multiplier", "calibration")
-wrap(probe_job, "_run_record", "records (epsilon per run, PLD)")
-wrap(probe_job, "_composed_epsilon", "records (epsilon per run, PLD)")
+wrap(probe_results, "run_record", "records (epsilon per run, PLD)")
+wrap(probe_results, "composed_epsilon", "records (epsilon per run, PLD)")
 wrap(files, "write_json", "writing (results.json)")
 wrap(timings, "write_timings", "writing (timings)")
-wrap(reporting, "probe_table", "table")
+wrap(probe_job, "probe_table", "table")
 def start_job(inner=probe_job.run_probe):
     def job(*args, **kwargs):
         marks["job_wall"], marks["job_cpu"] = time.perf_counter(), cpu()

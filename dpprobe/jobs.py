@@ -29,13 +29,17 @@ from typing import Any
 from dpprobe import model as dpmodel
 from dpprobe import timings
 from dpprobe.model_files import MODEL_FILE
-from dpprobe.pipelines import reporting
-from dpprobe.pipelines.audit_job import AuditConfig, run_audit
+from dpprobe.pipelines.audit_job import AuditConfig, audit_report, run_audit
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
-from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
+from dpprobe.pipelines.finetune_job import (
+    FinetuneConfig,
+    finetune_audit_line,
+    finetune_line,
+    run_finetune,
+)
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
-from dpprobe.pipelines.probe_job import ProbeConfig, probe_job
-from dpprobe.pipelines.tune_job import TuneConfig, run_tune
+from dpprobe.pipelines.probe_job import ProbeConfig, probe_job, probe_table
+from dpprobe.pipelines.tune_job import TuneConfig, run_tune, tune_report
 
 __all__ = ["JobResult", "audit", "extract", "finetune", "make_callable", "predict", "probe",
            "tune"]
@@ -106,7 +110,7 @@ def _probe_result(config: ProbeConfig) -> JobResult:
     paths = files or tuple(name for name, _, _ in parts)
     models = tuple(dpmodel.Model(path, arrays, dpmodel.file_document(arrays, document))
                    for path, (_, arrays, document) in zip(paths, parts, strict=True))
-    return JobResult("probe", results, reporting.probe_table(results), results["ledger"],
+    return JobResult("probe", results, probe_table(results), results["ledger"],
                      _written(config.out, *_timings(config), config.csv, config.plot,
                               config.diagnostics, *files), models)
 
@@ -114,15 +118,15 @@ def _probe_result(config: ProbeConfig) -> JobResult:
 def _tune_result(config: TuneConfig) -> JobResult:
     results = run_tune(config)
     model = (config.save_model,) if config.save_model else ()
-    return JobResult("tune", results, reporting.tune_report(results), results["ledger"],
+    return JobResult("tune", results, tune_report(results), results["ledger"],
                      _written(config.out, *_timings(config), config.save_model), model)
 
 
 def _finetune_result(config: FinetuneConfig) -> JobResult:
     results = run_finetune(config)
-    lines = [reporting.finetune_line(results)]
+    lines = [finetune_line(results)]
     if "audit" in results:
-        lines.append(reporting.finetune_audit_line(results["audit"]))
+        lines.append(finetune_audit_line(results["audit"]))
     model_file = os.path.join(config.out, MODEL_FILE) if config.out else None
     paths = _written(config.out, model_file)
     return JobResult("finetune", results, "\n".join(lines), results.get("ledger"), paths,
@@ -131,7 +135,7 @@ def _finetune_result(config: FinetuneConfig) -> JobResult:
 
 def _audit_result(config: AuditConfig) -> JobResult:
     results = run_audit(config)
-    return JobResult("audit", results, reporting.audit_report(results), None,
+    return JobResult("audit", results, audit_report(results), None,
                      _written(config.out, config.plot))
 
 

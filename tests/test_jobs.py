@@ -11,7 +11,7 @@ import pytest
 
 import dpprobe
 from dpprobe import jobs
-from dpprobe.pipelines import cli, reporting
+from dpprobe.pipelines import audit_job, cli, probe_job
 from tests.pipelines.test_cli import MINIMAL
 
 JOBS = ["extract", "probe", "tune", "finetune", "audit", "predict"]
@@ -87,7 +87,7 @@ def test_probe_returns_its_table_ledger_models_and_paths(digits_store, tmp_path)
     (run,) = result.results["runs"]
     assert (run["learning_rate"], run["steps"]) == (0.5, 5)
     assert result.results["probe"]["normalization"] == "l2"
-    assert result.table == reporting.probe_table(result.results)
+    assert result.table == probe_job.probe_table(result.results)
     assert result.ledger["epsilon_by_role"]["private"] == pytest.approx(2, rel=1e-6)
     model_file = str(models / "eps2.safetensors")
     assert result.paths == (str(out), str(tmp_path / "results.timings.json"), model_file)
@@ -142,7 +142,7 @@ def test_tune_and_extract_as_functions(digits_store, tmp_path, capsys):
 def test_audit_as_a_function(digits_store, tmp_path):
     out = tmp_path / "audit.json"
     result = dpprobe.audit(digits_store, epsilon=1, runs=50, rows=100, out=str(out), quiet=True)
-    assert result.table == reporting.audit_report(result.results)
+    assert result.table == audit_job.audit_report(result.results)
     assert result.results["claim"]["epsilon"] == pytest.approx(1, rel=1e-6)
     assert result.paths == (str(out),) and result.ledger is None and result.models == ()
 

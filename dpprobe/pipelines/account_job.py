@@ -7,8 +7,9 @@ import dataclasses
 from dpprobe import accounting, checks
 from dpprobe.accounting import records
 from dpprobe.options import accountant_option, delta_option, integer, number, option
+from dpprobe.pipelines.reporting import warning_lines
 
-__all__ = ["AccountConfig", "account"]
+__all__ = ["AccountConfig", "account", "account_line"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +72,13 @@ def account(config: AccountConfig | None = None, /, **options) -> dict:
         "dp_event": accounting.event_to_dict(plan.dp_event()),
         "warnings": records.warnings(delta=config.delta, num_examples=config.num_examples),
     }
+
+
+def account_line(result: dict) -> str:
+    """What `dpprobe account` prints: the noise multiplier, the steps and the epsilon."""
+    q = result["sampling_probability"]
+    sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
+    return "\n".join([
+        f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
+        f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
+        f"({result['accountant'].upper()}, zero-out neighbours)", *warning_lines(result)])

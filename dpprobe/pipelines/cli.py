@@ -19,7 +19,7 @@ from dpprobe.accounting import records
 from dpprobe.checks import ConfigError
 from dpprobe.extract import store_summary
 from dpprobe.multihost import processes
-from dpprobe.pipelines import _fast_exit, arguments, reporting
+from dpprobe.pipelines import _fast_exit, account_job, arguments, demo_job
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
@@ -109,7 +109,7 @@ def _finetune(config: FinetuneConfig, args) -> int:
 def _account(config: AccountConfig, args) -> int:
     result = account(config)
     print(json.dumps(result, indent=2) if getattr(args, "json", False)
-          else reporting.account_line(result))
+          else account_job.account_line(result))
     return 0
 
 
@@ -134,7 +134,7 @@ def _export(config: ExportConfig, args) -> int:
 
 
 def _demo(config: DemoConfig, args) -> int:
-    print(reporting.demo_report(run_demo(config)))
+    print(demo_job.demo_report(run_demo(config)))
     return 0
 
 

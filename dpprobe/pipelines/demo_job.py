@@ -24,11 +24,14 @@ from dpprobe import model as dpmodel
 from dpprobe.messages import log
 from dpprobe.options import integer, option
 from dpprobe.pipelines.extract_job import run_extract
-from dpprobe.pipelines.probe_job import run_probe
+from dpprobe.pipelines.probe_job import probe_table, run_probe
 from dpprobe.pipelines.tune_job import run_tune
 from dpprobe.probe import recipe
 
-__all__ = ["DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "run_demo"]
+__all__ = [
+    "DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "demo_report",
+    "run_demo",
+]
 
 DEMO_DATA = ("fashion-mnist", "digits")
 DEMO_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
@@ -161,3 +164,33 @@ def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
     return [{"row": row, "prediction": model.class_names[int(np.argmax(p))],
              "probability": float(np.max(p)), "label": test.class_names[int(test.labels[row])]}
             for row, p in zip(rows, probabilities, strict=True)]
+
+
+def demo_report(results: dict) -> str:
+    """What `dpprobe demo` prints: the trade-off table, the tuned run beside the published
+    reference, the files it wrote and how long it took."""
+    tune, privacy = results["tune"], results["tune"]["privacy"]
+    lines = [probe_table(results["sweep"]), "",
+             f"tuned privately: {100 * tune['final']['test_accuracy']:.2f}% test accuracy at "
+             f"total epsilon {privacy['epsilon_total']:.4f} (delta {privacy['delta']:g}), every "
+             f"cost paid ({tune['ledger']['num_mechanisms']} mechanisms in its ledger); "
+             + tune["search"]["decision"]]
+    published = results.get("published")
+    if published is not None:
+        lines.append(f"published reference: {published.label.replace(chr(10), ' ')}")
+    predictions = results.get("predictions") or []
+    if predictions:
+        lines.append(f"the tuned model on {len(predictions)} test images: " + ", ".join(
+            f"{p['prediction']} ({100 * p['probability']:.0f}%"
+            + (")" if p["prediction"] == p["label"] else f"; it is {p['label']})")
+            for p in predictions))
+    lines += [f"wrote {path}" for path in results["files"].values()]
+    features = ("reused the features extracted by an earlier run" if results["reused_features"]
+                else "features extracted")
+    lines.append(f"demo finished in {results['wall_seconds']:.0f} s ({features}: "
+                 f"{results['store']})")
+    lines.append(f"next: dpprobe finetune --data {results['data']} --epsilon 3 --out ft (DP-SGD "
+                 "on a whole network; the default for small images is a ScatterNet + CNN), "
+                 f"dpprobe export --model {results['files']['model']} --format onnx "
+                 "model.onnx (README: \"Use your model\")")
+    return "\n".join(lines)

@@ -17,8 +17,9 @@ from dpprobe.finetune.job import finetune_run
 from dpprobe.messages import log
 from dpprobe.multihost import processes
 from dpprobe.pipelines.finetune_config import FinetuneConfig
+from dpprobe.pipelines.reporting import warning_lines
 
-__all__ = ["FinetuneConfig", "run_finetune"]
+__all__ = ["FinetuneConfig", "finetune_audit_line", "finetune_line", "run_finetune"]
 
 # In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
 OPTIONS_FILE = ".dpprobe-finetune-options.json"
@@ -143,3 +144,40 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
         raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
                          f"give a new `out` to train another model{hint}")
     return results | {"already_complete": str(results_file)}
+
+
+def finetune_line(results: dict) -> str:
+    """One line: the model, its test accuracy (and its EMA's) and the guarantee; no duration
+    or speed (they depend on the records: the owner's timing file, `dpprobe.timings`)."""
+    privacy = results["privacy"]
+    ema = results.get("test_accuracy_ema")
+    ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
+    claim = ("NOT PRIVATE (--non-private: no clipping, no noise; epsilon inf)"
+             if "claim" in privacy else
+             f"(epsilon {privacy['epsilon']:.3g}, delta {privacy['delta']:g}), "
+             f"{privacy['accountant']}, {privacy['neighboring_relation_text']}")
+    return "\n".join([
+        f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
+        f"{100 * results['test_accuracy']:.2f}%{ema_text} at {claim}",
+        *warning_lines(results)])
+
+
+def finetune_audit_line(audit: dict) -> str:
+    """One line: the one-run lower bound (and estimate) against the claim
+    (`finetune.canaries`)."""
+    if audit.get("kind") == "gradient":
+        verdict = ("CLAIM REFUTED" if audit["refuted"] else
+                   "consistent with the claim (a lower bound, not a proof of privacy)")
+        return (f"audit (white box, {audit['canaries']} gradient canaries, {audit['included']} "
+                f"in): epsilon >= {audit['epsilon_lower']:.3f} at "
+                f"{100 * audit['confidence']:g}% confidence (rigorous), estimate "
+                f"{audit['epsilon_estimate']:.3f} (not a bound), delta {audit['delta']:g}; "
+                f"claimed {audit['claimed_epsilon']:.3f}; {verdict}; the model is an audit "
+                "artefact (the canaries moved its weights)")
+    verdict = ("CLAIM REFUTED" if audit["refuted"] else
+               "consistent with the claim (a weak one-run lower bound, not a proof of privacy)")
+    return (f"audit (one run, {audit['canaries']} canaries, {audit['included']} in): epsilon >= "
+            f"{audit['epsilon_lower']:.3f} at {100 * audit['confidence']:g}% confidence, delta "
+            f"{audit['delta']:g}; claimed {audit['claimed_epsilon']:.3f} (ratio "
+            f"{audit['ratio']:.3f}); AUROC {audit['auroc']:.3f}; {verdict}; the model is an "
+            "audit model (trained with the canaries)")

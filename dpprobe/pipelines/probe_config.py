@@ -22,8 +22,10 @@ from dpprobe.options import (
     process_fields,
 )
 
-__all__ = ["MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option",
-           "groups_option", "loss_option", "normalization_option", "store_option"]
+__all__ = [
+    "MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option", "groups_option",
+    "loss_option", "normalization_option", "store_option",
+]
 
 # Runs of one sweep (their weights, optimizer state and gradients live together in memory).
 MAX_RUNS = 100_000

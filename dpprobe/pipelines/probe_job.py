@@ -17,13 +17,16 @@ from dpprobe import (
     timings,
 )
 from dpprobe.accounting import records
-from dpprobe.messages import log
+from dpprobe.messages import format_epsilon, log
 from dpprobe.multihost import processes
-from dpprobe.pipelines import reporting
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
+from dpprobe.pipelines.reporting import format_table, pm, same_epsilon, warning_lines
 from dpprobe.probe import recipe, store_runs
+from dpprobe.probe import results as probe_results
 
-__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "run_probe"]
+__all__ = [
+    "CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "probe_table", "run_probe",
+]
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
                "sampling_probability", "optimizer", "learning_rate", "replicate",
@@ -110,18 +113,19 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
         num_examples=num_examples, dim=dim)
 
     # Record: DP outputs and public inputs only (accounting.records).
-    run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
-                   for i, (e, t, lr, k) in enumerate(grid)]
+    run_records = [
+        probe_results.run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
+        for i, (e, t, lr, k) in enumerate(grid)]
     # Every run touched the same training data: choosing among them, or reporting a summary of
     # several, spends their composition. The summary rows say what each aggregate costs.
     ledger = accounting.PrivacyLedger()
     for (epsilon, num_steps, lr, replicate), run in zip(grid, runs, strict=True):
         ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} replicate={replicate}",
                       run.plan, role="private" if run.plan.is_private else "non-private reference")
-    summary = reporting.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
+    summary = probe_results.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
                                        ("test_accuracy", "test_top5_accuracy"))
     for row in summary:
-        row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
+        row["epsilon_row"] = probe_results.composed_epsilon(plans[row["epsilon"], row["steps"]],
                                                row["num_seeds"], delta, accountant)
         row["series"] = (f"T={row['steps']}, lr = r(epsilon) / T (linear scaling rule)"
                          if chosen.scaled else None)
@@ -149,7 +153,7 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
                     "spends the composition of all of them (epsilon)"},
     }
     if config.diagnostics:
-        _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+        probe_results.write_diagnostics(config.diagnostics, grid, result, train_attrs)
         log(f"wrote {config.diagnostics}", quiet)
     if config.out:
         files.write_json(config.out, results)
@@ -172,54 +176,48 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     return results, models
 
 
-def _run_record(config: ProbeConfig, optimizer: str, epsilon: float, plan, lr: float,
-                replicate: int, metrics, i: int) -> dict:
-    """One run's results: DP outputs and public inputs only."""
-    delta, accountant = config.delta, config.accountant
-    return {
-        "epsilon": epsilon,
-        "epsilon_spent": plan.epsilon(delta, accountant),
-        "delta": delta,
-        "noise_multiplier": plan.noise_multiplier,
-        "clip_norm": plan.clip_norm,
-        "steps": plan.steps,
-        "sampling_probability": plan.sampling_probability,
-        "optimizer": optimizer,
-        "learning_rate": lr,
-        "replicate": replicate,
-        "test_accuracy": float(metrics["top1"][i]),
-        "test_top5_accuracy": float(metrics["top5"][i]),
-        "per_class_accuracy": metrics["per_class"][i].tolist(),
-        "accountant": accountant,
-        "neighboring_relation": accounting.NEIGHBORING_RELATION,
-        "guarantee": ("none: non-private reference" if not plan.is_private else
-                      f"({plan.epsilon(delta, accountant):.4g}, {delta:g})-DP alone"),
-        "dp_event": accounting.event_to_dict(plan.dp_event()),
-    }
-
-
-def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
-    """Epsilon of `count` runs of `plan` on the same data, composed (what a mean over seeds
-    costs)."""
-    ledger = accounting.PrivacyLedger()
-    for _ in range(count):
-        ledger.record("run", plan)
-    return ledger.epsilon(delta, accountant)
-
-
-def _write_diagnostics(path, grid, result, train_attrs) -> None:
-    """Exact statistics of the private data, for local debugging only (never published)."""
-    batch_sizes = result.batch_sizes
-    files.write_json(path, {
-        "warning": records.DIAGNOSTICS_WARNING,
-        "dpprobe_version": records.VERSION,
-        "created": records.now(),
-        "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
-        "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
-                  "clipped_fraction": float(result.clipped_fraction[i]),
-                  **({"batch_sizes": batch_sizes[:t, i].tolist()} if batch_sizes is not None
-                     else {})}
-                 for i, (e, t, lr, k) in enumerate(grid)],
-    })
-
-
+def probe_table(results: dict) -> str:
+    """The printed table: epsilon per run and of the row (its seeds composed), noise
+    multiplier, steps, lr, accuracy mean ± std; the non-private reference labelled as such."""
+    rows = []
+    for row in results["summary"]:
+        private = math.isfinite(row["epsilon"])
+        rows.append(
+            row
+            | {
+                "epsilon": row["epsilon"] if private else "inf: non-private, no guarantee",
+                "acc": pm(row["test_accuracy_mean"], row["test_accuracy_std"]),
+                "top5": pm(row["test_top5_accuracy_mean"], row["test_top5_accuracy_std"]),
+            }
+        )
+    columns = [
+        ("epsilon per run", "epsilon"),
+        ("eps spent", "epsilon_spent"),
+        ("eps of row (seeds composed)", "epsilon_row"),
+        ("noise mult", "noise_multiplier"),
+        ("steps", "steps"),
+        ("lr", "learning_rate"),
+        ("seeds", "num_seeds"),
+        ("test acc % (mean ± std)", "acc"),
+        ("top-5 %", "top5"),
+    ]
+    if (results.get("probe") or {}).get("num_classes", 6) <= 5:
+        columns.pop()  # top-5 of at most 5 classes is always 100%: not shown
+    if all(same_epsilon(row["epsilon"], row.get("epsilon_spent")) for row in results["summary"]):
+        columns.remove(("eps spent", "epsilon_spent"))  # it would repeat the first column
+    if all(row.get("num_seeds") == 1 for row in results["summary"]):
+        columns.remove(("eps of row (seeds composed)", "epsilon_row"))  # so would this one
+    privacy = results["privacy"]
+    header = (
+        f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
+        f"{privacy['neighboring_relation_text']}, {privacy['sampling']}; "
+        f"N_train={results['num_train']}, N_test={results['num_test']}"
+    )
+    ledger = results["ledger"]
+    private = sum(1 for e in ledger["entries"] if e["role"] == "private")
+    footer = (f"all {private} private runs together (e.g. picking the best): epsilon = "
+              f"{format_epsilon(ledger['epsilon_by_role'].get('private', 0.0))} at "
+              f"delta={privacy['delta']:g}")
+    if private < ledger["num_mechanisms"]:
+        footer += "; the non-private reference has no guarantee"
+    return "\n".join([header, format_table(rows, columns), footer, *warning_lines(results)])

@@ -9,9 +9,11 @@ import sys
 
 from dpprobe import checks, extract
 from dpprobe.options import num_classes_option, option
-from dpprobe.pipelines import reporting
 
-__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify", "verify_json", "verify_report"]
+__all__ = [
+    "InfoConfig", "VerifyConfig", "format_store_info", "store_info", "verify", "verify_json",
+    "verify_report",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,7 @@ def _source_fingerprints(config: VerifyConfig) -> tuple[dict, list[str]]:
 def store_info(config: InfoConfig | str, /) -> str:
     """The provenance of a store, for people."""
     store = config.store if isinstance(config, InfoConfig) else config
-    return reporting.format_store_info(store, extract.store_summary(store))
+    return format_store_info(store, extract.store_summary(store))
 
 
 def verify_report(report) -> str:
@@ -145,3 +147,32 @@ def verify_json(report) -> dict:
             "splits": {name: {"records": size, "changed": [
                 {"record": where, "kind": defect.kind, "detail": defect.detail}
                 for where, defect in found]} for name, (size, found) in report.splits.items()}}
+
+
+def format_store_info(store, summary: dict) -> str:
+    """The provenance of a store (`extract.store_summary`), for people."""
+    lines = [f"{store}: {summary['root'].get('format')} v{summary['root'].get('format_version')}"]
+    for name, attrs in summary["splits"].items():
+        backbone, dataset = attrs.get("backbone", {}), attrs.get("dataset", {})
+        pre = attrs.get("preprocessing", {})
+        lines += [
+            f"[{name}] {attrs.get('num_examples')} examples x {attrs.get('feature_shape')} "
+            f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
+            f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
+            f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
+            + (f", seed {backbone['seed']}" if backbone.get("seed") is not None else "")
+            + (f", file {backbone['weights_file']}" if backbone.get("weights_file") else "")
+            + (f", sha256 {backbone['weights_sha256']}" if backbone.get("weights_sha256")
+               else "")
+            + (f", tag {backbone['tag']}" if backbone.get("tag") else "") + ")"
+            + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
+                                                      "torch_version") if backbone.get(k)),
+            "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
+                                              if k != "transform" and v not in (None, [], ())),
+            f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
+            f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
+            "  classes: " + ", ".join(str(c) for c in (attrs.get("class_names")
+                                                        or dataset.get("class_names") or [])),
+            f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
+        ]
+    return "\n".join(lines)
