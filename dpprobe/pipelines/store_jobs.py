@@ -8,6 +8,7 @@ import dataclasses
 import sys
 
 from dpprobe import checks, extract
+from dpprobe.extract.verify import source_fingerprints
 from dpprobe.options import num_classes_option, option
 
 __all__ = [
@@ -66,7 +67,8 @@ def verify(config: VerifyConfig | str | None = None, /,
                                   num_classes=config.num_classes)
     fingerprints, extra_problems = None, []
     if config.data:
-        fingerprints, extra_problems = _source_fingerprints(config)
+        fingerprints, extra_problems = source_fingerprints(config.store, config.data,
+                                                          data_dir=config.data_dir)
     bar = None
     if config.progress:
         from tqdm.auto import tqdm  # imported when a bar is shown, not at the CLI's start
@@ -86,29 +88,6 @@ def verify(config: VerifyConfig | str | None = None, /,
             bar.close()
     report.problems.extend(extra_problems)
     return report
-
-
-def _source_fingerprints(config: VerifyConfig) -> tuple[dict, list[str]]:
-    """{split: fingerprint of the source data it should hold}, and the problems found."""
-    data = config.data
-    recorded = extract.store_summary(config.store)["splits"]
-    precomputed = any((a.get("backbone") or {}).get("name") == "none" for a in recorded.values())
-    kind, _ = extract.parse_data_spec(data)
-    num_classes = next((len(a["class_names"]) for a in recorded.values()
-                        if a.get("class_names") and kind == "npz"), None)
-    splits = extract.open_source(data, data_dir=config.data_dir, split=None,
-                                 precomputed=precomputed, num_classes=num_classes)
-    if kind not in ("npz", "imagefolder"):
-        return {name: one.fingerprint for name, one in splits.items()}, []
-    (one,) = splits.values()
-    spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec") == data]
-    print_match = [n for n, a in recorded.items()
-                   if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
-    target = (print_match or spec_match or [None])[0]
-    if target is None:
-        return {}, [f"--data {data} matches no split of the store (its fingerprint "
-                    f"{one.fingerprint} is recorded by none of {sorted(recorded)})"]
-    return {target: one.fingerprint}, []
 
 
 def store_info(config: InfoConfig | str, /) -> str:
