@@ -7,9 +7,17 @@ import dataclasses
 from dpprobe import accounting, checks
 from dpprobe.accounting import records
 from dpprobe.options import accountant_option, delta_option, integer, number, option
-from dpprobe.pipelines.reporting import warning_lines
+from dpprobe.pipelines.reporting import PRIVACY_EPILOG, warning_lines
 
 __all__ = ["AccountConfig", "account", "account_line"]
+
+
+# `dpprobe account`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
+    description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
+    epilog=PRIVACY_EPILOG.format(" unless --accountant rdp"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +90,8 @@ def account_line(result: dict) -> str:
         f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
         f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
         f"({result['accountant'].upper()}, zero-out neighbours)", *warning_lines(result)])
+
+
+def add_output_options(p) -> None:
+    """`--json`: how `dpprobe account` prints."""
+    p.add_argument("--json", action="store_true", help="print JSON")

@@ -31,6 +31,20 @@ NOTE = ("A lower bound for this canary and this threat model (an adversary who c
         "training row and sees the released weights): it can refute the claim, never prove it.")
 
 
+# `dpprobe audit`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="measure the privacy a probe's mechanism at least lacks, with canaries",
+    description="Train probes with a crafted canary row and with a null record in its "
+    "place (the production trainer and mechanism, noise calibrated for --epsilon), score "
+    "each, and bound epsilon from below at --delta: the Gaussian-DP fit and the "
+    "Clopper-Pearson bound, with the ratio to the claim. Exit status 1 when a lower bound "
+    "exceeds the claim.",
+    epilog="A lower bound for this canary and this threat model, not a proof of privacy. "
+    "The claim is for zero-out neighbours (one record replaced by a null record; N public), "
+    "computed with the PLD accountant; noise keys and the row sample draw from OS entropy.",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditConfig:
     """What `run_audit` does; `dpprobe audit --help` explains each option.

@@ -19,7 +19,20 @@ from dpprobe.accounting import records
 from dpprobe.checks import ConfigError
 from dpprobe.extract import store_summary
 from dpprobe.multihost import processes
-from dpprobe.pipelines import _fast_exit, account_job, arguments, demo_job
+from dpprobe.pipelines import (
+    _fast_exit,
+    account_job,
+    audit_job,
+    demo_job,
+    export_job,
+    extract_job,
+    finetune_job,
+    predict_job,
+    probe_job,
+    reporting,
+    store_jobs,
+    tune_job,
+)
 from dpprobe.pipelines.account_job import AccountConfig, account
 from dpprobe.pipelines.audit_job import AuditConfig
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
@@ -138,19 +151,19 @@ def _demo(config: DemoConfig, args) -> int:
     return 0
 
 
-# name: (its options besides its config's, its config, what runs it)
+# name: (its options besides its config's, its config, what runs it, its parser texts)
 COMMANDS = {
-    "extract": (None, ExtractConfig, _extract),
-    "probe": (None, ProbeConfig, _probe),
-    "tune": (None, TuneConfig, _tune),
-    "finetune": (None, FinetuneConfig, _finetune),
-    "account": (arguments.account_output, AccountConfig, _account),
-    "audit": (None, AuditConfig, _audit),
-    "verify": (arguments.verify_output, VerifyConfig, _verify),
-    "info": (arguments.info_output, InfoConfig, _info),
-    "demo": (None, DemoConfig, _demo),
-    "predict": (None, PredictConfig, _predict),
-    "export": (None, ExportConfig, _export),
+    "extract": (None, ExtractConfig, _extract, extract_job.TEXTS),
+    "probe": (None, ProbeConfig, _probe, probe_job.TEXTS),
+    "tune": (None, TuneConfig, _tune, tune_job.TEXTS),
+    "finetune": (None, FinetuneConfig, _finetune, finetune_job.TEXTS),
+    "account": (account_job.add_output_options, AccountConfig, _account, account_job.TEXTS),
+    "audit": (None, AuditConfig, _audit, audit_job.TEXTS),
+    "verify": (store_jobs.add_verify_output, VerifyConfig, _verify, store_jobs.VERIFY_TEXTS),
+    "info": (store_jobs.add_info_output, InfoConfig, _info, store_jobs.INFO_TEXTS),
+    "demo": (None, DemoConfig, _demo, demo_job.TEXTS),
+    "predict": (None, PredictConfig, _predict, predict_job.TEXTS),
+    "export": (None, ExportConfig, _export, export_job.TEXTS),
 }
 
 
@@ -162,13 +175,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="dpprobe",
         description="Differentially private transfer learning on images: extract frozen-"
         "backbone features once into a Zarr cache, then train DP linear probes on it.",
-        epilog=arguments.EPILOG.format(" (RDP on request)"),
+        epilog=reporting.PRIVACY_EPILOG.format(" (RDP on request)"),
     )
     parser.add_argument("--version", action="version", version=f"dpprobe {records.VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (add_output_options, config_class, run) in COMMANDS.items():
+    for name, (add_output_options, config_class, run, texts) in COMMANDS.items():
         # Options not given stay unset, so that the config's defaults apply.
-        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **arguments.TEXTS[name])
+        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **texts)
         p.set_defaults(func=run, config_class=config_class, parser=p)
         if only in (None, name):
             options.add_options(p, config_class)

@@ -25,6 +25,7 @@ from dpprobe.messages import log
 from dpprobe.options import integer, option
 from dpprobe.pipelines.extract_job import run_extract
 from dpprobe.pipelines.probe_job import probe_table, run_probe
+from dpprobe.pipelines.reporting import PRIVACY_EPILOG
 from dpprobe.pipelines.tune_job import run_tune
 from dpprobe.probe import recipe
 
@@ -53,6 +54,16 @@ DEMO_TUNE = {"epsilon": 3.0, "trials": 3, "steps_choices": (25,), "final_steps":
 PUBLISHED = {"fashion-mnist": plots.Reference(
     3.0, 89.7, "Tramer & Boneh 2021, ScatterNet + linear: 89.7% at epsilon 3\n"
     "(published; its hyperparameter tuning was not paid for)", marker="*", color="k")}
+
+
+# `dpprobe demo`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="show the privacy/utility trade-off: extract, sweep epsilon, tune privately",
+    description="Fashion-MNIST (or, when absent, digits) -> ScatterNet features (reused "
+    "by later runs) -> dpprobe probe's defaults at epsilon 0.5, 1, 2, 4, 8 and without "
+    "noise (table, plot) -> dpprobe tune at epsilon 3, every cost paid; delta 1e-5.",
+    epilog=PRIVACY_EPILOG.format(""),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,14 @@ __all__ = ["FORMATS", "ExportConfig", "run_export"]
 FORMATS = ("torch", "timm", "onnx")
 
 
+# `dpprobe export`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="export a model file to PyTorch (torch.export), timm or ONNX",
+    description="The exported module takes float32 NCHW images in [0, 1] at the model's "
+    "input size (a probe on precomputed embeddings: its features) and returns logits.",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     """What `run_export` does.

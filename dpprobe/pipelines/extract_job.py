@@ -14,6 +14,18 @@ from dpprobe.options import Choices, integer, num_classes_option, option
 __all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
 
 
+# `dpprobe extract`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="run a frozen backbone over a dataset into a Zarr feature store",
+    description="Embed a dataset with a frozen backbone and write STORE/{train,test}. "
+    "Rerunning an interrupted command resumes from the last complete chunk.",
+    epilog="Data specs: fashion-mnist, digits, npz:PATH (images, labels), "
+    "imagefolder:PATH (one folder per class), cifar10:PATH, cifar100:PATH. "
+    "Backbones: any timm model name (optionally .tag), scatternet, or none (npz:PATH "
+    "holding features and labels).",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtractConfig:
     """What `run_extract` does; `dpprobe extract --help` explains each option.

@@ -17,12 +17,22 @@ from dpprobe.finetune.job import finetune_run
 from dpprobe.messages import log
 from dpprobe.multihost import processes
 from dpprobe.pipelines.finetune_config import FinetuneConfig
-from dpprobe.pipelines.reporting import warning_lines
+from dpprobe.pipelines.reporting import TRAINING_TEXTS, warning_lines
 
 __all__ = ["FinetuneConfig", "finetune_audit_line", "finetune_line", "run_finetune"]
 
 # In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
 OPTIONS_FILE = ".dpprobe-finetune-options.json"
+
+
+# `dpprobe finetune`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    TRAINING_TEXTS,
+    help="train every weight of a backbone with DP-SGD on images",
+    description="DP-SGD on a whole model (Flax NNX): Poisson-sampled batches, per-example "
+    "clipping, augmentation multiplicity, EMA (De et al.; Beltran et al.). Reports the "
+    "test accuracy at the (epsilon, delta) it spent.",
+)
 
 
 def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:

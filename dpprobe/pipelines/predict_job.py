@@ -24,6 +24,15 @@ from dpprobe.options import integer, option
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
 
 
+# `dpprobe predict`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="apply a model file to a store, a data spec or image files; write a CSV",
+    description="One CSV row per input: id, prediction (class name), probability, label "
+    "(when known) and the top-k. Prints the accuracy when the input has labels. A model "
+    "on features given images runs its recorded backbone (weights sha256-checked).",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
     """What `run_predict` does; `dpprobe predict --help` explains each option.

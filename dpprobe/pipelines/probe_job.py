@@ -20,7 +20,13 @@ from dpprobe.accounting import records
 from dpprobe.messages import format_epsilon, log
 from dpprobe.multihost import processes
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
-from dpprobe.pipelines.reporting import format_table, pm, same_epsilon, warning_lines
+from dpprobe.pipelines.reporting import (
+    TRAINING_TEXTS,
+    format_table,
+    pm,
+    same_epsilon,
+    warning_lines,
+)
 from dpprobe.probe import recipe, store_runs
 from dpprobe.probe import results as probe_results
 
@@ -34,6 +40,15 @@ CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_no
                "guarantee")
 # The fields that name outputs: only process 0 of a multi-process job writes them.
 OUTPUTS = ("out", "csv", "plot", "diagnostics", "save_model")
+
+
+# `dpprobe probe`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    TRAINING_TEXTS,
+    help="train DP linear probes on a feature store over a sweep of epsilons",
+    description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
+    "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
+)
 
 
 def run_probe(config: ProbeConfig | str, /, **options) -> dict:

@@ -1,12 +1,23 @@
-"""What the commands' tables and reports share: fixed-width tables, mean +- std, warnings.
-Each command's own table or report is in its module."""
+"""What the commands' tables, reports and --help texts share: fixed-width tables, mean +- std,
+warnings, the privacy epilog. Each command's own table, report and texts are in its module."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-__all__ = ["format_table", "pm", "same_epsilon", "warning_lines"]
+__all__ = ["PRIVACY_EPILOG", "TRAINING_TEXTS", "format_table", "pm", "same_epsilon",
+           "warning_lines"]
+
+
+# The privacy epilog of the commands' --help ({}: what the accountant is).
+PRIVACY_EPILOG = """\
+Privacy: every epsilon is for zero-out neighbours (one record replaced by a null record; the
+dataset size N is public), computed from the DpEvent of what ran, with the PLD accountant{}.
+Noise and batch sampling always draw from OS entropy."""
+# The parser settings the commands that train with an accountant share: `--seed` must not
+# silently mean `--seeds` (no abbreviations), and the privacy epilog.
+TRAINING_TEXTS = dict(allow_abbrev=False, epilog=PRIVACY_EPILOG.format(" unless --accountant rdp"))
 
 
 def _fmt(value) -> str:

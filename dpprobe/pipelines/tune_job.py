@@ -8,7 +8,7 @@ import numpy as np
 
 from dpprobe import accounting, checks, files, model_files, preflight, timings
 from dpprobe.messages import log
-from dpprobe.pipelines.reporting import format_table, warning_lines
+from dpprobe.pipelines.reporting import PRIVACY_EPILOG, format_table, warning_lines
 from dpprobe.pipelines.tune_config import TuneConfig
 from dpprobe.probe import search_steps as steps
 from dpprobe.probe.search_calls import load_public_validation, private_standardization
@@ -17,6 +17,17 @@ __all__ = [
     "TuneConfig", "linear_scaling_search", "load_public_validation", "private_standardization",
     "run_tune", "tune_report",
 ]
+
+
+# `dpprobe tune`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    allow_abbrev=False,  # `--seed` must not silently mean `--seeds`
+    help="private hyperparameter search (linear scaling rule) + final probe",
+    description="Panda et al.'s linear scaling rule: search r = lr x T at budgets eps0 "
+    "and eps1, fit r = alpha * epsilon + b, extrapolate, train the final full-batch "
+    "DP-SGD probe with the remaining budget. The total epsilon includes every trial.",
+    epilog=PRIVACY_EPILOG.format(""),
+)
 
 
 def run_tune(config: TuneConfig | str, /, **options) -> dict:
