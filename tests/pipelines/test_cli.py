@@ -85,7 +85,7 @@ MINIMAL = {  # each command with only its required options, and the config field
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 def test_every_command_builds_one_frozen_config_with_the_configs_defaults(command):
-    _, config_class, _ = cli.COMMANDS[command]
+    _, config_class, *_ = cli.COMMANDS[command]
     argv, given = MINIMAL[command]
     args = cli.build_parser(command).parse_args([command, *argv])
     config = cli.make_config(args)
@@ -187,7 +187,7 @@ def test_each_option_is_written_once_on_its_config_field(command, capsys):
     one (no option the config lacks, no field the parser forgot), and --help shows each flag."""
     from dpprobe import options
 
-    _, config_class, _ = cli.COMMANDS[command]
+    _, config_class, *_ = cli.COMMANDS[command]
     argv, _ = MINIMAL[command]
     parser = cli.build_parser(command).parse_args([command, *argv]).parser
     dests = {a.dest for a in parser._actions if a.dest != "help"}
