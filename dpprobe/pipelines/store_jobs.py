@@ -17,23 +17,6 @@ __all__ = [
 ]
 
 
-# `dpprobe verify`'s parser texts (help, description, epilog).
-VERIFY_TEXTS = dict(
-    help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
-    description="Reads every chunk: reports missing or incomplete splits, shape and dtype "
-    "mismatches, NaN/Inf, labels out of range, and chunks whose sha256 differs from the "
-    "one recorded when they were written. Exit status 1 if anything is wrong.",
-)
-
-
-# `dpprobe info`'s parser texts (help, description, epilog).
-INFO_TEXTS = dict(
-    help="print a feature store's provenance",
-    description="Backbone, weights, preprocessing, dataset fingerprint, shapes and "
-    "completion of every split.",
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """The store to verify; `data` (with `data_dir` for fashion-mnist) re-fingerprints a data
@@ -172,6 +155,23 @@ def format_store_info(store, summary: dict) -> str:
             f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
         ]
     return "\n".join(lines)
+
+
+# `dpprobe verify`'s parser texts (help, description, epilog).
+VERIFY_TEXTS = dict(
+    help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
+    description="Reads every chunk: reports missing or incomplete splits, shape and dtype "
+    "mismatches, NaN/Inf, labels out of range, and chunks whose sha256 differs from the "
+    "one recorded when they were written. Exit status 1 if anything is wrong.",
+)
+
+
+# `dpprobe info`'s parser texts (help, description, epilog).
+INFO_TEXTS = dict(
+    help="print a feature store's provenance",
+    description="Backbone, weights, preprocessing, dataset fingerprint, shapes and "
+    "completion of every split.",
+)
 
 
 def add_verify_output(p) -> None:
