@@ -3,7 +3,7 @@
   1. speed: `pipelines.run_audit` with 10^4 runs per side (2 x 10^4 probes), single-step DP-SGD,
      on 1,000 rows of a 768-d, 10-class float16 store (the shape of `probe_sweep.py`'s):
      wall time of the job (store to bounds) and of its training alone, read from the job's
-     owner's timing file (`pipelines.timings`; results JSON holds none); medians over --repeats;
+     owner's timing file (`dpprobe.timings`; results JSON holds none); medians over --repeats;
      also DP-SGD T = 10 and single-step DP-Adam, once each;
   2. tightness: the Gaussian-DP-fit bound / the claim for single-step DP-SGD with 10^4 runs per
      side at epsilon 1, 2, 4, 8 (delta 1e-5), and mu estimate / claimed mu;
@@ -44,7 +44,7 @@ def _store(workdir: Path, dim: int, num_train: int) -> Path:
 
 def speed(store: Path, repeats: int) -> list[dict]:
     from dpprobe.pipelines import run_audit
-    from dpprobe.pipelines.timings import read_timings
+    from dpprobe.timings import read_timings
 
     out = store.with_name("audit-speed.json")  # its timing file lies beside it
     rows = []

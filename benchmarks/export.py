@@ -24,7 +24,7 @@ def model_file(folder: str, side: int) -> str:
 
     import dpprobe.finetune.models as fm
     from dpprobe import model as dpmodel
-    from dpprobe.pipelines import model_files
+    from dpprobe import model_files
 
     classes = [str(c) for c in range(10)]
     model = fm.create_model("scatternet_cnn_linear", len(classes), image_size=side,

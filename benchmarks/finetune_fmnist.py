@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--physical-batch-size", type=int, default=512)
     args = parser.parse_args()
     from dpprobe.pipelines import run_finetune
-    from dpprobe.pipelines.timings import read_timings
+    from dpprobe.timings import read_timings
 
     print(f"Fashion-MNIST, (3, 1e-5), {args.runs} runs per model; epochs "
           f"{args.epochs or 'the recipe default'}, EMA decay "

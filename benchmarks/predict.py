@@ -23,9 +23,8 @@ import _path  # noqa: F401  (first: this folder off the import path)
 def make(rows: int, dim: int, folder: str) -> None:
     import numpy as np
 
-    from dpprobe import extract
+    from dpprobe import extract, model_files
     from dpprobe import model as dpmodel
-    from dpprobe.pipelines import model_files
 
     store = os.path.join(folder, "s.zarr")
     attrs = {"backbone": {"name": "none", "weights_source": "precomputed embeddings"},

@@ -42,7 +42,7 @@ def sweep_grid(runs: int, seeds: int) -> tuple[tuple[float, ...], int]:
 def run_sweep(store: Path, out: Path, cache: Path, runs: int, seeds: int) -> dict:
     """One `dpprobe probe --stream` sweep in a child process: wall seconds, peak RSS, the job's
     own wall time (from its owner's timing file beside `out`) and driver."""
-    from dpprobe.pipelines.timings import read_timings
+    from dpprobe.timings import read_timings
 
     epsilons, seeds = sweep_grid(runs, seeds)
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), HF_HUB_OFFLINE="1")

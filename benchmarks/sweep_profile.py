@@ -6,7 +6,7 @@ timers wrapped around the job's phases:
 
   * imports: the interpreter's start to the job's start (the CLI, argparse's `choices`, which
     import `dpprobe.dp`), plus the `probe` import the store read overlaps;
-  * store read: `probe_job._read_splits` (train and test splits, JAX imported meanwhile);
+  * store read: `probe.store_runs.read_splits` (train and test splits, JAX imported meanwhile);
   * calibration: `accounting.calibrate_noise_multiplier` (8 epsilons);
   * train: `probe.train_probe`, split by JAX's own monitoring events into tracing/lowering,
     XLA compilation, compilation-cache reads, and the rest (the clipped sums, noise, the
@@ -55,15 +55,18 @@ def wrap(owner, name, label):
             w, cc = phases.get(label, (0.0, 0.0))
             phases[label] = (w + time.perf_counter() - wall, cc + cpu() - c)
     setattr(owner, name, timed)
-from dpprobe.pipelines import cli, probe_job, reporting, timings
+from dpprobe import files, timings
+from dpprobe.probe import results as probe_results
+from dpprobe.probe import store_runs
+from dpprobe.pipelines import cli, probe_job
 from dpprobe import accounting
-wrap(probe_job, "_read_splits", "store read")
+wrap(store_runs, "read_splits", "store read")
 wrap(accounting, "calibrate_noise_multiplier", "calibration")
-wrap(probe_job, "_run_record", "records (epsilon per run, PLD)")
-wrap(probe_job, "_composed_epsilon", "records (epsilon per run, PLD)")
-wrap(reporting, "write_json", "writing (results.json)")
+wrap(probe_results, "run_record", "records (epsilon per run, PLD)")
+wrap(probe_results, "composed_epsilon", "records (epsilon per run, PLD)")
+wrap(files, "write_json", "writing (results.json)")
 wrap(timings, "write_timings", "writing (timings)")
-wrap(reporting, "probe_table", "table")
+wrap(probe_job, "probe_table", "table")
 def start_job(inner=probe_job.run_probe):
     def job(*args, **kwargs):
         marks["job_wall"], marks["job_cpu"] = time.perf_counter(), cpu()

@@ -4,13 +4,19 @@ commands, the model files, `DPLinearProbe.save`)."""
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
+import json
+import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer"]
+from dpprobe.model.format import json_default
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "write_csv", "write_json"]
 
 
 @contextlib.contextmanager
@@ -63,3 +69,40 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def _finite(value):
+    """JSON has no inf/nan: inf epsilon is written as the string "inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path, payload: dict) -> None:
+    """Write `payload` as indented JSON, atomically (inf as the string "inf").
+
+    Args:
+      path: the file.
+      payload: the JSON object.
+    """
+    atomic_write_text(path, json.dumps(_finite(payload), indent=2, default=json_default) + "\n")
+
+
+def write_csv(path, rows: Sequence[dict], columns: Sequence[str]) -> None:
+    """Write `rows` as CSV with a header of `columns` (other keys left out), atomically.
+
+    Args:
+      path: the file.
+      rows: one dict per row.
+      columns: the column names, in order.
+    """
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: row.get(k) for k in columns})
+    atomic_write_text(path, buffer.getvalue())

@@ -20,20 +20,26 @@ cannot drift from the command line; `inspect.signature` and `help()` show them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import types
 from typing import Any
 
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import reporting, timings
-from dpprobe.pipelines.audit_job import AuditConfig, run_audit
+from dpprobe import timings
+from dpprobe.model_files import MODEL_FILE
+from dpprobe.pipelines.audit_job import AuditConfig, audit_report, run_audit
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
-from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
-from dpprobe.pipelines.model_files import MODEL_FILE
+from dpprobe.pipelines.finetune_job import (
+    FinetuneConfig,
+    finetune_audit_line,
+    finetune_line,
+    run_finetune,
+)
 from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
-from dpprobe.pipelines.probe_job import ProbeConfig, probe_job
-from dpprobe.pipelines.tune_job import TuneConfig, run_tune
+from dpprobe.pipelines.probe_job import ProbeConfig, probe_job, probe_table
+from dpprobe.pipelines.tune_job import TuneConfig, run_tune, tune_report
 
 __all__ = ["JobResult", "audit", "extract", "finetune", "make_callable", "predict", "probe",
            "tune"]
@@ -56,6 +62,9 @@ class JobResult:
       table: what the command prints at the end (the probe table, the tune report, ...).
       ledger: the privacy ledger (every mechanism that ran, their compositions), or None.
       paths: every file or folder the job wrote, in order.
+      model_sources: the models as given: `dpprobe.Model` objects, or the paths of model
+        files (read by `models` on first use, so that the command line, which prints the
+        table, never reads back the model it wrote).
       models: the job's models (`dpprobe.Model`): probe's one per epsilon (x steps x lr, its
         first seed's run; in memory, named by its file, written only with `save_model`), the
         model file tune and finetune wrote.
@@ -66,7 +75,13 @@ class JobResult:
     table: str
     ledger: dict | None
     paths: tuple[str, ...]
-    models: tuple[dpmodel.Model, ...] = ()
+    model_sources: tuple[dpmodel.Model | str, ...] = ()
+
+    @functools.cached_property
+    def models(self) -> tuple[dpmodel.Model, ...]:
+        """The job's models, each file read once, when first asked for."""
+        return tuple(m if isinstance(m, dpmodel.Model) else dpmodel.load_model(m)
+                     for m in self.model_sources)
 
     def __str__(self) -> str:
         return self.table
@@ -95,32 +110,32 @@ def _probe_result(config: ProbeConfig) -> JobResult:
     paths = files or tuple(name for name, _, _ in parts)
     models = tuple(dpmodel.Model(path, arrays, dpmodel.file_document(arrays, document))
                    for path, (_, arrays, document) in zip(paths, parts, strict=True))
-    return JobResult("probe", results, reporting.probe_table(results), results["ledger"],
+    return JobResult("probe", results, probe_table(results), results["ledger"],
                      _written(config.out, *_timings(config), config.csv, config.plot,
                               config.diagnostics, *files), models)
 
 
 def _tune_result(config: TuneConfig) -> JobResult:
     results = run_tune(config)
-    model = (dpmodel.load_model(config.save_model),) if config.save_model else ()
-    return JobResult("tune", results, reporting.tune_report(results), results["ledger"],
+    model = (config.save_model,) if config.save_model else ()
+    return JobResult("tune", results, tune_report(results), results["ledger"],
                      _written(config.out, *_timings(config), config.save_model), model)
 
 
 def _finetune_result(config: FinetuneConfig) -> JobResult:
     results = run_finetune(config)
-    lines = [reporting.finetune_line(results)]
+    lines = [finetune_line(results)]
     if "audit" in results:
-        lines.append(reporting.finetune_audit_line(results["audit"]))
+        lines.append(finetune_audit_line(results["audit"]))
     model_file = os.path.join(config.out, MODEL_FILE) if config.out else None
     paths = _written(config.out, model_file)
     return JobResult("finetune", results, "\n".join(lines), results.get("ledger"), paths,
-                     (dpmodel.load_model(model_file),) if model_file in paths else ())
+                     (model_file,) if model_file in paths else ())
 
 
 def _audit_result(config: AuditConfig) -> JobResult:
     results = run_audit(config)
-    return JobResult("audit", results, reporting.audit_report(results), None,
+    return JobResult("audit", results, audit_report(results), None,
                      _written(config.out, config.plot))
 
 
@@ -150,6 +165,10 @@ def _job(name: str, config_class, first: str | None, finish, doc: str):
     signature = inspect.Signature(parameters, return_annotation=JobResult)
 
     def job(*args, **kwargs) -> JobResult:
+        if args and isinstance(args[0], config_class):  # a config made (the command line's)
+            if len(args) > 1 or kwargs:
+                raise TypeError(f"give a {config_class.__name__} or keyword options, not both")
+            return finish(args[0])
         bound = signature.bind(*args, **kwargs)  # an unknown or missing option: TypeError
         options = {fields[k]: (not v if k in inverted else v) for k, v in bound.arguments.items()}
         return finish(config_class(**options))
@@ -158,7 +177,8 @@ def _job(name: str, config_class, first: str | None, finish, doc: str):
     job.__module__ = __name__
     job.__signature__ = signature
     job.__doc__ = doc + (f"\n\nArgs:\n  The options of `dpprobe {name} --help`, by their "
-                         f"command-line names\n  (the fields of `{config_class.__name__}`).\n\n"
+                         f"command-line names\n  (the fields of `{config_class.__name__}`), or "
+                         f"one `{config_class.__name__}`\n  (as the command line calls it).\n\n"
                          "Returns:\n  A `JobResult`: the results, the table the command prints, "
                          "the ledger,\n  the paths written and the models.")
     return job

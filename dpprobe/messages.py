@@ -5,9 +5,10 @@ share it."""
 
 from __future__ import annotations
 
+import math
 import sys
 
-__all__ = ["log"]
+__all__ = ["format_epsilon", "log"]
 
 
 def log(message: str, quiet: bool = False) -> None:
@@ -19,3 +20,10 @@ def log(message: str, quiet: bool = False) -> None:
     """
     if not quiet:
         print(message, file=sys.stderr, flush=True)
+
+
+def format_epsilon(value) -> str:
+    """An epsilon for people: 'inf (no guarantee)' when infinite."""
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "inf (no guarantee)"
+    return f"{value:.4g}"

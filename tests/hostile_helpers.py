@@ -58,8 +58,8 @@ def bad_images(good: bytes) -> dict[str, bytes]:
 
 def kept_or_new(before: dict, after: dict, out: str) -> None:
     """Every file of the user's unchanged; whatever is new lies in the job's `out`, or is the
-    owner's timing file beside it (`pipelines.timings`)."""
-    from dpprobe.pipelines.timings import timings_path
+    owner's timing file beside it (`dpprobe.timings`)."""
+    from dpprobe.timings import timings_path
 
     changed = [k for k in before if after.get(k) != before[k]]
     assert not changed, changed

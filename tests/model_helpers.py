@@ -4,7 +4,7 @@ test (no training needed to test a format, a prediction or an export), and small
 import numpy as np
 
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import model_files
+from dpprobe import model_files
 
 CLASSES = ["a", "b", "c", "d"]
 

@@ -11,7 +11,7 @@ import pytest
 
 import dpprobe
 from dpprobe import jobs
-from dpprobe.pipelines import cli, reporting
+from dpprobe.pipelines import audit_job, cli, probe_job
 from tests.pipelines.test_cli import MINIMAL
 
 JOBS = ["extract", "probe", "tune", "finetune", "audit", "predict"]
@@ -87,7 +87,7 @@ def test_probe_returns_its_table_ledger_models_and_paths(digits_store, tmp_path)
     (run,) = result.results["runs"]
     assert (run["learning_rate"], run["steps"]) == (0.5, 5)
     assert result.results["probe"]["normalization"] == "l2"
-    assert result.table == reporting.probe_table(result.results)
+    assert result.table == probe_job.probe_table(result.results)
     assert result.ledger["epsilon_by_role"]["private"] == pytest.approx(2, rel=1e-6)
     model_file = str(models / "eps2.safetensors")
     assert result.paths == (str(out), str(tmp_path / "results.timings.json"), model_file)
@@ -142,6 +142,44 @@ def test_tune_and_extract_as_functions(digits_store, tmp_path, capsys):
 def test_audit_as_a_function(digits_store, tmp_path):
     out = tmp_path / "audit.json"
     result = dpprobe.audit(digits_store, epsilon=1, runs=50, rows=100, out=str(out), quiet=True)
-    assert result.table == reporting.audit_report(result.results)
+    assert result.table == audit_job.audit_report(result.results)
     assert result.results["claim"]["epsilon"] == pytest.approx(1, rel=1e-6)
     assert result.paths == (str(out),) and result.ledger is None and result.models == ()
+
+
+def test_the_command_line_calls_the_job_functions(digits_store, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def recorded(name):
+        job = getattr(jobs, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            result = job(*args, **kwargs)
+            calls[-1] += (result,)
+            return result
+        return call
+
+    for name in ("probe", "predict"):
+        monkeypatch.setattr(jobs, name, recorded(name))
+    models = tmp_path / "models"
+    assert cli.main(["probe", digits_store, "--epsilons", "2", "--seeds", "1", "--steps", "5",
+                     "--save-model", str(models), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    (name, args, kwargs, result) = calls[0]
+    assert (name, kwargs) == ("probe", {}) and isinstance(args[0], dpprobe.ProbeConfig)
+    assert printed == result.table + "\n"  # the command prints the job function's table
+    assert cli.main(["predict", "--model", str(models / "eps2.safetensors"), "--data", digits_store,
+                     "--out", str(tmp_path / "p.csv"), "--quiet"]) == 0
+    (name, args, _, result) = calls[1]
+    assert name == "predict" and isinstance(args[0], dpprobe.PredictConfig)
+    assert capsys.readouterr().err.endswith(result.table + "\n")
+    assert result.paths == (str(tmp_path / "p.csv"),)
+
+
+def test_a_job_function_takes_its_config(digits_store):
+    config = dpprobe.ProbeConfig(digits_store, epsilons=[2], seeds=1, steps=[5], quiet=True)
+    result = dpprobe.probe(config)
+    assert [run["steps"] for run in result.results["runs"]] == [5]
+    with pytest.raises(TypeError):
+        dpprobe.probe(config, seeds=2)  # a config or keywords, not both

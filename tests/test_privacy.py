@@ -22,7 +22,7 @@ from dpprobe.pipelines import cli
 # Leaves allowed to differ: DP outputs (functions of the noised models and noisy scores) and
 # the dataset size N (public under zero-out neighbours; removing a row changes it, replacing a
 # row by a null record does not). No time: a run's duration and the store's created/completed
-# times depend on the records (the owner's timing file has them, `pipelines.timings`).
+# times depend on the records (the owner's timing file has them, `dpprobe.timings`).
 ALLOWED = [
     r"runs\[\*\]\.(test_accuracy|test_top5_accuracy|per_class_accuracy\[\*\]|learning_rate)",
     r"summary\[\*\]\.test_(top5_)?accuracy_(mean|std)",

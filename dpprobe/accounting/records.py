@@ -12,7 +12,7 @@ noise or the batches could be replayed from (seeds of a mechanism), label-derive
 statistics go to the local diagnostics file (`write_diagnostics`), which must not be shared.
 Nor any time of a run over private data: its duration, a rate, the time it ended, the store's
 created/completed times (each as long as the records took); those go to the owner's timing
-file (`pipelines.timings`), which must not be shared either.
+file (`dpprobe.timings`), which must not be shared either.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def now() -> str:
 
 def header(job: str, store, train_attrs: dict, test_attrs: dict) -> dict:
     """What every job's results begin with: version, job, store and its public description
-    (no time: the owner's timing file has it, `pipelines.timings`)."""
+    (no time: the owner's timing file has it, `dpprobe.timings`)."""
     return {
         "dpprobe_version": VERSION,
         "job": job,

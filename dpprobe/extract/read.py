@@ -20,7 +20,7 @@ from dpprobe.extract.zarr_io import DamagedStoreError, StorePath, first_line
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["iter_split_chunks", "load_split"]
+__all__ = ["iter_split_chunks", "load_split", "sample_rows"]
 
 
 def load_split(store: StorePath, split: str,
@@ -117,3 +117,26 @@ def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.nda
     raw = np.empty(size + alignment, np.uint8)
     offset = -raw.ctypes.data % alignment
     return raw[offset:offset + size].view(dtype).reshape(shape)
+
+
+def sample_rows(store, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` rows of the train split drawn without replacement (all if it has fewer), read
+    chunk by chunk (each chunk's sha256 checked); the draw is from OS entropy.
+
+    Args:
+      store: the feature store.
+      rows: how many rows.
+
+    Returns:
+      (features as float32, labels), in the split's order.
+    """
+    num_rows = int(open_split(store, "train")["labels"].shape[0])
+    chosen = np.sort(np.random.default_rng().choice(num_rows, min(rows, num_rows),
+                                                    replace=False))
+    features, labels, offset = [], [], 0
+    for chunk, chunk_labels in iter_split_chunks(store, "train", dtype=np.float32):
+        local = chosen[(chosen >= offset) & (chosen < offset + len(chunk))] - offset
+        features.append(chunk[local])
+        labels.append(chunk_labels[local])
+        offset += len(chunk)
+    return np.concatenate(features), np.concatenate(labels)

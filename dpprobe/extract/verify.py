@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dpprobe.extract.store import FORMAT, check_chunk_files, chunk_checksum, identity_differences
+from dpprobe.extract.sources import open_source, parse_data_spec
+from dpprobe.extract.store import (
+    FORMAT,
+    check_chunk_files,
+    chunk_checksum,
+    identity_differences,
+    store_summary,
+)
 from dpprobe.extract.zarr_io import (
     DamagedStoreError,
     StorePath,
@@ -25,7 +32,7 @@ from dpprobe.extract.zarr_io import (
     split_names,
 )
 
-__all__ = ["VerifyReport", "check_chunk_sums", "verify_store"]
+__all__ = ["VerifyReport", "check_chunk_sums", "source_fingerprints", "verify_store"]
 
 
 def check_chunk_sums(where: str, sums: np.ndarray, features: np.ndarray, labels: np.ndarray,
@@ -172,3 +179,37 @@ def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
             problems.append(f"train and test differ in {', '.join(differ)}: one store must hold "
                             "one job (same backbone, weights, preprocessing, class list)")
     return VerifyReport(problems, summary)
+
+
+def source_fingerprints(store, data: str, *, data_dir=None) -> tuple[dict, list[str]]:
+    """The fingerprints of a data spec's splits, as `verify_store(fingerprints=...)` takes
+    them: a source with its own splits split by split; a single-split source (npz,
+    imagefolder) for the split it was extracted into (the one that recorded this spec, else
+    the one whose fingerprint it matches).
+
+    Args:
+      store: the feature store.
+      data: the data spec the store was extracted from.
+      data_dir: where named datasets are cached.
+
+    Returns:
+      ({split: fingerprint of the source data it should hold}, the problems found).
+    """
+    recorded = store_summary(store)["splits"]
+    precomputed = any((a.get("backbone") or {}).get("name") == "none" for a in recorded.values())
+    kind, _ = parse_data_spec(data)
+    num_classes = next((len(a["class_names"]) for a in recorded.values()
+                        if a.get("class_names") and kind == "npz"), None)
+    splits = open_source(data, data_dir=data_dir, split=None,
+                                 precomputed=precomputed, num_classes=num_classes)
+    if kind not in ("npz", "imagefolder"):
+        return {name: one.fingerprint for name, one in splits.items()}, []
+    (one,) = splits.values()
+    spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec") == data]
+    print_match = [n for n, a in recorded.items()
+                   if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
+    target = (print_match or spec_match or [None])[0]
+    if target is None:
+        return {}, [f"--data {data} matches no split of the store (its fingerprint "
+                    f"{one.fingerprint} is recorded by none of {sorted(recorded)})"]
+    return {target: one.fingerprint}, []

@@ -174,7 +174,7 @@ class FinetuneResult:
     steps after it, counted at the expected batch size q N: `finetune.timing`) are wall-clock
     measurements, like a job's run time: not DP outputs, and they depend on the records (one
     slow record, a slow run), so the guarantee does not cover them: for the data's owner only
-    (the finetune job writes them to its timing file, `pipelines.timings`). None when not measured
+    (the finetune job writes them to its timing file, `dpprobe.timings`). None when not measured
     (no step, or a single one, was run). `batches_per_call`: the physical batches one
     compiled call summed (`FinetuneFlags.batches_per_call` or its rule's number; public).
     """

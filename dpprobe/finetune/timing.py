@@ -4,7 +4,7 @@ progress lines a run prints on stderr (`print_progress`).
 
 Timings depend on the private records (a record that decodes or trains slowly slows the run),
 so they are never published: the job writes them to the owner's timing file
-(`pipelines.timings`), and the progress lines are the operator's terminal (off with `--quiet`);
+(`dpprobe.timings`), and the progress lines are the operator's terminal (off with `--quiet`);
 neither is covered by the privacy guarantee.
 
 The device runs asynchronously, so the clock waits for the parameters of the first step and of

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprobe import accounting
+from dpprobe import accounting, checks
 from dpprobe.accounting import records
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import accountant_option, delta_option, integer, number, option
+from dpprobe.options import accountant_option, delta_option, integer, number, option
+from dpprobe.pipelines.reporting import PRIVACY_EPILOG, warning_lines
 
-__all__ = ["AccountConfig", "account"]
+__all__ = ["AccountConfig", "account", "account_line"]
+
+
+# `dpprobe account`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="epsilon from a noise multiplier, or the noise multiplier for an epsilon",
+    description="Privacy accounting of T Gaussian steps (Poisson-sampled if q < 1).",
+    epilog=PRIVACY_EPILOG.format(" unless --accountant rdp"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,22 +43,22 @@ class AccountConfig:
         if (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of `epsilon` and `noise_multiplier`")
         if self.epsilon is not None:
-            cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon))
+            checks.freeze(self, epsilon=checks.check_epsilon("epsilon", self.epsilon))
         else:
-            cfg.freeze(self, noise_multiplier=cfg.check_number(
+            checks.freeze(self, noise_multiplier=checks.check_number(
                 "noise_multiplier", self.noise_multiplier, 0, low_open=False))
-        cfg.freeze(self, delta=cfg.check_delta("delta", self.delta),
-                   steps=cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS),
-                   sampling_probability=cfg.check_number(
+        checks.freeze(self, delta=checks.check_delta("delta", self.delta),
+                   steps=checks.check_int("steps", self.steps, 1, checks.MAX_STEPS),
+                   sampling_probability=checks.check_number(
                        "sampling_probability", self.sampling_probability, 0, 1))
         if self.num_examples is not None:
-            cfg.check_int("num_examples", self.num_examples)
+            checks.check_int("num_examples", self.num_examples)
 
 
 def account(config: AccountConfig | None = None, /, **options) -> dict:
     """Epsilon from a noise multiplier, or the noise multiplier for a target epsilon: the
     answer with its `DpEvent`. Takes an `AccountConfig`, or its fields as keywords."""
-    config = cfg.make_config(AccountConfig, config, None, **options)
+    config = checks.make_config(AccountConfig, config, None, **options)
     noise_multiplier = config.noise_multiplier
     if config.epsilon is not None:
         noise_multiplier = accounting.calibrate_noise_multiplier(
@@ -72,3 +80,18 @@ def account(config: AccountConfig | None = None, /, **options) -> dict:
         "dp_event": accounting.event_to_dict(plan.dp_event()),
         "warnings": records.warnings(delta=config.delta, num_examples=config.num_examples),
     }
+
+
+def account_line(result: dict) -> str:
+    """What `dpprobe account` prints: the noise multiplier, the steps and the epsilon."""
+    q = result["sampling_probability"]
+    sampling = "full batch" if q == 1 else f"Poisson q={q:g}"
+    return "\n".join([
+        f"noise multiplier {result['noise_multiplier']:.6g}, {result['steps']} step(s), "
+        f"{sampling} -> epsilon {result['epsilon']:.6g} at delta {result['delta']:g} "
+        f"({result['accountant'].upper()}, zero-out neighbours)", *warning_lines(result)])
+
+
+def add_output_options(p) -> None:
+    """`--json`: how `dpprobe account` prints."""
+    p.add_argument("--json", action="store_true", help="print JSON")

@@ -11,30 +11,38 @@ sees the released weights), not a proof of privacy.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
-from dpprobe import accounting, extract, probe
+from dpprobe import accounting, checks, extract, files, plots, preflight, probe, timings
 from dpprobe.accounting import records
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight, reporting, timings
-from dpprobe.pipelines.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
+from dpprobe.extract.read import sample_rows
+from dpprobe.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
 from dpprobe.pipelines.probe_config import store_option
-from dpprobe.pipelines.progress import RateProgress
-from dpprobe.pipelines.reporting import log
+from dpprobe.pipelines.reporting import warning_lines
+from dpprobe.probe.audit import audit_probe
 
-__all__ = ["AuditConfig", "run_audit"]
+__all__ = ["AuditConfig", "audit_report", "run_audit"]
 
 # Runs per side of one audit (each run's weights live in memory while its call trains).
 MAX_RUNS = 1_000_000
 
-# Scores simulated under the claim to choose the tests' thresholds (at most this many noise
-# values drawn, unless there are more runs).
-_SIMULATED, _SIMULATED_VALUES = 200_000, 20_000_000
-
 NOTE = ("A lower bound for this canary and this threat model (an adversary who crafts one "
         "training row and sees the released weights): it can refute the claim, never prove it.")
+
+
+# `dpprobe audit`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="measure the privacy a probe's mechanism at least lacks, with canaries",
+    description="Train probes with a crafted canary row and with a null record in its "
+    "place (the production trainer and mechanism, noise calibrated for --epsilon), score "
+    "each, and bound epsilon from below at --delta: the Gaussian-DP fit and the "
+    "Clopper-Pearson bound, with the ratio to the claim. Exit status 1 when a lower bound "
+    "exceeds the claim.",
+    epilog="A lower bound for this canary and this threat model, not a proof of privacy. "
+    "The claim is for zero-out neighbours (one record replaced by a null record; N public), "
+    "computed with the PLD accountant; noise keys and the row sample draw from OS entropy.",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +86,18 @@ class AuditConfig:
     quiet: bool = option(False, action="store_true", help="print only the report")
 
     def __post_init__(self):
-        cfg.freeze(
+        checks.freeze(
             self, store=str(self.store),
-            epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=False),
-            delta=cfg.check_delta("delta", self.delta),
-            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-            confidence=cfg.check_number("confidence", self.confidence, 0.5, 1, high_open=True),
+            epsilon=checks.check_epsilon("epsilon", self.epsilon, allow_inf=False),
+            delta=checks.check_delta("delta", self.delta),
+            clip_norm=checks.check_number("clip_norm", self.clip_norm, 0),
+            confidence=checks.check_number("confidence", self.confidence, 0.5, 1, high_open=True),
         )
-        cfg.check_int("steps", self.steps, 1, cfg.MAX_STEPS)
-        cfg.check_int("runs", self.runs, 2, MAX_RUNS)
-        cfg.check_int("rows", self.rows)
+        checks.check_int("steps", self.steps, 1, checks.MAX_STEPS)
+        checks.check_int("runs", self.runs, 2, MAX_RUNS)
+        checks.check_int("rows", self.rows)
         if self.runs_per_call is not None:
-            cfg.check_int("runs_per_call", self.runs_per_call)
+            checks.check_int("runs_per_call", self.runs_per_call)
 
 
 def run_audit(config: AuditConfig | str, /, **options) -> dict:
@@ -100,75 +108,34 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
       The results dict (also written to `out` as JSON when given); its "scores" (the two
       samples, NumPy) are returned only, not written.
     """
-    config = cfg.make_config(AuditConfig, config, "store", **options)
+    config = checks.make_config(AuditConfig, config, "store", **options)
     preflight.check_output_paths(out=config.out, plot=config.plot)
     preflight.check_timings_file(config.out)
     stopwatch = timings.Stopwatch()
     quiet = config.quiet
     train_attrs = dict(extract.open_split(config.store, "train").attrs)
     test_attrs = extract.local_split_attrs(config.store, "test") or {}
-    features, labels = _sample_rows(config.store, config.rows)
-    from dpprobe import dp  # JAX: imported when the audit runs, not at the CLI's start
-
+    features, labels = sample_rows(config.store, config.rows)
     num_classes = records.declared_num_classes(train_attrs)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer)
     num_examples = len(features) + 1  # the rows and the canary (or its null record)
-
-    # The claim: the noise `dpprobe probe` would use for (epsilon, delta), and its epsilon from
-    # the ledger (PLD, zero-out neighbours); each audited model is one run of this plan.
-    plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=config.steps,
-                                     clip_norm=config.clip_norm)
-    sigma = plan.noise_multiplier
-    claim = accounting.PrivacyLedger()
-    claim.record("one audited model", plan)
-    claimed_epsilon, claimed_mu = claim.epsilon(config.delta), claim.gdp_mu()
-    run = probe.RunSpec(plan, probe.audit_learning_rate(plan, num_examples))
-
-    # Thresholds of the tests, from scores simulated under the claim (before any training).
-    significance = 1.0 - config.confidence
-    rng = np.random.default_rng()
-    count = max(config.runs, min(_SIMULATED, _SIMULATED_VALUES // (config.steps * num_classes)))
-    simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
-                                             count=count, include=include, rng=rng)
-                 for include in (True, False)]
-    gdp_threshold, cp_threshold = dp.choose_thresholds(
-        *simulated, config.delta, significance, sizes=(config.runs, config.runs))
-
-    # Train: M runs with the canary, M with a null record in its place.
-    log(f"audit: {config.runs} runs with the canary and {config.runs} without, "
-        f"{config.optimizer}, T={config.steps}, on {len(features)} rows + the canary", quiet)
-    train_start = time.perf_counter()
-    progress = RateProgress("audit", 2 * config.runs, "runs", quiet)
-    scores = {side: probe.train_canary_runs(
-        features, labels, [run] * config.runs, spec, include=side == "in",
-        runs_per_call=config.runs_per_call,
-        progress=lambda done, offset=offset: progress(offset + done))
-        for side, offset in (("in", 0), ("out", config.runs))}
-    train_seconds = time.perf_counter() - train_start
-
-    # Bounds, each at `confidence`, at the claim's delta.
-    bounds = dp.audit_bounds(scores["in"], scores["out"], delta=config.delta,
-                                gdp_threshold=gdp_threshold, cp_threshold=cp_threshold,
-                                significance=significance)
-    ratios = {
-        "gdp_mu_lower_over_claim": bounds.gdp_mu_lower / claimed_mu,
-        "gdp_mu_estimate_over_claim": bounds.gdp_mu_estimate / claimed_mu,
-        "gdp_epsilon_lower_over_claim": bounds.gdp_epsilon_lower / claimed_epsilon,
-        "cp_epsilon_lower_over_claim": bounds.cp_epsilon_lower / claimed_epsilon,
-    }
-    refuted = (bounds.gdp_mu_lower > claimed_mu
-               or bounds.cp_epsilon_lower > claimed_epsilon)
+    audit = audit_probe(features, labels, spec, epsilon=config.epsilon, delta=config.delta,
+                        steps=config.steps, clip_norm=config.clip_norm, runs=config.runs,
+                        confidence=config.confidence, runs_per_call=config.runs_per_call,
+                        quiet=quiet)
+    plan, run, scores, bounds = audit.plan, audit.run, audit.scores, audit.bounds
+    claimed_epsilon, sigma = audit.claimed_epsilon, plan.noise_multiplier
 
     # Record: the claim, the bounds, what the plot needs; the audit's own privacy.
     all_runs = accounting.PrivacyLedger()
     for _ in range(2 * config.runs):
         all_runs.record("audit run", plan)
-    fpr, fnr = dp.tradeoff_curve(scores["in"], scores["out"])
+    fpr, fnr = audit.tradeoff()
     results = records.header("audit", config.store, train_attrs, test_attrs) | {
         "claim": {
             "epsilon": claimed_epsilon,
             "delta": config.delta,
-            "gdp_mu": claimed_mu,
+            "gdp_mu": audit.claimed_mu,
             "noise_multiplier": sigma,
             "steps": config.steps,
             "clip_norm": config.clip_norm,
@@ -194,8 +161,8 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
                      "the canary's descent direction u",
             "thresholds": "chosen on scores simulated under the claim, before training",
         },
-        "bounds": bounds.to_dict() | ratios,
-        "claim_refuted": refuted,
+        "bounds": bounds.to_dict() | audit.ratios,
+        "claim_refuted": audit.refuted,
         "histogram": _histogram(scores["in"], scores["out"]),
         "tradeoff": {"fpr": fpr.tolist(), "fnr": fnr.tolist()},
         "privacy": {
@@ -211,32 +178,46 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
         "warnings": records.warnings(train_attrs),  # features of a random-init backbone
     }
     if config.out:
-        reporting.write_json(config.out, results)
+        files.write_json(config.out, results)
     if config.plot:
         plots.plot_audit(results, config.plot)
     if config.out:  # the owner's, never published: how long depends on the rows
         timings.write_timings(config.out, "audit", stopwatch, quiet=quiet,
-                              train_seconds=train_seconds)
+                              train_seconds=audit.train_seconds)
     results["scores"] = scores
     return results
-
-
-def _sample_rows(store, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """`rows` rows of the train split drawn without replacement (all if it has fewer), read
-    chunk by chunk (each chunk's sha256 checked); the draw is from OS entropy."""
-    num_rows = int(extract.open_split(store, "train")["labels"].shape[0])
-    chosen = np.sort(np.random.default_rng().choice(num_rows, min(rows, num_rows),
-                                                    replace=False))
-    features, labels, offset = [], [], 0
-    for chunk, chunk_labels in extract.iter_split_chunks(store, "train", dtype=np.float32):
-        local = chosen[(chosen >= offset) & (chosen < offset + len(chunk))] - offset
-        features.append(chunk[local])
-        labels.append(chunk_labels[local])
-        offset += len(chunk)
-    return np.concatenate(features), np.concatenate(labels)
 
 
 def _histogram(in_scores, out_scores, bins: int = 60) -> dict:
     edges = np.histogram_bin_edges(np.concatenate([in_scores, out_scores]), bins)
     return {"edges": edges.tolist(), "in": np.histogram(in_scores, edges)[0].tolist(),
             "out": np.histogram(out_scores, edges)[0].tolist()}
+
+
+def audit_report(results: dict) -> str:
+    """What `dpprobe audit` prints: the claim, the lower bounds with their confidence and
+    ratios to the claim, the attack's statistics, the verdict and what it means."""
+    claim, audit, bounds = results["claim"], results["audit"], results["bounds"]
+    confidence = f"{100 * bounds['confidence']:g}%"
+    tpr = ", ".join(f"{100 * v:.2f}% at FPR {100 * float(f):g}%"
+                    for f, v in bounds["tpr_at_fpr"].items())
+    lines = [
+        f"audit: {audit['runs_per_side']} probes with the canary and {audit['runs_per_side']} "
+        f"without ({audit['optimizer']}, T={claim['steps']}, {audit['num_rows']} rows + the "
+        f"canary, full batch); {claim['neighboring_relation_text']}",
+        f"claimed: epsilon = {claim['epsilon']:.4f} at delta = {claim['delta']:g} (PLD ledger), "
+        f"i.e. mu = {claim['gdp_mu']:.4f} Gaussian DP (noise multiplier "
+        f"{claim['noise_multiplier']:.4g})",
+        f"lower bounds at {confidence} confidence, delta = {claim['delta']:g}:",
+        f"  Gaussian-DP fit: mu >= {bounds['gdp_mu_lower']:.4f} (estimate "
+        f"{bounds['gdp_mu_estimate']:.4f}, {bounds['gdp_mu_estimate_over_claim']:.3f} x the "
+        f"claimed mu), epsilon >= {bounds['gdp_epsilon_lower']:.4f} "
+        f"({100 * bounds['gdp_epsilon_lower_over_claim']:.1f}% of the claim)",
+        f"  Clopper-Pearson: epsilon >= {bounds['cp_epsilon_lower']:.4f} "
+        f"({100 * bounds['cp_epsilon_lower_over_claim']:.1f}% of the claim)",
+        f"attack: AUROC {bounds['auroc']:.4f}; TPR {tpr}",
+        ("CLAIM REFUTED: a lower bound exceeds the claimed privacy"
+         if results["claim_refuted"] else "consistent with the claim: no lower bound exceeds it"),
+        results["note"],
+    ]
+    return "\n".join(lines + warning_lines(results))

@@ -1,7 +1,8 @@
 """The `dpprobe` command line. Run `dpprobe COMMAND --help` for each command's options.
 
 Each command parses its options into its job's frozen config (argparse destinations are the
-config's field names; an option not given takes the config's default), runs the job, and prints.
+config's field names; an option not given takes the config's default), runs the job through its
+Python function (`dpprobe.jobs`: `dpprobe.probe(config)`, ...), and prints its table.
 """
 
 from __future__ import annotations
@@ -13,19 +14,33 @@ import os
 import sys
 import warnings
 
+from dpprobe import jobs, options
 from dpprobe.accounting import records
+from dpprobe.checks import ConfigError
 from dpprobe.extract import store_summary
 from dpprobe.multihost import processes
-from dpprobe.pipelines import _fast_exit, arguments, options, reporting
+from dpprobe.pipelines import (
+    _fast_exit,
+    account_job,
+    audit_job,
+    demo_job,
+    export_job,
+    extract_job,
+    finetune_job,
+    predict_job,
+    probe_job,
+    reporting,
+    store_jobs,
+    tune_job,
+)
 from dpprobe.pipelines.account_job import AccountConfig, account
-from dpprobe.pipelines.audit_job import AuditConfig, run_audit
-from dpprobe.pipelines.config import ConfigError
+from dpprobe.pipelines.audit_job import AuditConfig
 from dpprobe.pipelines.demo_job import DemoConfig, run_demo
 from dpprobe.pipelines.export_job import ExportConfig, run_export
-from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
-from dpprobe.pipelines.finetune_job import FinetuneConfig, run_finetune
-from dpprobe.pipelines.predict_job import PredictConfig, predict_line, run_predict
-from dpprobe.pipelines.probe_job import ProbeConfig, run_probe
+from dpprobe.pipelines.extract_job import ExtractConfig
+from dpprobe.pipelines.finetune_job import FinetuneConfig
+from dpprobe.pipelines.predict_job import PredictConfig
+from dpprobe.pipelines.probe_job import ProbeConfig
 from dpprobe.pipelines.store_jobs import (
     InfoConfig,
     VerifyConfig,
@@ -34,7 +49,7 @@ from dpprobe.pipelines.store_jobs import (
     verify_json,
     verify_report,
 )
-from dpprobe.pipelines.tune_job import TuneConfig, run_tune
+from dpprobe.pipelines.tune_job import TuneConfig
 
 # A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
 # users who want the hub set HF_HUB_OFFLINE=0 explicitly.
@@ -57,12 +72,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _extract(config: ExtractConfig, args) -> int:
-    reports = run_extract(config)
+    result = jobs.extract(config)
     if not config.progress:  # --quiet: the final report only (else the job has said it)
-        print("\n".join(report_line(config.out, r, config.dtype) for r in reports))
+        print(result.table)
     if config.shard is not None:
         return 0  # a shard finished its chunks; the split completes with the last shard
-    return 0 if all(r.complete for r in reports) else 1
+    return 0 if all(r.complete for r in result.results) else 1
 
 
 def _verify(config: VerifyConfig, args) -> int:
@@ -83,50 +98,45 @@ def _info(config: InfoConfig, args) -> int:
 
 
 def _probe(config: ProbeConfig, args) -> int:
-    results = run_probe(config)
-    if not processes.is_writer():  # process 0 of a multi-process job prints and writes
-        return 0
-    print(reporting.probe_table(results))
+    result = jobs.probe(config)
+    if processes.is_writer():  # process 0 of a multi-process job prints and writes
+        print(result.table)
     return 0
 
 
 def _tune(config: TuneConfig, args) -> int:
-    print(reporting.tune_report(run_tune(config)))
+    print(jobs.tune(config).table)
     return 0
 
 
 def _finetune(config: FinetuneConfig, args) -> int:
-    results = run_finetune(config)
+    result = jobs.finetune(config)
     if not processes.is_writer():  # process 0 of a multi-process job prints and writes
         return 0
-    if results.get("already_complete"):
-        print(f"already complete: {results['already_complete']}")
-    print(reporting.finetune_line(results))
-    if "audit" in results:
-        print(reporting.finetune_audit_line(results["audit"]))
-        return 1 if results["audit"]["refuted"] else 0
-    return 0
+    if result.results.get("already_complete"):
+        print(f"already complete: {result.results['already_complete']}")
+    print(result.table)
+    return 1 if result.results.get("audit", {}).get("refuted") else 0
 
 
 def _account(config: AccountConfig, args) -> int:
     result = account(config)
     print(json.dumps(result, indent=2) if getattr(args, "json", False)
-          else reporting.account_line(result))
+          else account_job.account_line(result))
     return 0
 
 
 def _audit(config: AuditConfig, args) -> int:
-    results = run_audit(config)
-    print(reporting.audit_report(results))
+    result = jobs.audit(config)
+    print(result.table)
     for path in (config.out, config.plot):
         if path:
             print(f"wrote {path}")
-    return 1 if results["claim_refuted"] else 0
+    return 1 if result.results["claim_refuted"] else 0
 
 
 def _predict(config: PredictConfig, args) -> int:
-    result = run_predict(config)
-    print(predict_line(result), file=sys.stderr)
+    print(jobs.predict(config).table, file=sys.stderr)
     return 0
 
 
@@ -137,23 +147,23 @@ def _export(config: ExportConfig, args) -> int:
 
 
 def _demo(config: DemoConfig, args) -> int:
-    print(reporting.demo_report(run_demo(config)))
+    print(demo_job.demo_report(run_demo(config)))
     return 0
 
 
-# name: (its options besides its config's, its config, what runs it)
+# name: (its options besides its config's, its config, what runs it, its parser texts)
 COMMANDS = {
-    "extract": (None, ExtractConfig, _extract),
-    "probe": (None, ProbeConfig, _probe),
-    "tune": (None, TuneConfig, _tune),
-    "finetune": (None, FinetuneConfig, _finetune),
-    "account": (arguments.account_output, AccountConfig, _account),
-    "audit": (None, AuditConfig, _audit),
-    "verify": (arguments.verify_output, VerifyConfig, _verify),
-    "info": (arguments.info_output, InfoConfig, _info),
-    "demo": (None, DemoConfig, _demo),
-    "predict": (None, PredictConfig, _predict),
-    "export": (None, ExportConfig, _export),
+    "extract": (None, ExtractConfig, _extract, extract_job.TEXTS),
+    "probe": (None, ProbeConfig, _probe, probe_job.TEXTS),
+    "tune": (None, TuneConfig, _tune, tune_job.TEXTS),
+    "finetune": (None, FinetuneConfig, _finetune, finetune_job.TEXTS),
+    "account": (account_job.add_output_options, AccountConfig, _account, account_job.TEXTS),
+    "audit": (None, AuditConfig, _audit, audit_job.TEXTS),
+    "verify": (store_jobs.add_verify_output, VerifyConfig, _verify, store_jobs.VERIFY_TEXTS),
+    "info": (store_jobs.add_info_output, InfoConfig, _info, store_jobs.INFO_TEXTS),
+    "demo": (None, DemoConfig, _demo, demo_job.TEXTS),
+    "predict": (None, PredictConfig, _predict, predict_job.TEXTS),
+    "export": (None, ExportConfig, _export, export_job.TEXTS),
 }
 
 
@@ -165,13 +175,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="dpprobe",
         description="Differentially private transfer learning on images: extract frozen-"
         "backbone features once into a Zarr cache, then train DP linear probes on it.",
-        epilog=arguments.EPILOG.format(" (RDP on request)"),
+        epilog=reporting.PRIVACY_EPILOG.format(" (RDP on request)"),
     )
     parser.add_argument("--version", action="version", version=f"dpprobe {records.VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (add_output_options, config_class, run) in COMMANDS.items():
+    for name, (add_output_options, config_class, run, texts) in COMMANDS.items():
         # Options not given stay unset, so that the config's defaults apply.
-        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **arguments.TEXTS[name])
+        p = sub.add_parser(name, argument_default=argparse.SUPPRESS, **texts)
         p.set_defaults(func=run, config_class=config_class, parser=p)
         if only in (None, name):
             options.add_options(p, config_class)

@@ -19,18 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-from dpprobe import extract
+from dpprobe import checks, extract, plots, preflight
 from dpprobe import model as dpmodel
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import plots, preflight
+from dpprobe.messages import log
+from dpprobe.options import integer, option
 from dpprobe.pipelines.extract_job import run_extract
-from dpprobe.pipelines.options import integer, option
-from dpprobe.pipelines.probe_job import run_probe
-from dpprobe.pipelines.reporting import log
+from dpprobe.pipelines.probe_job import probe_table, run_probe
+from dpprobe.pipelines.reporting import PRIVACY_EPILOG
 from dpprobe.pipelines.tune_job import run_tune
 from dpprobe.probe import recipe
 
-__all__ = ["DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "run_demo"]
+__all__ = [
+    "DEMO_DATA", "DEMO_EPSILONS", "DEMO_TUNE", "DemoConfig", "demo_data", "demo_report",
+    "run_demo",
+]
 
 DEMO_DATA = ("fashion-mnist", "digits")
 DEMO_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
@@ -54,6 +56,16 @@ PUBLISHED = {"fashion-mnist": plots.Reference(
     "(published; its hyperparameter tuning was not paid for)", marker="*", color="k")}
 
 
+# `dpprobe demo`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="show the privacy/utility trade-off: extract, sweep epsilon, tune privately",
+    description="Fashion-MNIST (or, when absent, digits) -> ScatterNet features (reused "
+    "by later runs) -> dpprobe probe's defaults at epsilon 0.5, 1, 2, 4, 8 and without "
+    "noise (table, plot) -> dpprobe tune at epsilon 3, every cost paid; delta 1e-5.",
+    epilog=PRIVACY_EPILOG.format(""),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Where the demo writes, which data (None: fashion-mnist if installed, else digits), how
@@ -67,8 +79,8 @@ class DemoConfig:
 
     def __post_init__(self):
         if self.data is not None and self.data not in DEMO_DATA:
-            raise cfg.ConfigError("data", f"must be one of {DEMO_DATA}, got {self.data!r}")
-        cfg.check_int("seeds", self.seeds)
+            raise checks.ConfigError("data", f"must be one of {DEMO_DATA}, got {self.data!r}")
+        checks.check_int("seeds", self.seeds)
 
 
 def demo_data() -> str:
@@ -89,9 +101,9 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
       {"data", "store", "sweep" (the probe's results), "tune" (the tune's results, without
       its parameters), "files" (what it wrote), "reused_features", "wall_seconds"}. The demo's
       data is public, so its duration may be shown; its sweep and tune write their timings to
-      their owner's files all the same (`pipelines.timings`).
+      their owner's files all the same (`dpprobe.timings`).
     """
-    config = cfg.make_config(DemoConfig, config, "out_dir", **options)
+    config = checks.make_config(DemoConfig, config, "out_dir", **options)
     out = Path(config.out_dir)
     files = {"sweep": out / "results.json", "tune": out / "tune.json",
              "model": out / "tuned.safetensors", "plot": out / "tradeoff.png"}
@@ -163,3 +175,33 @@ def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
     return [{"row": row, "prediction": model.class_names[int(np.argmax(p))],
              "probability": float(np.max(p)), "label": test.class_names[int(test.labels[row])]}
             for row, p in zip(rows, probabilities, strict=True)]
+
+
+def demo_report(results: dict) -> str:
+    """What `dpprobe demo` prints: the trade-off table, the tuned run beside the published
+    reference, the files it wrote and how long it took."""
+    tune, privacy = results["tune"], results["tune"]["privacy"]
+    lines = [probe_table(results["sweep"]), "",
+             f"tuned privately: {100 * tune['final']['test_accuracy']:.2f}% test accuracy at "
+             f"total epsilon {privacy['epsilon_total']:.4f} (delta {privacy['delta']:g}), every "
+             f"cost paid ({tune['ledger']['num_mechanisms']} mechanisms in its ledger); "
+             + tune["search"]["decision"]]
+    published = results.get("published")
+    if published is not None:
+        lines.append(f"published reference: {published.label.replace(chr(10), ' ')}")
+    predictions = results.get("predictions") or []
+    if predictions:
+        lines.append(f"the tuned model on {len(predictions)} test images: " + ", ".join(
+            f"{p['prediction']} ({100 * p['probability']:.0f}%"
+            + (")" if p["prediction"] == p["label"] else f"; it is {p['label']})")
+            for p in predictions))
+    lines += [f"wrote {path}" for path in results["files"].values()]
+    features = ("reused the features extracted by an earlier run" if results["reused_features"]
+                else "features extracted")
+    lines.append(f"demo finished in {results['wall_seconds']:.0f} s ({features}: "
+                 f"{results['store']})")
+    lines.append(f"next: dpprobe finetune --data {results['data']} --epsilon 3 --out ft (DP-SGD "
+                 "on a whole network; the default for small images is a ScatterNet + CNN), "
+                 f"dpprobe export --model {results['files']['model']} --format onnx "
+                 "model.onnx (README: \"Use your model\")")
+    return "\n".join(lines)

@@ -16,16 +16,23 @@ import dataclasses
 import json
 import os
 
+from dpprobe import checks, preflight
 from dpprobe import model as dpmodel
 from dpprobe.files import atomic_write_bytes
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import preflight
-from dpprobe.pipelines.options import option
-from dpprobe.pipelines.reporting import log
+from dpprobe.messages import log
+from dpprobe.options import option
 
 __all__ = ["FORMATS", "ExportConfig", "run_export"]
 
 FORMATS = ("torch", "timm", "onnx")
+
+
+# `dpprobe export`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="export a model file to PyTorch (torch.export), timm or ONNX",
+    description="The exported module takes float32 NCHW images in [0, 1] at the model's "
+    "input size (a probe on precomputed embeddings: its features) and returns logits.",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +58,14 @@ class ExportConfig:
 
     def __post_init__(self):
         if self.format not in FORMATS:
-            raise cfg.ConfigError("format", f"must be one of {FORMATS}, got {self.format!r}")
-        cfg.freeze(self, model=os.fspath(self.model), out=os.fspath(self.out))
+            raise checks.ConfigError("format", f"must be one of {FORMATS}, got {self.format!r}")
+        checks.freeze(self, model=os.fspath(self.model), out=os.fspath(self.out))
 
 
 def run_export(config: ExportConfig | str, /, **options) -> dict:
     """Export a model file: `run_export(ExportConfig(...))` or `run_export(model, format=...,
     out=...)`. Returns {"out", "format", "input", "load"} (how to load it)."""
-    config = cfg.make_config(ExportConfig, config, "model", **options)
+    config = checks.make_config(ExportConfig, config, "model", **options)
     preflight.check_output_paths(**{"OUT": config.out})
     if os.path.realpath(config.out) == os.path.realpath(config.model):
         raise ValueError(f"OUT {config.out} is the model file itself; choose another path")

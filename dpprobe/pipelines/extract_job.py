@@ -4,16 +4,26 @@ shard of a multi-process job, or as Ray tasks."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
-from dpprobe import extract
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import options, preflight
-from dpprobe.pipelines.options import Choices, integer, num_classes_option, option
-from dpprobe.pipelines.reporting import log
+from dpprobe import checks, extract, options, preflight
+from dpprobe.extract.job import extract_splits, extract_with_ray
+from dpprobe.messages import log
+from dpprobe.options import Choices, integer, num_classes_option, option
 
 __all__ = ["ExtractConfig", "run_extract", "run_extract_ray"]
+
+
+# `dpprobe extract`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="run a frozen backbone over a dataset into a Zarr feature store",
+    description="Embed a dataset with a frozen backbone and write STORE/{train,test}. "
+    "Rerunning an interrupted command resumes from the last complete chunk.",
+    epilog="Data specs: fashion-mnist, digits, npz:PATH (images, labels), "
+    "imagefolder:PATH (one folder per class), cifar10:PATH, cifar100:PATH. "
+    "Backbones: any timm model name (optionally .tag), scatternet, or none (npz:PATH "
+    "holding features and labels).",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,20 +95,20 @@ class ExtractConfig:
     num_classes: int | None = num_classes_option()
 
     def __post_init__(self):
-        cfg.freeze(self, augment=tuple(self.augment),
+        checks.freeze(self, augment=tuple(self.augment),
                    shard=None if self.shard is None else tuple(self.shard))
-        cfg.check_int("seed", self.seed, 0)
-        cfg.check_int("augment_seed", self.augment_seed, 0)
-        cfg.check_int("batch_size", self.batch_size)
+        checks.check_int("seed", self.seed, 0)
+        checks.check_int("augment_seed", self.augment_seed, 0)
+        checks.check_int("batch_size", self.batch_size)
         for name in ("resize", "crop", "rows_per_chunk", "views", "ray_shards", "num_classes"):
             if getattr(self, name) is not None:
-                cfg.check_int(name, getattr(self, name))
+                checks.check_int(name, getattr(self, name))
         if self.num_workers is not None:
-            cfg.check_int("num_workers", self.num_workers, 0)
+            checks.check_int("num_workers", self.num_workers, 0)
         if self.shard is not None:
             index, count = self.shard
             if not (count >= 1 and 0 <= index < count):
-                raise cfg.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
+                raise checks.ConfigError("shard", f"K/N needs 0 <= K < N, got {index}/{count}")
         if self.views is not None and self.views > 1 and not self.augment:
             raise ValueError(f"`views={self.views}` without `augment` would store identical "
                              "views; add `augment=flip,crop`")
@@ -121,56 +131,16 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     or `num_classes`, declare the class list; `split` names its split). Returns one
     `ExtractReport` per split; with progress on, each also says how it ended.
     """
-    config = cfg.make_config(ExtractConfig, config, None, **options)
+    config = checks.make_config(ExtractConfig, config, None, **options)
     extract.check_out_path(config.out)
     if config.ray:
         preflight.require_module("ray", "`ray=True`", "pip install ray==2.60.0")
         reports = run_extract_ray(config)
     else:
-        reports = _extract_local(config, shard=config.shard)
+        reports = extract_splits(config, shard=config.shard)
     for report in reports:
         log(report_line(config.out, report, config.dtype), quiet=not config.progress)
     return reports
-
-
-def _extract_splits(config: ExtractConfig, *, shard, only_create: bool) -> list:
-    """The calls into `extract`: open the data and the backbone, then extract every split (or
-    create it, empty) and return their reports."""
-    precomputed = config.backbone == "none"
-    if isinstance(config.data, str):
-        splits = extract.open_source(config.data, split=config.split, data_dir=config.data_dir,
-                                     precomputed=precomputed, num_classes=config.num_classes)
-    else:  # a torch Dataset (Python API)
-        if precomputed:
-            raise ValueError("`backbone=none` reads an npz of features, not a torch Dataset")
-        name = config.split if config.split not in (None, "all") else "train"
-        splits = {name: extract.from_torch_dataset(config.data, split=name,
-                                                   num_classes=config.num_classes)}
-    model = None
-    if not precomputed:
-        model = extract.create_backbone(
-            config.backbone, weights=config.weights, random_init=config.random_init,
-            seed=config.seed, resize=config.resize, crop=config.crop, device=config.device,
-            mode=extract.image_mode_of(splits.values()) if config.backbone == "scatternet"
-            else None,
-        )
-    return [
-        extract.extract_split(
-            data_split, model, config.out, split_name=name, batch_size=config.batch_size,
-            dtype=config.dtype, rows_per_chunk=config.rows_per_chunk,
-            overwrite=config.overwrite, progress=config.progress and not only_create,
-            num_workers=config.num_workers, amp=config.amp,
-            channels_last=config.channels_last, compile=config.compile, shard=shard,
-            views=config.views, augment=config.augment, augment_seed=config.augment_seed,
-            create_only=only_create,
-        )
-        for name, data_split in splits.items()
-    ]
-
-
-def _extract_local(config: ExtractConfig, *, shard=None) -> list:
-    """Extract every split (one shard of each with `shard`)."""
-    return _extract_splits(config, shard=shard, only_create=False)
 
 
 def report_line(out: str, report, dtype: str) -> str:
@@ -192,13 +162,6 @@ def report_line(out: str, report, dtype: str) -> str:
             f"{work}{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}")
 
 
-def _ray_shard(config: ExtractConfig, shard: tuple[int, int]) -> list:
-    """One Ray task: extract one shard of every split (re-opening data and backbone there)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return _extract_local(dataclasses.replace(config, progress=False, overwrite=False),
-                          shard=shard)
-
-
 def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
     """Extract with one Ray task per shard (one per GPU when the cluster has GPUs).
 
@@ -208,27 +171,4 @@ def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:
     redone, so rerunning after a failure resumes. `config.ray_address` names the cluster and
     `config.ray_shards` the number of shards (default: one per GPU, else per CPU).
     """
-    import ray  # optional (dpprobe[ray]), imported when Ray runs the job
-
-    config = cfg.make_config(ExtractConfig, config, None, **options)
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False,
-                 ignore_reinit_error=True)
-    resources = ray.cluster_resources()
-    gpus = int(resources.get("GPU", 0))
-    shards = config.ray_shards or max(1, gpus or int(resources.get("CPU", 1)))
-    log(f"ray: {shards} shards on {resources}", not config.progress)
-    # 1. Create every split (and validate the job) once, on the driver.
-    created = _extract_splits(config, shard=None, only_create=True)
-    # 2. One task per shard.
-    task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_shard)
-    results = ray.get([task.remote(config, (k, shards)) for k in range(shards)])
-    # 3. Mark complete what is complete (the last shard usually already did); no need to load
-    #    the data or the backbone again for that.
-    reports = []
-    for report in created:
-        written = sum(r.chunks_written for shard in results for r in shard
-                      if r.split == report.split)
-        complete = extract.finalize_split(config.out, report.split)
-        reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
-    return reports
+    return extract_with_ray(checks.make_config(ExtractConfig, config, None, **options))

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpprobe import checks
 from dpprobe.finetune import recipe
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import (
+from dpprobe.options import (
     OPTIMIZERS,
     TRAIN_MODES,
     accountant_option,
-    coordinator_option,
     delta_option,
     integer,
     num_classes_option,
-    num_processes_option,
     number,
     option,
-    process_id_option,
-    process_timeout_option,
+    process_fields,
 )
 
 __all__ = ["AUDIT_KINDS", "MAX_CANARIES", "FinetuneConfig"]
@@ -29,6 +26,7 @@ AUDIT_KINDS = ("gradient", "image")
 
 
 @dataclasses.dataclass(frozen=True)
+@process_fields
 class FinetuneConfig:
     """What `run_finetune` does; `dpprobe finetune --help` explains each option.
 
@@ -64,7 +62,7 @@ class FinetuneConfig:
       microbatch_size: refused (None only): it has no effect on book-keeping clipping.
       seed: drives only the model's initialization (never a mechanism).
       out: a folder for results.json and model.safetensors (the released model: the EMA
-        parameters when EMA is on; `pipelines.model_files`), and checkpoints while it runs.
+        parameters when EMA is on; `dpprobe.model_files`), and checkpoints while it runs.
       checkpoint_every: steps between checkpoints (with `out`); a run with the same options
         and `out` resumes from the latest one.
       coordinator, num_processes, process_id, process_timeout: run as one of several
@@ -176,43 +174,39 @@ class FinetuneConfig:
         "canaries on the model's own coordinates (M at most its trained parameters), a "
         "rigorous lower bound and an estimate of epsilon; image: black-box noise images "
         "(loose)")
-    coordinator: str | None = coordinator_option()
-    num_processes: int | None = num_processes_option()
-    process_id: int | None = process_id_option()
-    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):
-        cfg.check_processes(self)
-        cfg.freeze(self, epsilon=cfg.check_epsilon("epsilon", self.epsilon, allow_inf=True),
-                   delta=cfg.check_delta("delta", self.delta))
+        checks.check_processes(self)
+        checks.freeze(self, epsilon=checks.check_epsilon("epsilon", self.epsilon, allow_inf=True),
+                   delta=checks.check_delta("delta", self.delta))
         for name in ("learning_rate", "clip_norm", "epochs"):
             if getattr(self, name) is not None:
-                cfg.freeze(self, **{name: cfg.check_number(name, getattr(self, name), 0)})
+                checks.freeze(self, **{name: checks.check_number(name, getattr(self, name), 0)})
         for name in ("physical_batch_size", "augmult", "devices", "checkpoint_every",
                      "lora_rank"):
-            cfg.check_int(name, getattr(self, name))
+            checks.check_int(name, getattr(self, name))
         if self.microbatch_size is not None:
-            raise cfg.ConfigError("microbatch_size", "has no effect: the job's book-keeping "
+            raise checks.ConfigError("microbatch_size", "has no effect: the job's book-keeping "
                                   "clipping forms no per-example kernel gradients; lower "
                                   "`physical_batch_size` to use less memory")
         for name in ("batch_size", "steps", "resize", "crop", "num_classes"):
             if getattr(self, name) is not None:
-                cfg.check_int(name, getattr(self, name), high=cfg.MAX_STEPS)
-        cfg.check_int("warmup_steps", self.warmup_steps, 0)
-        cfg.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
+                checks.check_int(name, getattr(self, name), high=checks.MAX_STEPS)
+        checks.check_int("warmup_steps", self.warmup_steps, 0)
+        checks.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
         if self.audit_canaries == 1:
-            raise cfg.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
+            raise checks.ConfigError("audit_canaries", "needs at least 2 canaries (0: no audit)")
         if self.non_private and self.audit_canaries:
-            raise cfg.ConfigError("audit_canaries", "audits a privacy claim; `non_private=True` "
+            raise checks.ConfigError("audit_canaries", "audits a privacy claim; `non_private=True` "
                                   "trains without one")
         if self.audit_kind not in AUDIT_KINDS:
-            raise cfg.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
+            raise checks.ConfigError("audit_kind", f"must be one of {', '.join(AUDIT_KINDS)}, got "
                                   f"{self.audit_kind!r}")
-        cfg.check_int("crop_padding", self.crop_padding, 0)
+        checks.check_int("crop_padding", self.crop_padding, 0)
         for name in ("momentum", "ema_decay"):  # in [0, 1)
             if getattr(self, name) is not None:
-                cfg.check_number(name, getattr(self, name), 0.0, 1.0, low_open=False,
+                checks.check_number(name, getattr(self, name), 0.0, 1.0, low_open=False,
                                  high_open=True)
         if self.weights is not None and self.random_init:
-            raise cfg.ConfigError("weights", "`weights` and `random_init` exclude each other")
+            raise checks.ConfigError("weights", "`weights` and `random_init` exclude each other")

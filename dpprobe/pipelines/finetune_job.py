@@ -1,48 +1,38 @@
-"""The finetune job: DP-SGD on the weights of a backbone (`finetune.train_finetune`; all, the
-head, biases or LoRA adapters, `finetune.modes`), on images from the same data specs as
-`extract`, evaluated on the test split, recorded with its ledger.
-
-load images -> build the model (LoRA adapters) -> calibrate sigma for (epsilon, delta) from
-q = B/N and T -> train (checkpointed, resumable) -> merge the adapters -> evaluate the model and
-its EMA -> record. `non_private=True`: the same without clipping, noise or accounting.
+"""The finetune command: its run folder (one run at a time, a finished run kept), the run
+(`finetune.job.finetune_run`), and what it writes: the model file, the owner's timings, the
+results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 
-from dpprobe import accounting, extract, files, finetune
-from dpprobe.accounting import records
+from dpprobe import checks, extract, files, model_files, preflight, timings
 from dpprobe.finetune import run_folder
-from dpprobe.finetune.data import DATA_RULE, load_images
-from dpprobe.finetune.recipe import default_model, finetune_recipe
+from dpprobe.finetune.job import finetune_run
+from dpprobe.messages import log
 from dpprobe.multihost import processes
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import model_files, preflight, reporting, timings
 from dpprobe.pipelines.finetune_config import FinetuneConfig
-from dpprobe.pipelines.reporting import log
+from dpprobe.pipelines.reporting import TRAINING_TEXTS, warning_lines
 
-__all__ = ["FinetuneConfig", "run_finetune"]
+__all__ = ["FinetuneConfig", "finetune_audit_line", "finetune_line", "run_finetune"]
 
-# What --non-private says wherever it is recorded.
-NON_PRIVATE = ("--non-private: trained with the plain batch gradient (no clipping, no noise, no "
-               "accounting) on the same Poisson batches as DP-SGD; this model and its results "
-               "carry NO privacy guarantee (epsilon inf)")
-TRAIN_NOTES = {
-    "all": "every parameter",
-    "head": "the classifier head only; the rest is the initialization, unchanged",
-    "bias": "every bias and normalization offset, and the head (DP-BiTFiT); the rest is the "
-            "initialization, unchanged",
-    "lora": "low-rank adapters W + A B on the attention and MLP layers (qkv, proj, fc1, fc2), "
-            "and the head; released merged into the kernels (the model file holds W + A B)",
-}
 # In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
 OPTIONS_FILE = ".dpprobe-finetune-options.json"
+
+
+# `dpprobe finetune`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    TRAINING_TEXTS,
+    help="train every weight of a backbone with DP-SGD on images",
+    description="DP-SGD on a whole model (Flax NNX): Poisson-sampled batches, per-example "
+    "clipping, augmentation multiplicity, EMA (De et al.; Beltran et al.). Reports the "
+    "test accuracy at the (epsilon, delta) it spent.",
+)
 
 
 def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
@@ -54,11 +44,11 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     the parameters `train` names (the others are public constants: the initialization). Noise
     keys and batch sampling draw from OS entropy; the results hold only the DP outputs (the
     trained model, its test accuracy) and public inputs; the run's wall-clock timings go to
-    the owner's `out`/results.timings.json (`pipelines.timings`), which is not covered. With
+    the owner's `out`/results.timings.json (`dpprobe.timings`), which is not covered. With
     `non_private=True` there is NO guarantee (plan `DpPlan(0, T, q, inf)`, epsilon inf), and the
     results and model file say so.
     """
-    config = cfg.make_config(FinetuneConfig, config, "data", **options)
+    config = checks.make_config(FinetuneConfig, config, "data", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     multi, config = processes.active(), processes.writer_config(config, ("out",))
     if multi and config.audit_canaries:
@@ -95,222 +85,38 @@ def _input_paths(config: FinetuneConfig) -> list[str]:
 
 
 def _train(config: FinetuneConfig, out: Path | None) -> dict:
-    """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
-    if config.train == "lora" and (config.model is None
-                                   or config.model in finetune.models.MODEL_NAMES):
-        raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
-                         f"`model={config.model or 'the default'}` has none: name a timm ViT, "
-                         "or train all, head or bias")
-    if config.model is None and (config.weights or config.random_init):
-        raise ValueError("`weights` and `random_init` are for a timm model: name it (`model`); "
-                         "the default models train from scratch")
-
+    """The run (`finetune.job.finetune_run`), its model file, timings and results written to
+    `out` (held) when given."""
     stopwatch = timings.Stopwatch()
-    quiet = config.quiet
     options = _options(config)  # as given (a default model stays None: chosen again on rerun)
-
-    # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
-    # by the public per-record rule (a bad record trains as a null record; nothing counts them).
-    model_is_timm = config.model is not None and config.model not in finetune.models.MODEL_NAMES
-    train, test, class_names = load_images(config, rgb=model_is_timm)
-    log(DATA_RULE, quiet)
-    num_real, num_classes = len(train[1]), len(class_names)
-    num_examples = num_real + config.audit_canaries  # rows trained on (N + m, public)
-    multi, rows = processes.active(), None
-    if multi:  # each process keeps its own rows (every process reads the spec)
-        from dpprobe.dp.distributed import process_rows  # JAX: imported when the job runs
-
-        processes.check_rows(num_real)
-        first, stop = process_rows(num_real)
-        train, rows = (train[0][first:stop], train[1][first:stop]), (first, stop, num_real)
-    image_size, channels = train[0].shape[1], train[0].shape[-1]
-    model_choice = None
-    if config.model is None:  # from the public input side (`finetune.recipe.default_model`)
-        config = dataclasses.replace(config, model=default_model(image_size))
-        model_choice = f"the default for {image_size} px images"
-        log(f"model: {config.model} [{model_choice}]", quiet)
-
-    # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
-    # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
-    model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
-
-    # The recipe: what the config gives, else chosen from public quantities (N, size, model).
-    chosen = finetune_recipe(config, num_examples=num_real, image_size=image_size,
-                             num_classes=num_classes)
-    log(chosen.describe(), quiet)
-    warnings = records.warnings(delta=config.delta, num_examples=num_examples)
-    if config.augmult > 1 and not config.crop_padding and not config.flip:
-        warnings.append(f"augmult {config.augmult} without crop padding or flips: the "
-                        f"{config.augmult} views of an example are the same image, so the run "
-                        f"costs {config.augmult}x for the same model")
-    for warning in warnings:
-        log(f"warning: {warning}", quiet)
-
-    # Calibrate: q = B / N, T steps, sigma for (epsilon, delta).
-    q = min(1.0, chosen.batch_size / num_examples)
-    # Epochs over the real records (an audited run takes the steps of the run it audits).
-    steps = config.steps or max(1, math.ceil(chosen.epochs * num_real / (q * num_examples)))
-    if config.non_private:  # NOT private: no clipping, no noise
-        plan = accounting.DpPlan(0.0, steps, q, math.inf)
-    else:  # epsilon = inf: no noise, clipping kept
-        plan = accounting.calibrate_plan(config.epsilon, config.delta, steps=steps,
-                                         sampling_probability=q, clip_norm=chosen.clip_norm,
-                                         accountant=config.accountant)
-    sigma, clip = plan.noise_multiplier, plan.clip_norm
-    spec = _from_config(finetune.FinetuneSpec, config, num_classes=num_classes, mean=mean,
-                        std=std, learning_rate=chosen.learning_rate,
-                        ema_decay=chosen.ema_decay or None)
-    flags = _from_config(finetune.FinetuneFlags, config)
-    trained_info = _trained_info(config, model, spec)
-    log(f"finetune {config.model} on {config.data}: {num_classes} classes, {image_size} px, "
-        f"B = {chosen.batch_size} (q = {q:.4g}), T = {steps}, sigma = {sigma:.4g}, "
-        f"K = {config.augmult}, training {trained_info['parameters']:,} of "
-        f"{trained_info['of']:,} parameters ({config.train})", quiet)
-    if config.non_private:
-        log(f"NOT PRIVATE: {NON_PRIVATE}", quiet)
-
-    # Train: checkpointed under out/checkpoint, resumed from it when present.
-    checkpointer = None
-    if out is not None and not multi:  # a multi-process run does not checkpoint
-        checkpointer = finetune.Checkpointer(out / "checkpoint", every=config.checkpoint_every,
-                                             config=options)
-        if checkpointer.latest_step() is not None:
-            log(f"resuming from {out / 'checkpoint'} at step {checkpointer.latest_step()}", quiet)
-
-    def epsilon_at(done: int) -> float:
-        return (accounting.DpPlan(sigma, done, q, clip).epsilon(config.delta, config.accountant)
-                if sigma else math.inf)
-
-    log("finetune: compiling the training step (the first step includes it)", quiet)
-    progress = None if quiet else finetune.print_progress(
-        steps, q * num_examples, config.augmult, None if config.non_private else epsilon_at,
-        first_step=(checkpointer.latest_step() or 0) if checkpointer else 0)
-    audit = None
-    if config.audit_canaries:
-        from dpprobe.finetune.canaries import (  # JAX: imported when an audit runs
-            audit_finetune,
-            audit_finetune_gradients,
-        )
-
-        log(f"audit: {config.audit_canaries} {config.audit_kind} canaries, each in with "
-            f"probability 1/2 (seed {config.seed}); this trains an audit artefact, not the "
-            "production model", quiet)
-        auditor = audit_finetune_gradients if config.audit_kind == "gradient" else audit_finetune
-        trained, audit = auditor(model, *train, plan, spec, canaries=config.audit_canaries,
-                                 delta=config.delta, seed=config.seed,
-                                 accountant=config.accountant, flags=flags,
-                                 checkpointer=checkpointer, progress=progress)
-    else:
-        trained = finetune.train_finetune(model, *train, plan, spec, flags=flags,
-                                          checkpointer=checkpointer, progress=progress,
-                                          rows=rows)
-
-    # The released form: LoRA adapters merged into the kernels (W + A B), evaluated as saved.
-    merge = finetune.modes.merge_lora
-    trained = dataclasses.replace(trained, model=merge(trained.model), ema_model=None if
-                                  trained.ema_model is None else merge(trained.ema_model))
-
-    # Evaluate on the (public) test split.
-    accuracy = finetune.evaluate_model(trained.model, *test, spec)
-    ema_accuracy = (finetune.evaluate_model(trained.ema_model, *test, spec)
-                    if trained.ema_model is not None else None)
-
-    # Record: DP outputs and public inputs only.
-    ledger = accounting.PrivacyLedger()
-    ledger.record(f"SGD {config.model} (NOT private)" if config.non_private
-                  else f"DP-SGD {config.model}", plan, role="final" if plan.is_private
-                  else "NOT private (no clipping, no noise)" if config.non_private
-                  else "non-private reference")
-    results = {
-        "dpprobe_version": records.VERSION,
-        "job": "finetune",
-        "data": {"spec": config.data, "num_classes": num_classes, "class_names": class_names,
-                 "num_train": num_real, "num_test": len(test[1]),
-                 "image_size": image_size, "channels": channels},
-        "model": model_info | ({"chosen": model_choice} if model_choice else {}),
-        "recipe": dataclasses.asdict(spec) | dataclasses.asdict(flags) | {
-            "batches_per_call": trained.batches_per_call,  # the number used (public)
-            "batch_size": chosen.batch_size, "epochs": chosen.epochs,
-            "clip_norm": clip, "chosen": chosen.chosen},
-        "trained": trained_info,
-        "warnings": warnings,
-        "privacy": {
-            "epsilon": plan.epsilon(config.delta, config.accountant) if plan.is_private
-            else math.inf,
-            "delta": config.delta,
-            "accountant": config.accountant,
-            "plan": plan.to_dict(),
-            "dp_event": accounting.event_to_dict(plan.dp_event()),
-            "neighboring_relation": accounting.NEIGHBORING_RELATION,
-            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
-            "dataset_size_public": True,
-            "sampling": f"Poisson, q = {q:g} (expected batch {chosen.batch_size})",
-            "private": plan.is_private,
-        } | ({"claim": NON_PRIVATE} if config.non_private else {}) | records.randomness(
-            config.seed, "the model's initialization"
-            + (" and the audit's canaries' in/out coins" if audit else "")),
-        "test_accuracy": accuracy,
-        "test_accuracy_ema": ema_accuracy,
-        "ledger": ledger.to_dict(config.delta, config.accountant),
-    }
-    if audit is not None:
-        moved = (" whose Dirac gradients moved the coordinates they sit on"
-                 if config.audit_kind == "gradient" else "")
-        results["audit"] = audit.to_dict() | {"model": (
-            f"an audit artefact, not the production model: trained on the {num_real} real "
-            f"records and {audit.included} of the {audit.canaries} canaries{moved} "
-            f"({audit.canaries - audit.included} null records), with fewer real records per "
-            "step, so its weights and accuracy are not the production model's; the privacy "
-            "claim covers the real records with the canaries present")}
-        results["privacy"]["num_canaries"] = config.audit_canaries
-    # Whether the released model is an audited run's (its file says so too).
-    results["model"]["audit_artefact"] = audit is not None
-    released = "EMA" if trained.ema_model is not None else "final iterate"
-    results["model"]["released_parameters"] = released
-    if out is not None:
-        model_files.finetune_model(
-            out / model_files.MODEL_FILE, results,
-            trained.ema_model if released == "EMA" else trained.model, released=released,
-            name=config.model, image_size=image_size, channels=channels, resize=config.resize,
-            crop=config.crop, rgb=model_is_timm or channels == 3, mean=mean, std=std,
-            timm_architecture=model_info.get("architecture"), trained=trained_info)
-        results["model_file"] = str(out / model_files.MODEL_FILE)
-        # The options before the results: a run killed between the two reruns, not refused.
-        files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
-        os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
-        # The owner's, never published (how long the run took depends on its records): the
-        # first step run (it compiles the step) and the expected images (q N per step) per
-        # second over the steps after it (`finetune.timing`). Before the results, whose
-        # presence marks a finished run.
-        timings.write_timings(out / "results.json", "finetune", stopwatch, quiet=quiet,
-                              compile_seconds=trained.compile_seconds,
-                              images_per_second=trained.images_per_second)
-        reporting.write_json(out / "results.json", results)
-        if checkpointer is not None:
-            checkpointer.close()
-            shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
-        for path in (model_files.MODEL_FILE, "results.json"):
-            log(f"wrote {out / path}", quiet)
-        log(f"wrote {out / OPTIONS_FILE} (the run's options, for its rerun: yours only)", quiet)
+    run = finetune_run(config, None if out is None else out / "checkpoint", options)
+    results = run.results
+    if out is None:
+        return results
+    model_files.finetune_model(out / model_files.MODEL_FILE, results, run.model,
+                               **run.model_file)
+    results["model_file"] = str(out / model_files.MODEL_FILE)
+    # The options before the results: a run killed between the two reruns, not refused.
+    files.atomic_write_text(out / OPTIONS_FILE, json.dumps(options))
+    os.chmod(out / OPTIONS_FILE, 0o600)  # the seed drives the audit's coins: not published
+    # The owner's, never published (how long the run took depends on its records): the
+    # first step run (it compiles the step) and the expected images (q N per step) per
+    # second over the steps after it (`finetune.timing`). Before the results, whose
+    # presence marks a finished run.
+    timings.write_timings(out / "results.json", "finetune", stopwatch, quiet=config.quiet,
+                          compile_seconds=run.trained.compile_seconds,
+                          images_per_second=run.trained.images_per_second)
+    files.write_json(out / "results.json", results)
+    if run.checkpointer is not None:
+        run.checkpointer.close()
+        shutil.rmtree(out / "checkpoint")  # it holds the noise key: gone once done
+    for path in (model_files.MODEL_FILE, "results.json"):
+        log(f"wrote {out / path}", config.quiet)
+    log(f"wrote {out / OPTIONS_FILE} (the run's options, for its rerun: yours only)",
+        config.quiet)
     return results
 
 
-def _from_config(cls, config: FinetuneConfig, **given):
-    """The trainer's `cls` (`FinetuneSpec`, `FinetuneFlags`) from the config's fields of the
-    same names (declared with the trainer's defaults, `finetune.recipe`) and `given` values."""
-    names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(config)}
-    return cls(**{name: getattr(config, name) for name in names - given.keys()}, **given)
-
-
-def _trained_info(config: FinetuneConfig, model, spec) -> dict:
-    """Which parameters the run trains, and how many of how many (public: the architecture)."""
-    _, params, rest = finetune.split_trained(model, spec)
-    info = {"mode": config.train, "parameters": finetune.modes.count_params(params),
-            "of": finetune.modes.count_params(params) + finetune.modes.count_params(rest),
-            "note": TRAIN_NOTES[config.train]}
-    if config.train == "lora":
-        info["lora_rank"] = config.lora_rank
-    return info
 
 
 def _options(config: FinetuneConfig) -> dict:
@@ -350,30 +156,38 @@ def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
     return results | {"already_complete": str(results_file)}
 
 
-def _build_model(config: FinetuneConfig, num_classes: int, image_size: int, channels: int):
-    """(model, mean, std, public description)."""
-    from flax import nnx  # JAX: imported when the job runs, not at the CLI's start
+def finetune_line(results: dict) -> str:
+    """One line: the model, its test accuracy (and its EMA's) and the guarantee; no duration
+    or speed (they depend on the records: the owner's timing file, `dpprobe.timings`)."""
+    privacy = results["privacy"]
+    ema = results.get("test_accuracy_ema")
+    ema_text = f", EMA {100 * ema:.2f}%" if ema is not None else ""
+    claim = ("NOT PRIVATE (--non-private: no clipping, no noise; epsilon inf)"
+             if "claim" in privacy else
+             f"(epsilon {privacy['epsilon']:.3g}, delta {privacy['delta']:g}), "
+             f"{privacy['accountant']}, {privacy['neighboring_relation_text']}")
+    return "\n".join([
+        f"{results['model']['name']} on {results['data']['spec']}: test accuracy "
+        f"{100 * results['test_accuracy']:.2f}%{ema_text} at {claim}",
+        *warning_lines(results)])
 
-    rngs = nnx.Rngs(config.seed)
-    if config.model in finetune.models.MODEL_NAMES:
-        if config.weights or config.random_init:
-            raise ValueError(f"`model={config.model}` trains from scratch: drop `weights` and "
-                             "`random_init`")
-        model = finetune.models.create_model(config.model, num_classes, image_size=image_size,
-                                             in_channels=channels, rngs=rngs,
-                                             head_bias_init=config.head_bias_init)
-        mean, std = finetune.models.input_mean_std(config.model)
-        low, high = (0.0 - mean) / std + 0.0, (1.0 - mean) / std  # + 0.0: no "-0"
-        return model, (mean,) * channels, (std,) * channels, {
-            "name": config.model, "weights": "random init (from scratch)",
-            "input": f"{image_size} px, scaled to [{low:g}, {high:g}]"}
-    backbone = extract.create_backbone(config.model, weights=config.weights,
-                                       random_init=config.random_init, seed=config.seed,
-                                       crop=image_size, device="cpu")
-    model = finetune.models.model_from_timm(backbone.module, num_classes, rngs=rngs,
-                                            head_bias_init=config.head_bias_init)
-    if config.train == "lora":
-        finetune.modes.add_lora(model, config.lora_rank, rngs=rngs)
-    prep = backbone.preprocessing
-    info = {k: v for k, v in backbone.provenance.items() if k != "embedding"}
-    return model, tuple(prep["mean"]), tuple(prep["std"]), info | {"input": f"{image_size} px"}
+
+def finetune_audit_line(audit: dict) -> str:
+    """One line: the one-run lower bound (and estimate) against the claim
+    (`finetune.canaries`)."""
+    if audit.get("kind") == "gradient":
+        verdict = ("CLAIM REFUTED" if audit["refuted"] else
+                   "consistent with the claim (a lower bound, not a proof of privacy)")
+        return (f"audit (white box, {audit['canaries']} gradient canaries, {audit['included']} "
+                f"in): epsilon >= {audit['epsilon_lower']:.3f} at "
+                f"{100 * audit['confidence']:g}% confidence (rigorous), estimate "
+                f"{audit['epsilon_estimate']:.3f} (not a bound), delta {audit['delta']:g}; "
+                f"claimed {audit['claimed_epsilon']:.3f}; {verdict}; the model is an audit "
+                "artefact (the canaries moved its weights)")
+    verdict = ("CLAIM REFUTED" if audit["refuted"] else
+               "consistent with the claim (a weak one-run lower bound, not a proof of privacy)")
+    return (f"audit (one run, {audit['canaries']} canaries, {audit['included']} in): epsilon >= "
+            f"{audit['epsilon_lower']:.3f} at {100 * audit['confidence']:g}% confidence, delta "
+            f"{audit['delta']:g}; claimed {audit['claimed_epsilon']:.3f} (ratio "
+            f"{audit['ratio']:.3f}); AUROC {audit['auroc']:.3f}; {verdict}; the model is an "
+            "audit model (trained with the canaries)")

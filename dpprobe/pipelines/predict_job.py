@@ -8,24 +8,29 @@ stream: chunk -> logits (the job's own evaluation function) -> CSV rows -> accur
 
 from __future__ import annotations
 
-import collections
-import csv
 import dataclasses
 import io
 import os
 import sys
 
-import numpy as np
-
+from dpprobe import checks, preflight
 from dpprobe import model as dpmodel
 from dpprobe.files import atomic_writer
+from dpprobe.messages import log
 from dpprobe.model import inputs as predict_inputs
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import preflight
-from dpprobe.pipelines.options import integer, option
-from dpprobe.pipelines.reporting import log
+from dpprobe.model import predictions
+from dpprobe.options import integer, option
 
 __all__ = ["PredictConfig", "predict_line", "run_predict"]
+
+
+# `dpprobe predict`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    help="apply a model file to a store, a data spec or image files; write a CSV",
+    description="One CSV row per input: id, prediction (class name), probability, label "
+    "(when known) and the top-k. Prints the accuracy when the input has labels. A model "
+    "on features given images runs its recorded backbone (weights sha256-checked).",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +66,16 @@ class PredictConfig:
     def __post_init__(self):
         data = (self.data,) if isinstance(self.data, str | os.PathLike) else tuple(self.data)
         if not data:
-            raise cfg.ConfigError("data", "give a store, a data spec or image files")
-        cfg.freeze(self, model=os.fspath(self.model), data=tuple(os.fspath(d) for d in data))
-        cfg.check_int("top_k", self.top_k)
+            raise checks.ConfigError("data", "give a store, a data spec or image files")
+        checks.freeze(self, model=os.fspath(self.model), data=tuple(os.fspath(d) for d in data))
+        checks.check_int("top_k", self.top_k)
 
 
 def run_predict(config: PredictConfig | str, /, **options) -> dict:
     """Predict with a model file: `run_predict(PredictConfig(...))` or
     `run_predict(model, data=..., ...)`. Writes the CSV (to `out`, else stdout) and returns
     {"rows", "accuracy" (None without labels), "top_k_accuracy", ...}."""
-    config = cfg.make_config(PredictConfig, config, "model", **options)
+    config = checks.make_config(PredictConfig, config, "model", **options)
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
     source = predict_inputs.open_input(config, model)
@@ -88,11 +93,11 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
     if config.out:
         with atomic_writer(config.out) as binary:
             text = io.TextIOWrapper(binary, encoding="utf-8", newline="")
-            _write_rows(text, model, source, columns, top_k, counts, config.quiet)
+            predictions.write_rows(text, model, source, columns, top_k, counts, config.quiet)
             text.flush()
             text.detach()
     else:
-        _write_rows(sys.stdout, model, source, columns, top_k, counts, config.quiet)
+        predictions.write_rows(sys.stdout, model, source, columns, top_k, counts, config.quiet)
     rows = counts["rows"]
     result = {"model": config.model, "data": source.describe, "rows": rows,
               "accuracy": counts["top1"] / rows if source.has_labels and rows else None,
@@ -101,74 +106,6 @@ def run_predict(config: PredictConfig | str, /, **options) -> dict:
               "reported": (model.document.get("training") or {}).get("reported"),
               "out": config.out}
     return result
-
-
-def _write_rows(stream, model, source, columns, top_k: int, counts: dict,
-                quiet: bool) -> None:
-    from tqdm.auto import tqdm  # imported when rows are written, not at the CLI's start
-
-    writer = csv.writer(stream)
-    names = np.asarray(model.class_names, dtype=object)
-    pending = collections.deque()  # (ids, labels) of chunks read but not yet predicted
-
-    # The bar counts the rows the model has taken in (embedded, for images): its logits come
-    # out in evaluation blocks of many chunks, at the end for a few hundred images. It opens
-    # once the first chunk went through (the input fits the model: a refusal is one line).
-    bar = None
-
-    def batches():
-        nonlocal bar
-        for batch, ids, labels in source.chunks:
-            pending.append((np.asarray(ids, dtype=object), labels))
-            yield batch
-            if bar is None:
-                bar = tqdm(total=source.num_rows, unit="row", desc="predict", disable=quiet,
-                           file=sys.stderr, dynamic_ncols=True)
-            bar.update(len(ids))  # the model asked for the next chunk: this one is taken in
-
-    header = False
-    try:
-        for logits in model.iter_logits(batches()):
-            if not header:  # the first block went through: the input fits the model
-                writer.writerow(columns)
-                header = True
-            ids, labels = _take(pending, len(logits))
-            probabilities = model.probabilities(logits)
-            order = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
-            best = np.argmax(logits, axis=-1)
-            for i in range(len(logits)):
-                row = [ids[i], names[best[i]], f"{probabilities[i, best[i]]:.6g}"]
-                if labels is not None:
-                    row.append(names[labels[i]])
-                for k in range(1, top_k):
-                    row += [names[order[i, k]], f"{probabilities[i, order[i, k]]:.6g}"]
-                writer.writerow(row)
-            if labels is not None:
-                counts["top1"] += int(np.sum(best == labels))
-                counts["topk"] += int(np.sum((order == labels[:, None]).any(axis=1)))
-            counts["rows"] += len(logits)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not header:
-        writer.writerow(columns)
-
-
-def _take(pending: collections.deque, count: int):
-    """The ids and labels of the next `count` rows of the chunks read."""
-    ids, labels = [], []
-    while count:
-        chunk_ids, chunk_labels = pending[0]
-        take = min(count, len(chunk_ids))
-        ids.append(chunk_ids[:take])
-        labels.append(None if chunk_labels is None else chunk_labels[:take])
-        if take == len(chunk_ids):
-            pending.popleft()
-        else:
-            pending[0] = (chunk_ids[take:], None if chunk_labels is None
-                          else chunk_labels[take:])
-        count -= take
-    return np.concatenate(ids), (None if labels[0] is None else np.concatenate(labels))
 
 
 def _refuse_overwriting(out: str, inputs) -> None:

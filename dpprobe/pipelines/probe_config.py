@@ -6,27 +6,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import (
+from dpprobe import checks
+from dpprobe.options import (
     LOSSES,
     NORMALIZATIONS,
     OPTIMIZERS,
     accountant_option,
-    coordinator_option,
     delta_option,
     flag,
     integer,
     integers,
-    num_processes_option,
     number,
     numbers,
     option,
-    process_id_option,
-    process_timeout_option,
+    process_fields,
 )
 
-__all__ = ["MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option",
-           "groups_option", "loss_option", "normalization_option", "store_option"]
+__all__ = [
+    "MAX_RUNS", "ProbeConfig", "check_learning_rates", "clip_norm_option", "groups_option",
+    "loss_option", "normalization_option", "store_option",
+]
 
 # Runs of one sweep (their weights, optimizer state and gradients live together in memory).
 MAX_RUNS = 100_000
@@ -58,6 +57,7 @@ def groups_option():
 
 
 @dataclasses.dataclass(frozen=True)
+@process_fields
 class ProbeConfig:
     """What `run_probe` does; `dpprobe probe --help` explains each option.
 
@@ -81,7 +81,7 @@ class ProbeConfig:
       diagnostics: write exact statistics of the private data (clipped fractions, sampled batch
         sizes, the data fingerprint) to this local file, for debugging; never share it.
       save_model: a folder for one model file per epsilon (its first seed's run;
-        `pipelines.model_files.probe_models`).
+        `dpprobe.model_files.probe_models`).
       coordinator, num_processes, process_id, process_timeout: run as one of several
         processes (`multihost.processes`: each reads its own rows, process 0 writes).
     """
@@ -133,36 +133,33 @@ class ProbeConfig:
     save_model: str | None = option(
         None, metavar="DIR", help="write one model file per epsilon (its first seed's run) "
         "into DIR, named by epsilon (eps1.safetensors), for `dpprobe predict` and `export`")
-    coordinator: str | None = coordinator_option()
-    num_processes: int | None = num_processes_option()
-    process_id: int | None = process_id_option()
-    process_timeout: int = process_timeout_option()
     quiet: bool = option(False, action="store_true", help="print only the table")
 
     def __post_init__(self):
-        cfg.check_processes(self)
+        checks.check_processes(self)
         learning_rates = check_learning_rates(self.learning_rates)
-        cfg.freeze(
+        checks.freeze(
             self, store=str(self.store),
-            epsilons=cfg.check_unique("epsilons", cfg.check_epsilons("epsilons", self.epsilons)),
-            delta=cfg.check_delta("delta", self.delta),
-            steps=None if self.steps is None else cfg.check_unique(
-                "steps", cfg.check_ints("steps", self.steps)),
-            learning_rates=learning_rates and cfg.check_unique("learning_rates", learning_rates),
-            clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-            sampling_probability=cfg.check_number("sampling_probability",
+            epsilons=checks.check_unique("epsilons",
+                                         checks.check_epsilons("epsilons", self.epsilons)),
+            delta=checks.check_delta("delta", self.delta),
+            steps=None if self.steps is None else checks.check_unique(
+                "steps", checks.check_ints("steps", self.steps)),
+            learning_rates=learning_rates and checks.check_unique("learning_rates", learning_rates),
+            clip_norm=checks.check_number("clip_norm", self.clip_norm, 0),
+            sampling_probability=checks.check_number("sampling_probability",
                                                   self.sampling_probability, 0, 1),
         )
-        cfg.check_int("seeds", self.seeds)
-        cfg.check_int("physical_batch_size", self.physical_batch_size)
+        checks.check_int("seeds", self.seeds)
+        checks.check_int("physical_batch_size", self.physical_batch_size)
         if self.normalization is None and self.groups is not None:
-            cfg.freeze(self, normalization="group")  # groups alone means group normalization
+            checks.freeze(self, normalization="group")  # groups alone means group normalization
         if self.normalization is not None:
-            cfg.check_groups(self.groups, self.normalization)
+            checks.check_groups(self.groups, self.normalization)
         if self.bias_init is not None:
-            cfg.check_number("bias_init", self.bias_init)
+            checks.check_number("bias_init", self.bias_init)
         if self.devices is not None:
-            cfg.check_int("devices", self.devices)
+            checks.check_int("devices", self.devices)
         runs = (len(self.epsilons) * len(self.steps or [1]) * len(self.learning_rates or [None])
                 * self.seeds)
         if runs > MAX_RUNS:
@@ -177,7 +174,7 @@ def check_learning_rates(values) -> tuple[float, ...] | None:
         return None
     values = tuple(float(v) for v in values)
     if not values or any(not 0 < v < math.inf for v in values):
-        raise cfg.ConfigError("learning_rates", f"expected finite numbers > 0, got "
+        raise checks.ConfigError("learning_rates", f"expected finite numbers > 0, got "
                               f"{','.join(f'{v:g}' for v in values)}")
     return values
 

@@ -3,24 +3,36 @@ feature store, trained in one program, evaluated on the test split, recorded wit
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import itertools
 import math
-import os
 
-import numpy as np
-
-from dpprobe import accounting, extract, probe
+from dpprobe import (
+    accounting,
+    checks,
+    files,
+    model_files,
+    plots,
+    preflight,
+    probe,
+    timings,
+)
 from dpprobe.accounting import records
+from dpprobe.messages import format_epsilon, log
 from dpprobe.multihost import processes
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import model_files, plots, preflight, reporting, timings
 from dpprobe.pipelines.probe_config import MAX_RUNS, ProbeConfig
-from dpprobe.pipelines.reporting import log
-from dpprobe.probe import cost, recipe
+from dpprobe.pipelines.reporting import (
+    TRAINING_TEXTS,
+    format_table,
+    pm,
+    same_epsilon,
+    warning_lines,
+)
+from dpprobe.probe import recipe, store_runs
+from dpprobe.probe import results as probe_results
 
-__all__ = ["CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "run_probe"]
+__all__ = [
+    "CSV_COLUMNS", "MAX_RUNS", "OUTPUTS", "ProbeConfig", "probe_job", "probe_table", "run_probe",
+]
 
 CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_norm", "steps",
                "sampling_probability", "optimizer", "learning_rate", "replicate",
@@ -28,6 +40,15 @@ CSV_COLUMNS = ("epsilon", "epsilon_spent", "delta", "noise_multiplier", "clip_no
                "guarantee")
 # The fields that name outputs: only process 0 of a multi-process job writes them.
 OUTPUTS = ("out", "csv", "plot", "diagnostics", "save_model")
+
+
+# `dpprobe probe`'s parser texts (help, description, epilog).
+TEXTS = dict(
+    TRAINING_TEXTS,
+    help="train DP linear probes on a feature store over a sweep of epsilons",
+    description="Full-batch DP linear probe (zero init) for every epsilon x steps x lr x "
+    "seed, in one compiled program; prints test accuracy mean ± std over seeds.",
+)
 
 
 def run_probe(config: ProbeConfig | str, /, **options) -> dict:
@@ -47,18 +68,19 @@ def run_probe(config: ProbeConfig | str, /, **options) -> dict:
 def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     """`run_probe`, and its models in memory: (the results dict, a (file name, arrays,
     document) per model, as `save_model` would write them (`model_files.probe_model_parts`))."""
-    config = cfg.make_config(ProbeConfig, config, "store", **options)
+    config = checks.make_config(ProbeConfig, config, "store", **options)
     processes.start(config)  # a multi-process job: only process 0 writes outputs
     config = processes.writer_config(config, OUTPUTS)
     preflight.check_probe_job(config)
     stopwatch = timings.Stopwatch()
     store, quiet = config.store, config.quiet
-    train_attrs, test_attrs = _split_attrs(store)
+    train_attrs, test_attrs = store_runs.split_attrs(store)
     num_examples = int(train_attrs["num_examples"])
     dim = int(train_attrs["feature_shape"][-1])
     stream = config.stream
     if stream is None:
-        stream = _too_big_for_memory(num_examples * math.prod(train_attrs["feature_shape"]) * 4)
+        stream = store_runs.too_big_for_memory(
+            num_examples * math.prod(train_attrs["feature_shape"]) * 4)
     if stream and config.sampling_probability < 1.0:
         raise ValueError("Poisson subsampling (q < 1) needs the train split in memory")
     processes.check_rows(num_examples)
@@ -69,15 +91,15 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
         raise ValueError("`devices` shards in-memory full-batch training; it does not combine "
                          "with `stream` or `sampling_probability` < 1")
     test_bytes = int(test_attrs["num_examples"]) * math.prod(test_attrs["feature_shape"]) * 4
-    test_in_memory = not stream and not _too_big_for_memory(test_bytes)
-    train_x, train_y, test_chunks = _read_splits(store, stream=stream,
+    test_in_memory = not stream and not store_runs.too_big_for_memory(test_bytes)
+    train_x, train_y, test_chunks = store_runs.read_splits(store, stream=stream,
                                                  test_in_memory=test_in_memory,
                                                  num_examples=num_examples)
     delta, accountant = config.delta, config.accountant
     num_classes = records.declared_num_classes(train_attrs, test_attrs)
     # The recipe: what the config gives, else chosen from public quantities (probe.recipe).
     chosen = recipe.probe_recipe(config, train_attrs, num_examples,
-                                 _sweep_cost(config, train_attrs, num_classes, stream))
+                                 store_runs.sweep_cost(config, train_attrs, num_classes, stream))
     log(chosen.describe(config.epsilons), quiet)
     warnings = records.warnings(train_attrs, delta=delta, num_examples=num_examples)
     for warning in warnings:
@@ -101,22 +123,24 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
         config.epsilons, chosen.steps, chosen.learning_rates or (None,), range(config.seeds))]
     runs = [probe.RunSpec(plans[e, t], lr) for e, t, lr, _ in grid]
     log(f"probe: {len(runs)} run(s) on {num_examples} rows; the first step compiles", quiet)
-    result, metrics, driver = _train_and_test(config, spec, runs, train_x, train_y, test_chunks,
-                                              stream=stream, num_examples=num_examples, dim=dim)
+    result, metrics, driver = store_runs.train_and_test(
+        config, spec, runs, train_x, train_y, test_chunks, stream=stream,
+        num_examples=num_examples, dim=dim)
 
     # Record: DP outputs and public inputs only (accounting.records).
-    run_records = [_run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
-                   for i, (e, t, lr, k) in enumerate(grid)]
+    run_records = [
+        probe_results.run_record(config, chosen.optimizer, e, plans[e, t], lr, k, metrics, i)
+        for i, (e, t, lr, k) in enumerate(grid)]
     # Every run touched the same training data: choosing among them, or reporting a summary of
     # several, spends their composition. The summary rows say what each aggregate costs.
     ledger = accounting.PrivacyLedger()
     for (epsilon, num_steps, lr, replicate), run in zip(grid, runs, strict=True):
         ledger.record(f"epsilon={epsilon:g} T={num_steps} lr={lr:g} replicate={replicate}",
                       run.plan, role="private" if run.plan.is_private else "non-private reference")
-    summary = reporting.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
+    summary = probe_results.summarize_runs(run_records, ("epsilon", "steps", "learning_rate"),
                                        ("test_accuracy", "test_top5_accuracy"))
     for row in summary:
-        row["epsilon_row"] = _composed_epsilon(plans[row["epsilon"], row["steps"]],
+        row["epsilon_row"] = probe_results.composed_epsilon(plans[row["epsilon"], row["steps"]],
                                                row["num_seeds"], delta, accountant)
         row["series"] = (f"T={row['steps']}, lr = r(epsilon) / T (linear scaling rule)"
                          if chosen.scaled else None)
@@ -144,13 +168,13 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
                     "spends the composition of all of them (epsilon)"},
     }
     if config.diagnostics:
-        _write_diagnostics(config.diagnostics, grid, result, train_attrs)
+        probe_results.write_diagnostics(config.diagnostics, grid, result, train_attrs)
         log(f"wrote {config.diagnostics}", quiet)
     if config.out:
-        reporting.write_json(config.out, results)
+        files.write_json(config.out, results)
         log(f"wrote {config.out}", quiet)  # no duration: it depends on the records
     if config.csv:
-        reporting.write_csv(config.csv, run_records, CSV_COLUMNS)
+        files.write_csv(config.csv, run_records, CSV_COLUMNS)
         log(f"wrote {config.csv}", quiet)
     if config.plot:
         plots.plot_accuracy(summary, config.plot, title=plots.plot_title(results),
@@ -167,185 +191,48 @@ def probe_job(config: ProbeConfig | str, /, **options) -> tuple[dict, list]:
     return results, models
 
 
-def _sweep_cost(config: ProbeConfig, train_attrs: dict, num_classes: int, stream: bool):
-    """The sweep's estimated cost on this device, from public shapes (`probe.cost`)."""
-    platform, cores = cost.local_device()
-    num_runs = len(config.epsilons) * len(config.learning_rates or [None]) * config.seeds
-    return cost.step_cost(int(train_attrs["num_examples"]),
-                          math.prod(train_attrs["feature_shape"]), num_classes, num_runs,
-                          platform=platform, cores=cores, devices=config.devices or 1,
-                          streamed=stream)
-
-
-def _split_attrs(store) -> tuple[dict, dict]:
-    """The attributes of the train and test splits (both must be complete)."""
-    local = {split: extract.local_split_attrs(store, split) for split in ("train", "test")}
-    if all(local.values()):
-        train_attrs, test_attrs = local["train"], local["test"]
-    else:  # or the error that says what is wrong
-        train_attrs, test_attrs = (dict(extract.open_split(store, s).attrs)
-                                   for s in ("train", "test"))
-    if train_attrs["feature_shape"][-1] != test_attrs["feature_shape"][-1]:
-        raise ValueError(f"train and test feature dims differ: {train_attrs['feature_shape']} "
-                         f"vs {test_attrs['feature_shape']}")
-    return train_attrs, test_attrs
-
-
-def _read_splits(store, *, stream: bool, test_in_memory: bool, num_examples: int):
-    """The store reads of the probe job: (train features or None when streamed, train labels,
-    test chunks or None when streamed), read while JAX is imported.
-
-    `import probe` is the first JAX import, so `dpprobe extract` never pays for it; Zarr
-    decodes in its own threads meanwhile. A process of a multi-process job reads its own rows.
-    """
-    if processes.active() and not stream:
-        return (*_own_rows(store, num_examples),
-                list(extract.iter_split_chunks(store, "test", dtype=None)) if test_in_memory
-                else None)
-    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dpprobe-read") as pool:
-        train_read = pool.submit(
-            _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
-            store, "train",
+def probe_table(results: dict) -> str:
+    """The printed table: epsilon per run and of the row (its seeds composed), noise
+    multiplier, steps, lr, accuracy mean ± std; the non-private reference labelled as such."""
+    rows = []
+    for row in results["summary"]:
+        private = math.isfinite(row["epsilon"])
+        rows.append(
+            row
+            | {
+                "epsilon": row["epsilon"] if private else "inf: non-private, no guarantee",
+                "acc": pm(row["test_accuracy_mean"], row["test_accuracy_std"]),
+                "top5": pm(row["test_top5_accuracy_mean"], row["test_top5_accuracy_std"]),
+            }
         )
-        test_read = pool.submit(lambda: list(extract.iter_split_chunks(
-            store, "test", dtype=None))) if test_in_memory else None
-        import dpprobe.probe.train  # noqa: F401  (JAX, loaded while the threads read)
-
-        if stream:
-            train_x, train_y = None, train_read.result()
-        else:
-            train_x, train_y, _ = train_read.result()
-        return train_x, train_y, test_read.result() if test_read else None
-
-
-def _train_and_test(config: ProbeConfig, spec, runs, train_x, train_y, test_chunks, *,
-                    stream: bool, num_examples: int, dim: int):
-    """The calls into `probe`: train every run with the driver the config asks for, evaluate on
-    the test chunks (streamed when None). Returns the `TrainResult`, the test metrics and the
-    driver's description."""
-    from dpprobe import dp  # JAX: imported when the job runs, not at the CLI's start
-
-    keys = dp.make_keys(len(runs))
-    progress = not config.quiet
-    if config.sampling_probability < 1.0:
-        driver = ("Poisson-sampled minibatches (masked DP-SGD, physical batch "
-                  f"{config.physical_batch_size})")
-        flags = probe.PerformanceFlags(physical_batch_size=config.physical_batch_size)
-        result = probe.train_probe_poisson(train_x, train_y, runs, keys, spec, flags=flags,
-                                           progress=progress)
-    elif stream:
-        driver = "full batch, streamed from disk"
-        rows, flags = None, probe.PerformanceFlags()
-        if processes.active():  # this process's rows, every chunk padded to the store's
-            rows, flags = _process_rows(num_examples), probe.PerformanceFlags(
-                rows_per_chunk=int(extract.open_split(config.store, "train")["features"]
-                                   .chunks[0]))
-            driver += f", rows split over {processes.count()} processes"
-        groups = len(probe.plan_stream(runs, dim, spec.num_classes, budget=flags.memory_budget,
-                                       chunk_rows=flags.rows_per_chunk).groups)
-        if groups > 1:  # public: the number of runs and the store's shape
-            driver += f", runs in {groups} groups (memory budget)"
-        result = probe.train_probe_streaming(
-            lambda: extract.iter_split_chunks(config.store, "train", dtype=None,
-                                              row_range=rows), runs, keys,
-            spec, num_examples=num_examples, dim=dim, flags=flags, progress=progress,
-        )
-    elif processes.active():  # every device of every process; each process holds its rows
-        driver = f"full batch, in memory, rows split over {processes.count()} processes"
-        result = probe.train_probe(train_x, train_y, runs, keys, spec, progress=progress,
-                                   flags=probe.PerformanceFlags(mesh=probe.make_data_mesh()),
-                                   num_examples=num_examples)
-    else:
-        devices = config.devices
-        mesh = probe.make_data_mesh(devices) if devices and devices > 1 else None
-        driver = "full batch, in memory" + (f", rows sharded over {devices} devices"
-                                            if mesh else "")
-        result = probe.train_probe(train_x, train_y, runs, keys, spec,
-                                   flags=probe.PerformanceFlags(mesh=mesh), progress=progress)
-    if test_chunks is None:  # streamed
-        test_chunks = extract.iter_split_chunks(config.store, "test", dtype=None)
-    metrics = probe.evaluate_chunks(result.params, test_chunks,
-                                    normalization=spec.normalization, groups=spec.groups)
-    return result, metrics, driver
-
-
-def _run_record(config: ProbeConfig, optimizer: str, epsilon: float, plan, lr: float,
-                replicate: int, metrics, i: int) -> dict:
-    """One run's results: DP outputs and public inputs only."""
-    delta, accountant = config.delta, config.accountant
-    return {
-        "epsilon": epsilon,
-        "epsilon_spent": plan.epsilon(delta, accountant),
-        "delta": delta,
-        "noise_multiplier": plan.noise_multiplier,
-        "clip_norm": plan.clip_norm,
-        "steps": plan.steps,
-        "sampling_probability": plan.sampling_probability,
-        "optimizer": optimizer,
-        "learning_rate": lr,
-        "replicate": replicate,
-        "test_accuracy": float(metrics["top1"][i]),
-        "test_top5_accuracy": float(metrics["top5"][i]),
-        "per_class_accuracy": metrics["per_class"][i].tolist(),
-        "accountant": accountant,
-        "neighboring_relation": accounting.NEIGHBORING_RELATION,
-        "guarantee": ("none: non-private reference" if not plan.is_private else
-                      f"({plan.epsilon(delta, accountant):.4g}, {delta:g})-DP alone"),
-        "dp_event": accounting.event_to_dict(plan.dp_event()),
-    }
-
-
-def _composed_epsilon(plan, count: int, delta: float, accountant: str) -> float:
-    """Epsilon of `count` runs of `plan` on the same data, composed (what a mean over seeds
-    costs)."""
-    ledger = accounting.PrivacyLedger()
-    for _ in range(count):
-        ledger.record("run", plan)
-    return ledger.epsilon(delta, accountant)
-
-
-def _write_diagnostics(path, grid, result, train_attrs) -> None:
-    """Exact statistics of the private data, for local debugging only (never published)."""
-    batch_sizes = result.batch_sizes
-    reporting.write_json(path, {
-        "warning": records.DIAGNOSTICS_WARNING,
-        "dpprobe_version": records.VERSION,
-        "created": records.now(),
-        "dataset_fingerprint": (train_attrs.get("dataset") or {}).get("fingerprint"),
-        "runs": [{"epsilon": e, "steps": t, "learning_rate": lr, "replicate": k,
-                  "clipped_fraction": float(result.clipped_fraction[i]),
-                  **({"batch_sizes": batch_sizes[:t, i].tolist()} if batch_sizes is not None
-                     else {})}
-                 for i, (e, t, lr, k) in enumerate(grid)],
-    })
-
-
-def _process_rows(num_examples: int) -> tuple[int, int]:
-    from dpprobe.dp.distributed import process_rows  # JAX, as above
-
-    return process_rows(num_examples)
-
-
-def _own_rows(store, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
-    """This process's train rows, padded with null rows (zero features, label -1: they
-    contribute nothing) to ceil(N / processes), the same count on every process."""
-    chunks = list(extract.iter_split_chunks(store, "train", dtype=None,
-                                            row_range=_process_rows(num_examples)))
-    features = np.concatenate([c[0] for c in chunks])
-    labels = np.concatenate([c[1] for c in chunks]).astype(np.int32)
-    padded = -(-num_examples // processes.count())
-    return (np.concatenate([features, np.zeros((padded - len(labels), *features.shape[1:]),
-                                               features.dtype)]),
-            np.concatenate([labels, np.full(padded - len(labels), -1, np.int32)]))
-
-
-def _too_big_for_memory(num_bytes: int) -> bool:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return False
-    return num_bytes > total // 4
-
-
-def _stored_labels(store, split) -> np.ndarray:
-    return np.asarray(extract.open_split(store, split)["labels"][:], np.int32)
+    columns = [
+        ("epsilon per run", "epsilon"),
+        ("eps spent", "epsilon_spent"),
+        ("eps of row (seeds composed)", "epsilon_row"),
+        ("noise mult", "noise_multiplier"),
+        ("steps", "steps"),
+        ("lr", "learning_rate"),
+        ("seeds", "num_seeds"),
+        ("test acc % (mean ± std)", "acc"),
+        ("top-5 %", "top5"),
+    ]
+    if (results.get("probe") or {}).get("num_classes", 6) <= 5:
+        columns.pop()  # top-5 of at most 5 classes is always 100%: not shown
+    if all(same_epsilon(row["epsilon"], row.get("epsilon_spent")) for row in results["summary"]):
+        columns.remove(("eps spent", "epsilon_spent"))  # it would repeat the first column
+    if all(row.get("num_seeds") == 1 for row in results["summary"]):
+        columns.remove(("eps of row (seeds composed)", "epsilon_row"))  # so would this one
+    privacy = results["privacy"]
+    header = (
+        f"delta={privacy['delta']:g}, accountant={privacy['accountant'].upper()}, "
+        f"{privacy['neighboring_relation_text']}, {privacy['sampling']}; "
+        f"N_train={results['num_train']}, N_test={results['num_test']}"
+    )
+    ledger = results["ledger"]
+    private = sum(1 for e in ledger["entries"] if e["role"] == "private")
+    footer = (f"all {private} private runs together (e.g. picking the best): epsilon = "
+              f"{format_epsilon(ledger['epsilon_by_role'].get('private', 0.0))} at "
+              f"delta={privacy['delta']:g}")
+    if private < ledger["num_mechanisms"]:
+        footer += "; the non-private reference has no guarantee"
+    return "\n".join([header, format_table(rows, columns), footer, *warning_lines(results)])

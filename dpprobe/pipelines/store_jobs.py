@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from dpprobe import extract
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines import reporting
-from dpprobe.pipelines.options import num_classes_option, option
+from dpprobe import checks, extract
+from dpprobe.extract.verify import source_fingerprints
+from dpprobe.options import num_classes_option, option
 
-__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify", "verify_json", "verify_report"]
+__all__ = [
+    "InfoConfig", "VerifyConfig", "format_store_info", "store_info", "verify", "verify_json",
+    "verify_report",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +35,9 @@ class VerifyConfig:
 
     def __post_init__(self):
         if self.store is None and self.data is None:
-            raise cfg.ConfigError("store", "give a store to verify, or `data` to check raw data")
+            raise checks.ConfigError("store", "give a store to verify, or `data` to check raw data")
         if self.num_classes is not None:
-            cfg.check_int("num_classes", self.num_classes)
+            checks.check_int("num_classes", self.num_classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +61,14 @@ def verify(config: VerifyConfig | str | None = None, /,
       the store's `VerifyReport`, or for data alone a `DataReport` (private to the data's
       owner: it names records and quotes their values). Either has `ok`.
     """
-    config = cfg.make_config(VerifyConfig, config, "store", **options)
+    config = checks.make_config(VerifyConfig, config, "store", **options)
     if config.store is None:
         return extract.check_data(config.data, data_dir=config.data_dir,
                                   num_classes=config.num_classes)
     fingerprints, extra_problems = None, []
     if config.data:
-        fingerprints, extra_problems = _source_fingerprints(config)
+        fingerprints, extra_problems = source_fingerprints(config.store, config.data,
+                                                          data_dir=config.data_dir)
     bar = None
     if config.progress:
         from tqdm.auto import tqdm  # imported when a bar is shown, not at the CLI's start
@@ -87,33 +90,10 @@ def verify(config: VerifyConfig | str | None = None, /,
     return report
 
 
-def _source_fingerprints(config: VerifyConfig) -> tuple[dict, list[str]]:
-    """{split: fingerprint of the source data it should hold}, and the problems found."""
-    data = config.data
-    recorded = extract.store_summary(config.store)["splits"]
-    precomputed = any((a.get("backbone") or {}).get("name") == "none" for a in recorded.values())
-    kind, _ = extract.parse_data_spec(data)
-    num_classes = next((len(a["class_names"]) for a in recorded.values()
-                        if a.get("class_names") and kind == "npz"), None)
-    splits = extract.open_source(data, data_dir=config.data_dir, split=None,
-                                 precomputed=precomputed, num_classes=num_classes)
-    if kind not in ("npz", "imagefolder"):
-        return {name: one.fingerprint for name, one in splits.items()}, []
-    (one,) = splits.values()
-    spec_match = [n for n, a in recorded.items() if (a.get("dataset") or {}).get("spec") == data]
-    print_match = [n for n, a in recorded.items()
-                   if (a.get("dataset") or {}).get("fingerprint") == one.fingerprint]
-    target = (print_match or spec_match or [None])[0]
-    if target is None:
-        return {}, [f"--data {data} matches no split of the store (its fingerprint "
-                    f"{one.fingerprint} is recorded by none of {sorted(recorded)})"]
-    return {target: one.fingerprint}, []
-
-
 def store_info(config: InfoConfig | str, /) -> str:
     """The provenance of a store, for people."""
     store = config.store if isinstance(config, InfoConfig) else config
-    return reporting.format_store_info(store, extract.store_summary(store))
+    return format_store_info(store, extract.store_summary(store))
 
 
 def verify_report(report) -> str:
@@ -146,3 +126,59 @@ def verify_json(report) -> dict:
             "splits": {name: {"records": size, "changed": [
                 {"record": where, "kind": defect.kind, "detail": defect.detail}
                 for where, defect in found]} for name, (size, found) in report.splits.items()}}
+
+
+def format_store_info(store, summary: dict) -> str:
+    """The provenance of a store (`extract.store_summary`), for people."""
+    lines = [f"{store}: {summary['root'].get('format')} v{summary['root'].get('format_version')}"]
+    for name, attrs in summary["splits"].items():
+        backbone, dataset = attrs.get("backbone", {}), attrs.get("dataset", {})
+        pre = attrs.get("preprocessing", {})
+        lines += [
+            f"[{name}] {attrs.get('num_examples')} examples x {attrs.get('feature_shape')} "
+            f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
+            f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
+            f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
+            + (f", seed {backbone['seed']}" if backbone.get("seed") is not None else "")
+            + (f", file {backbone['weights_file']}" if backbone.get("weights_file") else "")
+            + (f", sha256 {backbone['weights_sha256']}" if backbone.get("weights_sha256")
+               else "")
+            + (f", tag {backbone['tag']}" if backbone.get("tag") else "") + ")"
+            + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
+                                                      "torch_version") if backbone.get(k)),
+            "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
+                                              if k != "transform" and v not in (None, [], ())),
+            f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
+            f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
+            "  classes: " + ", ".join(str(c) for c in (attrs.get("class_names")
+                                                        or dataset.get("class_names") or [])),
+            f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
+        ]
+    return "\n".join(lines)
+
+
+# `dpprobe verify`'s parser texts (help, description, epilog).
+VERIFY_TEXTS = dict(
+    help="check a feature store: completeness, shapes, NaN/Inf, labels, checksums",
+    description="Reads every chunk: reports missing or incomplete splits, shape and dtype "
+    "mismatches, NaN/Inf, labels out of range, and chunks whose sha256 differs from the "
+    "one recorded when they were written. Exit status 1 if anything is wrong.",
+)
+
+
+# `dpprobe info`'s parser texts (help, description, epilog).
+INFO_TEXTS = dict(
+    help="print a feature store's provenance",
+    description="Backbone, weights, preprocessing, dataset fingerprint, shapes and "
+    "completion of every split.",
+)
+
+
+def add_verify_output(p) -> None:
+    """`--json`: how `dpprobe verify` prints."""
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def add_info_output(p) -> None:
+    """`--json`: how `dpprobe info` prints."""
+    p.add_argument("--json", action="store_true", help="print all attributes as JSON")

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from dpprobe.pipelines import config as cfg
-from dpprobe.pipelines.options import (
+from dpprobe import checks
+from dpprobe.options import (
     OPTIMIZERS,
     RangeEnd,
     delta_option,
@@ -72,7 +72,7 @@ class TuneConfig:
       seed: drives only data-independent randomness: the r proposals and the holdout split.
         Noise and counts always draw from OS entropy.
       out, save_model: write results JSON, and the final probe as a model file
-        (`pipelines.model_files.tune_model`; `run_tune` only).
+        (`dpprobe.model_files.tune_model`; `run_tune` only).
     """
 
     store: str = store_option()
@@ -136,7 +136,7 @@ class TuneConfig:
     quiet: bool = option(False, action="store_true", help="no progress output")
 
     def __post_init__(self):
-        epsilon = cfg.check_epsilon("epsilon", self.epsilon, allow_inf=False)
+        epsilon = checks.check_epsilon("epsilon", self.epsilon, allow_inf=False)
         selection = self.selection
         if self.public_validation is not None:
             if selection not in (None, "public"):
@@ -148,7 +148,7 @@ class TuneConfig:
                              "(`public_validation`)")
         selection = selection or "train"
         if selection not in search.SELECTIONS:
-            raise cfg.ConfigError("selection", f"must be one of {search.SELECTIONS}, got "
+            raise checks.ConfigError("selection", f"must be one of {search.SELECTIONS}, got "
                                   f"{selection!r}")
         eps_select = self.eps_select
         if selection == "train":
@@ -166,36 +166,36 @@ class TuneConfig:
         else:
             budgets["eps_standardize"] = (epsilon / 10 if self.eps_standardize is None
                                           else self.eps_standardize)
-        budgets = {k: cfg.check_number(k, v, 0) for k, v in budgets.items()}
+        budgets = {k: checks.check_number(k, v, 0) for k, v in budgets.items()}
         budgets.setdefault("eps_select", None)
         budgets.setdefault("eps_standardize", None)
-        low, high = (cfg.check_number("r_range", r, 0) for r in self.r_range)
+        low, high = (checks.check_number("r_range", r, 0) for r in self.r_range)
         if not low < high:
-            raise cfg.ConfigError("r_range", f"the low end ({low:g}) must be below the high end "
+            raise checks.ConfigError("r_range", f"the low end ({low:g}) must be below the high end "
                                   f"({high:g})")
-        cfg.freeze(self, store=str(self.store), epsilon=epsilon,
-                   delta=cfg.check_delta("delta", self.delta), selection=selection,
+        checks.freeze(self, store=str(self.store), epsilon=epsilon,
+                   delta=checks.check_delta("delta", self.delta), selection=selection,
                    **budgets, r_range=(low, high),
-                   steps_choices=cfg.check_ints("steps_choices", self.steps_choices),
-                   clip_norm=cfg.check_number("clip_norm", self.clip_norm, 0),
-                   validation_fraction=cfg.check_number(
+                   steps_choices=checks.check_ints("steps_choices", self.steps_choices),
+                   clip_norm=checks.check_number("clip_norm", self.clip_norm, 0),
+                   validation_fraction=checks.check_number(
                        "validation_fraction", self.validation_fraction, 0, 1, high_open=True))
-        cfg.check_int("trials", self.trials)
+        checks.check_int("trials", self.trials)
         if self.final_steps is not None:
-            cfg.check_int("final_steps", self.final_steps, 1, cfg.MAX_STEPS)
+            checks.check_int("final_steps", self.final_steps, 1, checks.MAX_STEPS)
         if self.normalization is None and self.groups is not None:
-            cfg.freeze(self, normalization="group")
+            checks.freeze(self, normalization="group")
         if self.normalization is not None:
-            cfg.check_groups(self.groups, self.normalization)
+            checks.check_groups(self.groups, self.normalization)
         if self.standardize and self.normalization == "none":
             raise ValueError("`standardize=True` needs a per-example normalization that bounds "
                              "each example's norm (`normalization` group or l2), the sensitivity "
                              "of its released statistics")
         if self.extrapolation not in search.EXTRAPOLATIONS:
-            raise cfg.ConfigError("extrapolation", f"must be one of {search.EXTRAPOLATIONS}, "
+            raise checks.ConfigError("extrapolation", f"must be one of {search.EXTRAPOLATIONS}, "
                                   f"got {self.extrapolation!r}")
         if self.search not in search.SEARCH_CHOICES:
-            raise cfg.ConfigError("search", f"must be one of {search.SEARCH_CHOICES}, got "
+            raise checks.ConfigError("search", f"must be one of {search.SEARCH_CHOICES}, got "
                                   f"{self.search!r}")
         # Fails fast when the search budgets leave nothing for the final run.
         search.budget_split(self.epsilon, self.delta, self.eps0, self.eps1, self.eps_select,

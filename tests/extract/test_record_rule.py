@@ -16,9 +16,10 @@ from PIL import Image
 
 from dpprobe.extract import defects, open_source
 from dpprobe.finetune import data as finetune_data
+from dpprobe.finetune import job as finetune_job
 from dpprobe.finetune.data import DATA_RULE
 from dpprobe.model import read_model_file
-from dpprobe.pipelines import cli, finetune_job
+from dpprobe.pipelines import cli
 from tests.pipelines.test_finetune_job import ALLOWED, MODEL_ALLOWED, non_dp_leaves
 
 CLASSES = np.array(["a", "b", "c", "d"])
@@ -103,7 +104,7 @@ DEFECTS = {
 
 def _masked(text: str) -> str:
     """Printed text with the DP outputs (accuracies) and the live progress lines' timings (the
-    operator's terminal, `pipelines.timings`) masked."""
+    operator's terminal, `dpprobe.timings`) masked."""
     text = re.sub(r"\d+(\.\d+)?%", "ACC%", text)
     text = re.sub(r"\d+(\.\d+)? s\b", "TIME s", text)
     return re.sub(r"\d+ img/s", "RATE img/s", text)

@@ -13,8 +13,10 @@ from flax import nnx
 
 import dpprobe.finetune.train  # noqa: F401 (loads the submodule)
 from dpprobe import accounting, finetune, pipelines
+from dpprobe.finetune import job as finetune_job
 from dpprobe.finetune.canaries import insert_canaries, make_canaries
-from dpprobe.pipelines import cli, finetune_job, reporting
+from dpprobe.pipelines import cli
+from dpprobe.pipelines.finetune_job import finetune_audit_line
 
 DELTA = 1e-5
 CLASSES = 4
@@ -112,7 +114,7 @@ def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monke
     assert results["data"]["num_train"] == 40 and results["privacy"]["num_canaries"] == 20
     assert results["privacy"]["plan"]["sampling_probability"] == pytest.approx(40 / 60)
     assert results["privacy"]["plan"]["steps"] == 2
-    line = reporting.finetune_audit_line(audit)
+    line = finetune_audit_line(audit)
     if kind == "image":
         assert "weak by construction" in audit["note"] and "never prove" in audit["note"]
         assert line.startswith("audit (one run, 20 canaries")
@@ -121,6 +123,6 @@ def test_finetune_audit_option_records_and_prints_the_bound(rng, tmp_path, monke
         assert "not a bound" in audit["epsilon_estimate_method"]
         assert line.startswith("audit (white box, 20 gradient canaries")
     assert "claimed 2.000" in line
-    assert "CLAIM REFUTED" in reporting.finetune_audit_line(audit | {"refuted": True})
+    assert "CLAIM REFUTED" in finetune_audit_line(audit | {"refuted": True})
     with pytest.raises(SystemExit):
         cli.make_config(parser.parse_args(["finetune", "--audit-canaries", "1"]))

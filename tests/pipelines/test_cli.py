@@ -85,7 +85,7 @@ MINIMAL = {  # each command with only its required options, and the config field
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 def test_every_command_builds_one_frozen_config_with_the_configs_defaults(command):
-    _, config_class, _ = cli.COMMANDS[command]
+    _, config_class, *_ = cli.COMMANDS[command]
     argv, given = MINIMAL[command]
     args = cli.build_parser(command).parse_args([command, *argv])
     config = cli.make_config(args)
@@ -130,9 +130,8 @@ def test_choices_are_the_library_constants():
 
 
 def test_written_out_vocabularies_are_the_library_constants():
-    from dpprobe import extract
+    from dpprobe import extract, options
     from dpprobe.finetune.modes import TRAIN_MODES
-    from dpprobe.pipelines import options
 
     assert options.TRAIN_MODES == TRAIN_MODES
     assert options.AUGMENTATIONS == extract.AUGMENTATIONS
@@ -186,9 +185,9 @@ OUTPUT_OPTIONS = {"info": {"json"}, "account": {"json"}, "verify": {"json"}}
 def test_each_option_is_written_once_on_its_config_field(command, capsys):
     """The parser is generated from the config: its options are exactly the fields that carry
     one (no option the config lacks, no field the parser forgot), and --help shows each flag."""
-    from dpprobe.pipelines import options
+    from dpprobe import options
 
-    _, config_class, _ = cli.COMMANDS[command]
+    _, config_class, *_ = cli.COMMANDS[command]
     argv, _ = MINIMAL[command]
     parser = cli.build_parser(command).parse_args([command, *argv]).parser
     dests = {a.dest for a in parser._actions if a.dest != "help"}
@@ -205,7 +204,7 @@ def test_each_option_is_written_once_on_its_config_field(command, capsys):
 
 
 def test_library_errors_name_fields_and_the_cli_names_their_options(capsys):
-    from dpprobe.pipelines import options
+    from dpprobe import options
     from dpprobe.pipelines.extract_job import ExtractConfig
 
     with pytest.raises(ValueError, match=r"^`ray_shards`/`ray_address` need `ray=True`$"):

@@ -117,7 +117,7 @@ def test_standardization_is_decided_from_its_noise():
 
 
 def test_a_clipped_r_is_explained_with_what_to_do():
-    from dpprobe.pipelines.reporting import _line_report
+    from dpprobe.pipelines.tune_job import _line_report
 
     line = {"extrapolation": "clipped", "alpha": 300.0, "b": 10.0, "exponent": None,
             "r_star": 1000.0, "r_line": 1234.0, "searched": [1.0, 1000.0], "clipped": True,
@@ -179,7 +179,7 @@ def test_the_learning_rate_keeps_momentums_step_for_every_update_rule(
 
 
 def test_a_momentum_of_one_or_more_is_refused():
-    from dpprobe.pipelines.config import ConfigError
+    from dpprobe.checks import ConfigError
 
     for momentum in (1.0, -0.1):
         with pytest.raises(ConfigError, match="momentum"):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from dpprobe.checks import ConfigError
 from dpprobe.pipelines import DemoConfig, cli
-from dpprobe.pipelines.config import ConfigError
 
 
 @pytest.mark.slow

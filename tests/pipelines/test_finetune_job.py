@@ -88,8 +88,8 @@ def test_finetune_writes_dp_results_and_the_model(rng, tmp_path, monkeypatch):
 def test_microbatches_are_refused_for_they_change_nothing(capsys):
     """Book-keeping clipping forms no per-example kernel gradients, so a microbatch size would
     be recorded without effect: refused in the API, not an option of the CLI."""
+    from dpprobe.checks import ConfigError
     from dpprobe.pipelines import FinetuneConfig
-    from dpprobe.pipelines.config import ConfigError
 
     with pytest.raises(ConfigError, match="physical_batch_size"):
         FinetuneConfig(data="digits", microbatch_size=4)

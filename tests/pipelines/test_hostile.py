@@ -177,7 +177,7 @@ def test_outputs_honour_the_umask_and_replace_only_dpprobe_files(world, capsys):
 
 
 def test_plot_error_bars_stay_within_0_and_100():
-    from dpprobe.pipelines.plots import accuracy_error_bars
+    from dpprobe.plots import accuracy_error_bars
 
     bars = accuracy_error_bars([99.0, 2.0, 50.0], [5.0, 5.0, 5.0])
     np.testing.assert_allclose(bars, [[5.0, 2.0, 5.0], [1.0, 5.0, 5.0]])

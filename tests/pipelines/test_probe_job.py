@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dpprobe import accounting
+from dpprobe.checks import ConfigError
 from dpprobe.pipelines import ProbeConfig, cli, run_probe
-from dpprobe.pipelines.config import ConfigError
 
 
 def test_probe_writes_results_json(digits_store, tmp_path, capsys):

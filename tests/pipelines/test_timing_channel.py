@@ -2,7 +2,7 @@
 D with one record changed so that it is slow to read (a large image; a store whose extraction
 took longer) exits 0, prints the same and writes the same files but for DP outputs; no
 published file holds a duration, a rate or a time of the run; the owner's timing file beside
-the results has them (`pipelines.timings`)."""
+the results has them (`dpprobe.timings`)."""
 
 from __future__ import annotations
 

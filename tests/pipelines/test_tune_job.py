@@ -9,8 +9,8 @@ import pytest
 from dp_accounting import pld
 
 from dpprobe import accounting, dp
+from dpprobe.checks import ConfigError
 from dpprobe.pipelines import TuneConfig, cli, run_tune, tune_job
-from dpprobe.pipelines.config import ConfigError
 
 
 @pytest.mark.parametrize("selection", ["train", "holdout"])

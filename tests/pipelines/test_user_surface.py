@@ -134,7 +134,7 @@ def test_verify_prints_a_readable_report_and_json(digits_store, capsys):
 
 
 def test_the_non_private_line_lies_inside_the_plot_with_its_label():
-    from dpprobe.pipelines.plots import accuracy_figure
+    from dpprobe.plots import accuracy_figure
 
     summary = [{"epsilon": e, "steps": 10, "learning_rate": 0.1, "test_accuracy_mean": a,
                 "test_accuracy_std": 0.0} for e, a in ((1.0, 0.80), (8.0, 0.90))]

@@ -20,8 +20,8 @@ import zipfile
 from dpprobe import extract
 from dpprobe import model as dpmodel
 from dpprobe.model.format import safetensors_metadata
-from dpprobe.pipelines.model_files import probe_model_name
-from dpprobe.pipelines.timings import timings_path
+from dpprobe.model_files import probe_model_name
+from dpprobe.timings import timings_path
 
 __all__ = [
     "PNG_SOFTWARE",
@@ -61,7 +61,7 @@ def check_output_paths(**paths: str | os.PathLike | None) -> None:
 
 def check_timings_file(out: str | os.PathLike | None) -> None:
     """The owner's timing file that a job writes beside its results file `out`
-    (`pipelines.timings`); nothing when there is no `out`."""
+    (`dpprobe.timings`); nothing when there is no `out`."""
     if out is not None:
         _check_output_file("the timing file beside `out`:", os.fspath(timings_path(out)))
 

@@ -36,7 +36,7 @@ MAX_STEPS = 10_000_000
 class ConfigError(ValueError):
     """A bad value of one config field; the CLI names its option (`--delta: must be ...`).
     Messages of this package name fields, quoted (`seeds`), never options: the CLI turns each
-    into its option (`pipelines.options.cli_words`)."""
+    into its option (`dpprobe.options.cli_words`)."""
 
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")

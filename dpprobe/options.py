@@ -4,7 +4,7 @@ A job's config field that is also a `dpprobe` option says so with `option(...)`:
 default `--field-name`), its help text and argparse's settings (`type`, `choices`, `action`, ...)
 live in the field's metadata, next to its default, and `add_options` builds the command's parser
 from them. A field without that metadata is for Python callers only. The types here only turn
-text into values; the config checks the values (`pipelines.config`).
+text into values; the config checks the values (`dpprobe.checks`).
 
 Library code names fields and parameters, not flags: an error says "`weights` and `random_init`
 exclude each other", or "`crop=300` exceeds ...", and `cli_words` turns each quoted field of the
@@ -36,19 +36,16 @@ __all__ = [
     "add_options",
     "cli_fields",
     "cli_words",
-    "coordinator_option",
     "delta_option",
     "flag",
     "integer",
     "integers",
     "names",
     "num_classes_option",
-    "num_processes_option",
     "number",
     "numbers",
     "option",
-    "process_id_option",
-    "process_timeout_option",
+    "process_fields",
     "shard",
 ]
 
@@ -119,28 +116,43 @@ def accountant_option(text: str = "") -> dataclasses.Field:
                   help=f"privacy accountant (default %(default)s{text})")
 
 
-def coordinator_option() -> dataclasses.Field:
-    """The process fields of a job that may run as several processes (`multihost.processes`)."""
-    return option(None, metavar="HOST:PORT", help="run as one of --num-processes processes "
-                  "(one per host; jax.distributed): the address of process 0, which serves "
-                  "the job's coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's "
-                  "and Kubernetes' auto-detection when --num-processes is given)")
+def process_fields(cls):
+    """Class decorator, under `@dataclasses.dataclass`: the process fields of a job that may
+    run as several processes (`multihost.processes`), declared once for every such job's
+    config, inserted before its `quiet` field (so that `--help` lists them there).
 
+    Args:
+      cls: the config class, whose body declares `quiet` and not these fields.
 
-def num_processes_option() -> dataclasses.Field:
-    return option(None, type=integer, metavar="N", help="processes of a multi-process job; "
-                  "each reads its own slice of the rows, only process 0 writes outputs")
-
-
-def process_id_option() -> dataclasses.Field:
-    return option(None, type=integer, metavar="I", help="this process's index in [0, N) "
-                  "(default: from Slurm's or Kubernetes' environment)")
-
-
-def process_timeout_option() -> dataclasses.Field:
-    return option(60, type=integer, metavar="SECONDS", help="multi-process: how long a process "
-                  "waits for the others to start, and after how many seconds without a "
-                  "heartbeat a process counts as dead and the job ends (default %(default)s)")
+    Returns:
+      `cls` with `coordinator`, `num_processes`, `process_id` and `process_timeout`.
+    """
+    fields = {
+        "coordinator": ("str | None", option(
+            None, metavar="HOST:PORT", help="run as one of --num-processes processes (one per "
+            "host; jax.distributed): the address of process 0, which serves the job's "
+            "coordinator there (default: JAX_COORDINATOR_ADDRESS, or Slurm's and Kubernetes' "
+            "auto-detection when --num-processes is given)")),
+        "num_processes": ("int | None", option(
+            None, type=integer, metavar="N", help="processes of a multi-process job; each "
+            "reads its own slice of the rows, only process 0 writes outputs")),
+        "process_id": ("int | None", option(
+            None, type=integer, metavar="I", help="this process's index in [0, N) (default: "
+            "from Slurm's or Kubernetes' environment)")),
+        "process_timeout": ("int", option(
+            60, type=integer, metavar="SECONDS", help="multi-process: how long a process waits "
+            "for the others to start, and after how many seconds without a heartbeat a "
+            "process counts as dead and the job ends (default %(default)s)")),
+    }
+    annotations = {}
+    for name, kind in cls.__dict__["__annotations__"].items():
+        if name == "quiet":
+            annotations |= {field: kind for field, (kind, _) in fields.items()}
+        annotations[name] = kind
+    for name, (_, field) in fields.items():
+        setattr(cls, name, field)
+    cls.__annotations__ = annotations
+    return cls
 
 
 def cli_fields(config_class) -> list[dataclasses.Field]:

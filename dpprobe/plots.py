@@ -1,6 +1,6 @@
 """The PNG plots of the jobs: accuracy vs epsilon (probe, demo) and the audit's score histograms
 and trade-off curves. Each plot is written atomically and tagged as dpprobe's, so that a later
-run recognizes (and replaces) its own plot, and only that (`pipelines.preflight`)."""
+run recognizes (and replaces) its own plot, and only that (`dpprobe.preflight`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dpprobe.files import atomic_write_bytes
-from dpprobe.pipelines.reporting import format_epsilon
+from dpprobe.messages import format_epsilon
 
 __all__ = ["Reference", "accuracy_error_bars", "accuracy_figure", "plot_accuracy", "plot_audit",
            "plot_title"]

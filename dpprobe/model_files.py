@@ -31,7 +31,7 @@ def write_model(path, arrays: dict, document: dict) -> None:
 
 def header(job: str, class_names, num_classes: int | None = None, **extra) -> dict:
     """What every model file's description begins with (no time of the run: it depends on the
-    private records, `pipelines.timings`). A store that declares only its class count (no
+    private records, `dpprobe.timings`). A store that declares only its class count (no
     names) gets the classes' indices as names."""
     if class_names is None:
         class_names = range(num_classes)

@@ -11,8 +11,9 @@ writes its timings to `R.timings.json` beside it (`finetune --out DIR`:
 guarantee, never to be published. Benchmarks read their seconds and images per second from it
 (`read_timings`).
 
-The live progress lines on stderr (a rate, the time left, how long the first step took) are the
-operator's terminal in the same way: not covered, not to be published; `--quiet` turns them off.
+The live progress lines on stderr (a rate, the time left, how long the first step took;
+`RateProgress` here) are the operator's terminal in the same way: not covered, not to be
+published; `--quiet` turns them off.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import time
 from pathlib import Path
 
 from dpprobe.accounting import records
-from dpprobe.pipelines import reporting
+from dpprobe.files import write_json
+from dpprobe.messages import log
 
-__all__ = ["TIMINGS_WARNING", "Stopwatch", "read_timings", "timings_path", "write_timings"]
+__all__ = ["TIMINGS_WARNING", "RateProgress", "Stopwatch", "format_duration", "read_timings",
+           "timings_path", "write_timings"]
 
 TIMINGS_WARNING = ("PRIVATE: wall-clock timings of a run over the private data (how long it "
                    "took depends on its records), NOT covered by the privacy guarantee. For the "
@@ -68,12 +71,12 @@ def write_timings(results_path: str | os.PathLike, job: str, stopwatch: Stopwatc
       readable by its owner only (mode 0600).
     """
     path = timings_path(results_path)
-    reporting.write_json(path, {
+    write_json(path, {
         "warning": TIMINGS_WARNING, "dpprobe_version": records.VERSION, "job": job,
         "results": Path(results_path).name, "started": stopwatch.started,
         "finished": records.now(), "wall_seconds": stopwatch.seconds(), **measured})
     os.chmod(path, 0o600)
-    reporting.log(f"wrote {path} (timings: for you only, not covered by the privacy "
+    log(f"wrote {path} (timings: for you only, not covered by the privacy "
                   "guarantee; do not publish)", quiet)
     return path
 
@@ -82,3 +85,33 @@ def read_timings(results_path: str | os.PathLike) -> dict:
     """The timing file written beside `results_path` (for benchmarks: seconds, images per
     second)."""
     return json.loads(timings_path(results_path).read_text())
+
+
+def format_duration(seconds: float) -> str:
+    """'45 s', '3 min 05 s', '1 h 02 min'."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class RateProgress:
+    """`progress(done)`: one line "WHAT: done/total UNIT (p%), r UNIT/s, about t left", the
+    rate counted from the start (compiling included, so the first estimates run long)."""
+
+    def __init__(self, what: str, total: int, unit: str, quiet: bool = False):
+        self.what, self.total, self.unit, self.quiet = what, total, unit, quiet
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        rate = done / elapsed
+        text = f"{self.what}: {done}/{self.total} {self.unit} ({100 * done / self.total:.0f}%)"
+        if done >= self.total:
+            text += f", done in {format_duration(elapsed)}"
+        elif done > 0:
+            text += (f", {rate:.3g} {self.unit}/s, about "
+                     f"{format_duration((self.total - done) / rate)} left")
+        log(text, self.quiet)

@@ -1,0 +1,126 @@
+"""The probe's privacy audit with canaries (`dpprobe audit`): M probes trained with a crafted
+canary row and M with a null record in its place (`probe.canaries`: the production trainer,
+clipper, noise and optimizer), their scores, and lower bounds on epsilon at the claim's delta
+(`dp.auditing`), each against the claim. A lower bound for this canary and this threat model,
+not a proof of privacy."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from dpprobe import accounting, probe
+from dpprobe.messages import log
+from dpprobe.timings import RateProgress
+
+__all__ = ["ProbeAudit", "audit_probe"]
+
+# Scores simulated under the claim to choose the tests' thresholds (at most this many noise
+# values drawn, unless there are more runs).
+_SIMULATED, _SIMULATED_VALUES = 200_000, 20_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeAudit:
+    """An audit's outcome.
+
+    Attributes:
+      plan: the claim's plan (each audited model is one run of it).
+      run: the audited run (its plan and learning rate).
+      claimed_epsilon, claimed_mu: the claim, as epsilon at delta and as a GDP mu.
+      scores: {"in": the canary runs' scores, "out": the null record's}.
+      bounds: `dp.audit_bounds`'s lower bounds.
+      ratios: each bound over the claim.
+      refuted: whether a lower bound exceeds the claim.
+      train_seconds: how long the training took (the owner's; not a DP output).
+    """
+
+    plan: accounting.DpPlan
+    run: probe.RunSpec
+    claimed_epsilon: float
+    claimed_mu: float
+    scores: dict
+    bounds: object
+    ratios: dict
+    refuted: bool
+    train_seconds: float
+
+    def tradeoff(self) -> tuple[np.ndarray, np.ndarray]:
+        """The trade-off curve of the two score samples (false positive, false negative)."""
+        from dpprobe import dp  # JAX, loaded by the audit that made this
+
+        return dp.tradeoff_curve(self.scores["in"], self.scores["out"])
+
+
+def audit_probe(features, labels, spec: probe.ProbeSpec, *, epsilon: float, delta: float,
+                steps: int, clip_norm: float, runs: int, confidence: float,
+                runs_per_call: int | None = None, quiet: bool = False) -> ProbeAudit:
+    """Calibrate the claim's plan, choose the tests' thresholds on scores simulated under it,
+    train `runs` probes with the canary and `runs` with a null record in its place, and bound
+    epsilon from below (module docstring).
+
+    Args:
+      features, labels: the rows the probes train on (beside the canary).
+      spec: the probe (classes, loss, optimizer).
+      epsilon, delta: the claim; the noise is what `dpprobe probe` uses for them.
+      steps, clip_norm: the plan's T and C (full batch).
+      runs: runs per side.
+      confidence: the confidence of each bound.
+      runs_per_call: runs trained per compiled call (None: the trainer's choice).
+      quiet: no progress lines.
+
+    Returns:
+      A `ProbeAudit`.
+    """
+    from dpprobe import dp  # JAX: imported when the audit runs, not at the CLI's start
+
+    num_examples = len(features) + 1  # the rows and the canary (or its null record)
+    num_classes = spec.num_classes
+
+    # The claim: the noise `dpprobe probe` would use for (epsilon, delta), and its epsilon from
+    # the ledger (PLD, zero-out neighbours); each audited model is one run of this plan.
+    plan = accounting.calibrate_plan(epsilon, delta, steps=steps, clip_norm=clip_norm)
+    claim = accounting.PrivacyLedger()
+    claim.record("one audited model", plan)
+    claimed_epsilon, claimed_mu = claim.epsilon(delta), claim.gdp_mu()
+    run = probe.RunSpec(plan, probe.audit_learning_rate(plan, num_examples))
+
+    # Thresholds of the tests, from scores simulated under the claim (before any training).
+    significance = 1.0 - confidence
+    rng = np.random.default_rng()
+    count = max(runs, min(_SIMULATED, _SIMULATED_VALUES // (steps * num_classes)))
+    simulated = [probe.claimed_canary_scores(run, spec, num_examples=num_examples,
+                                             count=count, include=include, rng=rng)
+                 for include in (True, False)]
+    gdp_threshold, cp_threshold = dp.choose_thresholds(
+        *simulated, delta, significance, sizes=(runs, runs))
+
+    # Train: M runs with the canary, M with a null record in its place.
+    log(f"audit: {runs} runs with the canary and {runs} without, "
+        f"{spec.optimizer}, T={steps}, on {len(features)} rows + the canary", quiet)
+    train_start = time.perf_counter()
+    progress = RateProgress("audit", 2 * runs, "runs", quiet)
+    scores = {side: probe.train_canary_runs(
+        features, labels, [run] * runs, spec, include=side == "in",
+        runs_per_call=runs_per_call,
+        progress=lambda done, offset=offset: progress(offset + done))
+        for side, offset in (("in", 0), ("out", runs))}
+    train_seconds = time.perf_counter() - train_start
+
+    # Bounds, each at `confidence`, at the claim's delta.
+    bounds = dp.audit_bounds(scores["in"], scores["out"], delta=delta,
+                             gdp_threshold=gdp_threshold, cp_threshold=cp_threshold,
+                             significance=significance)
+    ratios = {
+        "gdp_mu_lower_over_claim": bounds.gdp_mu_lower / claimed_mu,
+        "gdp_mu_estimate_over_claim": bounds.gdp_mu_estimate / claimed_mu,
+        "gdp_epsilon_lower_over_claim": bounds.gdp_epsilon_lower / claimed_epsilon,
+        "cp_epsilon_lower_over_claim": bounds.cp_epsilon_lower / claimed_epsilon,
+    }
+    refuted = (bounds.gdp_mu_lower > claimed_mu
+               or bounds.cp_epsilon_lower > claimed_epsilon)
+
+    return ProbeAudit(plan, run, claimed_epsilon, claimed_mu, scores, bounds, ratios, refuted,
+                      train_seconds)
