@@ -127,3 +127,9 @@ class TestEfficientNetLite0(ModelFamilyContract):
 
     timm_name = "tf_efficientnet_lite0"
     image_size = 33  # odd: the asymmetric "same" padding of its strided convolutions
+
+
+class TestConvNeXtAtto(ModelFamilyContract):
+    """timm's convnext_atto: depthwise 7 x 7, LayerNorm, 1 x 1-convolution MLP, layer scale."""
+
+    timm_name = "convnext_atto"

@@ -9,16 +9,17 @@ contract).
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
     2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
     fixed ScatterNet), "scatternet_cnn_linear" (that CNN and a linear model on the ScatterNet,
-    one head), or a timm ViT, ResNet or EfficientNet name at random init;
+    one head), or a timm ViT, ResNet, EfficientNet or ConvNeXt name at random init;
   * `model_from_timm(timm_model, ...)`: a timm VisionTransformer (`vit_from_timm`), ResNet
-    (`resnet_from_timm`) or EfficientNet (`efficientnet_from_timm`), pretrained or not, as
-    NNX, BatchNorm frozen (`FrozenBatchNorm`);
+    (`resnet_from_timm`), EfficientNet (`efficientnet_from_timm`) or ConvNeXt
+    (`convnext_from_timm`), pretrained or not, as NNX, BatchNorm frozen (`FrozenBatchNorm`);
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
 
 from dpprobe.finetune.models import taps as _taps  # noqa: F401 - registers the book-keeping rules
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
+from dpprobe.finetune.models.convnext import ConvNeXt, convnext_from_timm
 from dpprobe.finetune.models.efficientnet import EfficientNet, efficientnet_from_timm
 from dpprobe.finetune.models.factory import (
     MODEL_NAMES,
@@ -38,6 +39,7 @@ __all__ = [
     "MODEL_NAMES",
     "TIMM_FAMILIES",
     "CifarCNN",
+    "ConvNeXt",
     "EfficientNet",
     "FrozenBatchNorm",
     "ResNet",
@@ -47,6 +49,7 @@ __all__ = [
     "WSConv",
     "WideResNet",
     "check_no_batchnorm",
+    "convnext_from_timm",
     "create_model",
     "efficientnet_from_timm",
     "input_mean_std",
