@@ -18,7 +18,8 @@ same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest m
                      the loader's batches are copied there, the clock waits for the GPU)
 
 Models: the small CNN (28 x 28 x 1), WRN-16-4 with GroupNorm and weight standardization
-(28 x 28 x 1), ViT-tiny/16 at 32 px (3 channels). Medians over repeats; the machine is shared.
+(28 x 28 x 1), ViT-tiny/16 at 32 px (3 channels); `--models convnext`: timm's convnext_atto at
+32 px (3 channels, p 32). Medians over repeats; the machine is shared.
 
 Parameter-efficient modes (`--train bias,lora`, ViT-tiny only; `finetune.modes`): one more row
 per mode, DP-SGD of that mode against the non-private reference of the same mode
@@ -46,6 +47,7 @@ MODELS = {  # name: (finetune model, image side, channels, physical batch)
     "cnn": ("cnn", 28, 1, 256),
     "wrn16_4": ("wrn16_4", 28, 1, 32),
     "vit": ("vit_tiny_patch16_224", 32, 3, 64),
+    "convnext": ("convnext_atto", 32, 3, 32),  # not in the default --models
 }
 CLASSES = 10
 
@@ -130,10 +132,10 @@ def _torch_model(name, side, channels):
         return torch_models.TorchTemperedCNN(CLASSES, channels, side=4)
     if name == "wrn16_4":
         return torch_models.TorchWRN(CLASSES, depth=16, width=4, in_channels=channels)
-    # "vit" is the table's ViT-tiny; a timm ViT name (gpu.py's ViT-B/16) is built as named
-    timm_name = name if name.startswith(("vit_", "deit")) else "vit_tiny_patch16_224"
-    return timm.create_model(timm_name, pretrained=False, num_classes=CLASSES, img_size=side,
-                             in_chans=channels)
+    # "vit" rows are timm ViT names (gpu.py's ViT-B/16 too); a ConvNeXt takes any size
+    size = {"img_size": side} if name.startswith(("vit", "deit")) else {}
+    return timm.create_model(name, pretrained=False, num_classes=CLASSES, in_chans=channels,
+                             **size)
 
 
 def opacus_and_torch(name, side, channels, p, steps, repeats):

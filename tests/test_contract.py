@@ -151,3 +151,9 @@ class TestBeitSharedTable(ModelFamilyContract):
     timm_kwargs = _TINY_BEIT | {"use_rel_pos_bias": False, "use_shared_rel_pos_bias": True,
                                 "use_abs_pos_emb": True, "global_pool": "token"}
     perturb_std = 0.05
+
+
+class TestConvNeXtAtto(ModelFamilyContract):
+    """timm's convnext_atto: depthwise 7 x 7, LayerNorm, 1 x 1-convolution MLP, layer scale."""
+
+    timm_name = "convnext_atto"

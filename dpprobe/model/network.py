@@ -37,7 +37,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                      resize: int | None, crop: int | None, rgb: bool, mean, std,
                      timm_architecture: str | None) -> dict:
     """The architecture and transforms of a fine-tuned model (public inputs only)."""
-    from dpprobe.finetune.models import Beit, EfficientNet, ResNet, VisionTransformer
+    from dpprobe.finetune.models import Beit, ConvNeXt, EfficientNet, ResNet, VisionTransformer
 
     architecture = {"name": name, "num_classes": num_classes, "image_size": image_size,
                     "in_channels": channels}
@@ -47,7 +47,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
     elif isinstance(model, Beit):
         architecture |= {"family": "beit", "beit_config": dataclasses.asdict(model.config),
                          "timm_architecture": timm_architecture}
-    elif isinstance(model, ResNet | EfficientNet):
+    elif isinstance(model, ResNet | EfficientNet | ConvNeXt):
         architecture |= {"family": TIMM_CNN, "timm_architecture": timm_architecture}
     else:
         architecture["family"] = name

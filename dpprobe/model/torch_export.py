@@ -151,12 +151,12 @@ def _timm_cnn(model):
 
 
 def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """A fine-tuned timm ViT, BEiT, ResNet or EfficientNet as timm's state dict, and the
-    `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
+    """A fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt as timm's state dict, and
+    the `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
     family = model.document["architecture"]["family"] if model.kind == "network" else None
     if family not in ("vit", "beit", "timm_cnn"):
         raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, BEiT, "
-                         f"ResNet or EfficientNet; this is a {_describe(model)} (use "
+                         f"ResNet, EfficientNet or ConvNeXt; this is a {_describe(model)} (use "
                          f"`format=torch` or `format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],

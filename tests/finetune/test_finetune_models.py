@@ -271,9 +271,19 @@ SMALL_MODELS = {
     "vit": lambda rngs: fm.vit_from_timm(_timm_vit(**_TINY_VIT), 4, rngs=rngs),
     "scatter": lambda rngs: fm.create_model("scatternet_cnn_linear", 4, image_size=16,
                                             in_channels=2, rngs=rngs),  # scatternet_cnn + head
+    "convnext": lambda rngs: fm.model_from_timm(_timm_convnext(), 4, rngs=rngs),
 }
-_SIDE = {"cnn": 16, "wrn": 8, "vit": 16, "scatter": 16}
-_CHANNELS = {"cnn": 1, "wrn": 1, "vit": 3, "scatter": 2}
+_SIDE = {"cnn": 16, "wrn": 8, "vit": 16, "scatter": 16, "convnext": 32}
+_CHANNELS = {"cnn": 1, "wrn": 1, "vit": 3, "scatter": 2, "convnext": 3}
+
+
+def _timm_convnext():
+    """A ConvNeXt of one block per stage, 8 channels wide, its layer scales near 1."""
+    from timm.models.convnext import ConvNeXt
+
+    torch.manual_seed(0)
+    model = ConvNeXt(num_classes=4, depths=(1, 1, 1, 1), dims=(8, 8, 8, 8), ls_init_value=1.0)
+    return model.eval()
 
 
 def _batch(kind, n, seed=0):

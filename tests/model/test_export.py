@@ -146,15 +146,15 @@ def test_timm_format_is_refused_for_a_probe(digits_store, tmp_path, capsys):
     assert cli.main(["export", "--model", str(tmp_path / "eps8.safetensors"), "--format",
                      "timm", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert ("exports a fine-tuned timm ViT, BEiT, ResNet or EfficientNet; this is a linear "
-            "probe") in err
+    assert ("exports a fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt; this is a "
+            "linear probe") in err
     assert len(err.splitlines()) == 1 and not out.exists()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "tf_efficientnet_lite0"])
+@pytest.mark.parametrize("name", ["resnet18", "tf_efficientnet_lite0", "convnext_atto"])
 def test_finetuned_timm_cnn_round_trips_through_the_model_file_and_timm(name, tmp_path):
     """A ResNet / EfficientNet (BatchNorm frozen at random statistics, every parameter
-    perturbed): the model file holds its statistics too (`stats/`) and rebuilds it;
+    perturbed) or ConvNeXt: the model file holds its statistics too (`stats/`) and rebuilds it;
     `--format torch` matches dpprobe's logits within 1e-4; `--format timm` loads strictly
     into `timm.create_model(name, num_classes=K)` and gives the same logits."""
     import safetensors.torch
@@ -170,7 +170,8 @@ def test_finetuned_timm_cnn_round_trips_through_the_model_file_and_timm(name, tm
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     path = network_file(tmp_path / "m.safetensors", model, name=name, side=32, channels=3,
                         mean=mean, std=std, rgb=True, timm_architecture=name)
-    assert any(k.startswith("stats/") for k in safetensors.torch.load_file(path))
+    stats = any(k.startswith("stats/") for k in safetensors.torch.load_file(path))
+    assert stats == (name != "convnext_atto")  # ConvNeXt has LayerNorm only, no statistics
     images = uint8_images(3, 32, 3)
     diffs = _compare(path, images, tmp_path, formats=("torch",))
     assert max(diffs.values()) <= TOLERANCE, diffs

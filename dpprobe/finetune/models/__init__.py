@@ -9,11 +9,11 @@ contract).
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
     2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
     fixed ScatterNet), "scatternet_cnn_linear" (that CNN and a linear model on the ScatterNet,
-    one head), or a timm ViT, BEiT, ResNet or EfficientNet name at random init;
+    one head), or a timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt name at random init;
   * `model_from_timm(timm_model, ...)`: a timm VisionTransformer (`vit_from_timm`), Beit
-    (`beit_from_timm`), ResNet
-    (`resnet_from_timm`) or EfficientNet (`efficientnet_from_timm`), pretrained or not, as
-    NNX, BatchNorm frozen (`FrozenBatchNorm`);
+    (`beit_from_timm`), ResNet (`resnet_from_timm`), EfficientNet (`efficientnet_from_timm`)
+    or ConvNeXt (`convnext_from_timm`), pretrained or not, as NNX, BatchNorm frozen
+    (`FrozenBatchNorm`);
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
 
@@ -22,6 +22,7 @@ from dpprobe.finetune.models.beit import Beit, BeitConfig
 from dpprobe.finetune.models.beit_weights import beit_from_timm
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
+from dpprobe.finetune.models.convnext import ConvNeXt, convnext_from_timm
 from dpprobe.finetune.models.efficientnet import EfficientNet, efficientnet_from_timm
 from dpprobe.finetune.models.factory import (
     MODEL_NAMES,
@@ -44,6 +45,7 @@ __all__ = [
     "MODEL_NAMES",
     "TIMM_FAMILIES",
     "CifarCNN",
+    "ConvNeXt",
     "EfficientNet",
     "FrozenBatchNorm",
     "ResNet",
@@ -53,6 +55,7 @@ __all__ = [
     "WSConv",
     "WideResNet",
     "check_no_batchnorm",
+    "convnext_from_timm",
     "create_model",
     "efficientnet_from_timm",
     "input_mean_std",

@@ -10,6 +10,7 @@ from flax import nnx
 from dpprobe.finetune.models.beit_weights import beit_from_timm
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import check_no_batchnorm
+from dpprobe.finetune.models.convnext import convnext_from_timm
 from dpprobe.finetune.models.efficientnet import efficientnet_from_timm
 from dpprobe.finetune.models.resnet import resnet_from_timm
 from dpprobe.finetune.models.scatter import ScatterCNN
@@ -34,7 +35,8 @@ _MEAN_STD = {"scatternet_cnn": (0.0, 1.0), "scatternet_cnn_linear": (0.0, 1.0)}
 # timm's model classes this package converts (class name -> converter), the families
 # `dpprobe finetune --model <timm name>` accepts.
 _FROM_TIMM = {"VisionTransformer": vit_from_timm, "ResNet": resnet_from_timm,
-              "EfficientNet": efficientnet_from_timm}
+              "EfficientNet": efficientnet_from_timm,
+              "ConvNeXt": convnext_from_timm}
 _FROM_TIMM["Beit"] = beit_from_timm  # BEiT (`finetune.models.beit`)
 TIMM_FAMILIES: tuple[str, ...] = tuple(_FROM_TIMM)
 

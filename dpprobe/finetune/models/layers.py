@@ -46,7 +46,8 @@ _TORCH_ACTIVATIONS = {"Identity": "identity", "ReLU": "relu", "ReLU6": "relu6", 
 def activation_name(module: Any) -> str:
     """Our name of a torch activation module; ValueError for one we do not reproduce."""
     name = type(module).__name__
-    if name not in _TORCH_ACTIVATIONS or (name == "GELU" and module.approximate != "none"):
+    # torch's GELU says its approximation; timm's own GELU (ConvNeXt's) is always exact.
+    if name not in _TORCH_ACTIVATIONS or getattr(module, "approximate", "none") != "none":
         raise ValueError(f"unsupported activation {module}")
     return _TORCH_ACTIVATIONS[name]
 

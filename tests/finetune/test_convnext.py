@@ -1,0 +1,120 @@
+"""timm's ConvNeXt as our NNX `ConvNeXt` (`finetune.models.convnext`): timm's logits within
+1e-4 (both MLP forms, with and without the head's norm), a `--weights FILE` state dict loaded
+strictly through the product's path, the way back to timm strict, and book-keeping clipping
+equal to per-example clipping of `jax.vmap(jax.grad)` on a small ConvNeXt whose layer scales
+are far from timm's 1e-6 init (so every block's parameters carry gradient)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from dpprobe.finetune.models import ConvNeXt, model_from_timm
+from dpprobe.finetune.models.timm_names import load_into_timm
+from tests.contract import NUM_CLASSES, ModelFamilyContract
+
+
+def _perturb_gamma(timm_model, seed: int) -> None:
+    """Layer scales drawn in [0.5, 1.5] (timm's init 1e-6 would mute every block)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in timm_model.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+
+
+def _small(conv_mlp: bool, head_norm_first: bool = False):
+    """A ConvNeXt of five blocks in four narrow stages, through timm's class."""
+    from timm.models.convnext import ConvNeXt as TimmConvNeXt
+
+    torch.manual_seed(0)
+    model = TimmConvNeXt(num_classes=NUM_CLASSES, depths=(1, 1, 2, 1), dims=(8, 12, 16, 24),
+                         conv_mlp=conv_mlp, head_norm_first=head_norm_first).eval()
+    _perturb_gamma(model, 1)
+    return model
+
+
+def _images(n: int, side: int, seed: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 3, side, side)).astype(np.float32)
+
+
+def _logits(model, images):
+    return np.asarray(model(jnp.asarray(images.transpose(0, 2, 3, 1))))
+
+
+@pytest.mark.parametrize("conv_mlp,head_norm_first", [(False, False), (True, False),
+                                                      (False, True)])
+def test_logits_match_timm_and_the_way_back_is_strict(conv_mlp, head_norm_first):
+    timm_model = _small(conv_mlp, head_norm_first)
+    model = model_from_timm(timm_model, None, rngs=nnx.Rngs(0))
+    assert isinstance(model, ConvNeXt) and model.conv_mlp == conv_mlp
+    images = _images(3, 32)
+    with torch.no_grad():
+        expected = timm_model(torch.from_numpy(images)).numpy()
+    assert np.abs(expected).max() > 0.1  # the blocks and head carry signal
+    np.testing.assert_allclose(_logits(model, images), expected, rtol=0, atol=1e-4)
+    back = _small(conv_mlp, head_norm_first)
+    with torch.no_grad():
+        for p in back.parameters():
+            p.zero_()
+    load_into_timm(model, back)  # every tensor written, load_state_dict(strict=True)
+    for key, value in timm_model.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_weights_file_loads_strictly_into_the_finetuned_model(tmp_path):
+    """A convnext_atto state dict as .safetensors through `extract.create_backbone(weights=)`
+    (what `dpprobe finetune --model convnext_atto --weights FILE` builds its model from):
+    our features are timm's pre-logits within 1e-4, the new head is zero; a file lacking one
+    layer scale is refused."""
+    import safetensors.torch
+    import timm
+
+    from dpprobe import extract
+
+    torch.manual_seed(3)
+    source = timm.create_model("convnext_atto", pretrained=False).eval()
+    _perturb_gamma(source, 4)
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    path = tmp_path / "atto.safetensors"
+    safetensors.torch.save_file(state, str(path))
+    backbone = extract.create_backbone("convnext_atto", weights=path, crop=32, device="cpu")
+    model = model_from_timm(backbone.module, 10, rngs=nnx.Rngs(0))
+    images = _images(2, 32)
+    with torch.no_grad():
+        expected = source.forward_head(source.forward_features(torch.from_numpy(images)),
+                                       pre_logits=True).numpy()
+    ours = np.asarray(model.features(jnp.asarray(images.transpose(0, 2, 3, 1))))
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
+    assert not np.asarray(model.head.kernel[...]).any()
+    del state["stages.2.blocks.3.gamma"]
+    safetensors.torch.save_file(state, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ValueError, match="gamma"):
+        extract.create_backbone("convnext_atto", weights=tmp_path / "partial.safetensors",
+                                crop=32, device="cpu")
+
+
+@pytest.mark.parametrize("name,match", [("convnext_atto_ols", "stem"),
+                                        ("convnextv2_atto", "global response"),
+                                        ("convnext_zepto_rms", "LayerNorm")])
+def test_variants_it_does_not_reproduce_are_refused(name, match):
+    import timm
+
+    with pytest.raises(ValueError, match=match):
+        model_from_timm(timm.create_model(name, pretrained=False), None, rngs=nnx.Rngs(0))
+
+
+class TestSmallConvNeXt(ModelFamilyContract):
+    """The family contract (clipped sum = per-example clipping within 1e-5, leave-one-out
+    <= C (1 + 1e-6), no example touches another) on a small ConvNeXt with layer scales near 1
+    and the dense (non-convolutional) MLP."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def family(cls):
+        timm_model = _small(conv_mlp=False)
+        return timm_model, model_from_timm(timm_model, None, rngs=nnx.Rngs(0)), _images(
+            cls.examples, cls.image_size)
