@@ -26,6 +26,7 @@ import types
 from typing import Any
 
 from dpprobe import model as dpmodel
+from dpprobe.finetune.own_model import own_module
 from dpprobe.pipelines import reporting, timings
 from dpprobe.pipelines.audit_job import AuditConfig, run_audit
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
@@ -115,7 +116,8 @@ def _finetune_result(config: FinetuneConfig) -> JobResult:
     model_file = os.path.join(config.out, MODEL_FILE) if config.out else None
     paths = _written(config.out, model_file)
     return JobResult("finetune", results, "\n".join(lines), results.get("ledger"), paths,
-                     (dpmodel.load_model(model_file),) if model_file in paths else ())
+                     (dpmodel.load_model(model_file, module=own_module(config.model)),)
+                     if model_file in paths else ())
 
 
 def _audit_result(config: AuditConfig) -> JobResult:

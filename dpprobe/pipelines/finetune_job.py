@@ -20,6 +20,12 @@ from dpprobe import accounting, extract, files, finetune
 from dpprobe.accounting import records
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.data import DATA_RULE, load_images
+from dpprobe.finetune.own_model import (
+    check_own_module,
+    own_model_parts,
+    own_module,
+    own_module_name,
+)
 from dpprobe.finetune.recipe import default_model, finetune_recipe
 from dpprobe.multihost import processes
 from dpprobe.pipelines import config as cfg
@@ -96,6 +102,10 @@ def _input_paths(config: FinetuneConfig) -> list[str]:
 
 def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """Load, build, calibrate, train, evaluate and record (module docstring); `out` is held."""
+    own = own_module(config.model)
+    if own is not None:  # from here on `model` is its class's name; the module is `own`
+        check_own_module(own, config)
+        config = dataclasses.replace(config, model=own_module_name(own))
     if config.train == "lora" and (config.model is None
                                    or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
@@ -111,7 +121,8 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
     # by the public per-record rule (a bad record trains as a null record; nothing counts them).
-    model_is_timm = config.model is not None and config.model not in finetune.models.MODEL_NAMES
+    model_is_timm = (own is None and config.model is not None
+                     and config.model not in finetune.models.MODEL_NAMES)
     train, test, class_names = load_images(config, rgb=model_is_timm)
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
@@ -132,7 +143,9 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
     # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
-    model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
+    model, mean, std, model_info = (
+        own_model_parts(own, image_size, channels, num_classes) if own is not None
+        else _build_model(config, num_classes, image_size, channels))
 
     # The recipe: what the config gives, else chosen from public quantities (N, size, model).
     chosen = finetune_recipe(config, num_examples=num_real, image_size=image_size,
@@ -315,6 +328,7 @@ def _trained_info(config: FinetuneConfig, model, spec) -> dict:
 
 def _options(config: FinetuneConfig) -> dict:
     """The options that make a run what it is (not where it writes, not how much it prints)."""
+    config = dataclasses.replace(config, model=own_module_name(config.model))
     return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
                                  default=str))
 
