@@ -28,6 +28,7 @@ from typing import Any
 
 from dpprobe import model as dpmodel
 from dpprobe import timings
+from dpprobe.finetune.own_model import own_module
 from dpprobe.model_files import MODEL_FILE
 from dpprobe.pipelines.audit_job import AuditConfig, audit_report, run_audit
 from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
@@ -130,7 +131,15 @@ def _finetune_result(config: FinetuneConfig) -> JobResult:
     model_file = os.path.join(config.out, MODEL_FILE) if config.out else None
     paths = _written(config.out, model_file)
     return JobResult("finetune", results, "\n".join(lines), results.get("ledger"), paths,
-                     (model_file,) if model_file in paths else ())
+                     (_finetuned_model(model_file, config.model),) if model_file in paths
+                     else ())
+
+
+def _finetuned_model(model_file: str, model) -> dpmodel.Model | str:
+    """The finetune's model source: the file, read on first use; a run of the caller's own
+    NNX module is read now, rebuilt from that module (`load_model(module=...)`)."""
+    own = own_module(model)
+    return model_file if own is None else dpmodel.load_model(model_file, module=own)
 
 
 def _audit_result(config: AuditConfig) -> JobResult:

@@ -6,8 +6,8 @@
   * `dp.clipping`: the clipper interface (params, batch, C, mask) -> (clipped sum, norms), null
     records, and the general per-example clipper (`jax_privacy.clipped_grad`);
   * `dp.bookkeeping`: book-keeping clipping of whole NNX networks (ghost norms, Bu et al.
-    2023): one forward and one backward pass, layer rules in `dp.taps`, its rounding-safe
-    norm bounds in `dp.norm_bounds`;
+    2023): one forward and one backward pass, layer rules in `dp.taps` (Flax's `nnx.Conv` in
+    `dp.flax_rules`), its rounding-safe norm bounds in `dp.norm_bounds`;
   * `dp.norms`: per-example gradient norms of a dense layer from its inputs and output
     gradients (the ghost norm), bounded under float32 rounding; the linear probe's closed
     form is its one-layer case;

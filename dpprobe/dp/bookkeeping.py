@@ -86,12 +86,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpprobe.dp import flax_rules as _flax_rules  # noqa: F401 - registers nnx.Conv's rules
 from dpprobe.dp.accumulate import FLOAT64_SUMS, weighted_rows_sum
 from dpprobe.dp.canary_rows import CanaryRows, dirac_ghost, dirac_piece, dirac_rows, leaf_starts
 from dpprobe.dp.clipping import ClippedSum, Clipper
 from dpprobe.dp.norm_bounds import HIGHEST, gamma, ghost_norm, scaled_norm
 from dpprobe.dp.scaling import unit_scale, unscale
-from dpprobe.dp.taps import Taps, promote_float32, rule_for, tap_model, tappable_layers
+from dpprobe.dp.taps import (
+    Taps,
+    notify_uncovered,
+    promote_float32,
+    rule_for,
+    tap_model,
+    tappable_layers,
+)
 
 __all__ = ["after", "bookkeeping_clipper", "layer_plan", "reduction_slack"]
 
@@ -148,7 +156,9 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
       loss: `loss(model, extra, *example)`, one example's scalar loss (no batch axis), given
         the merged model and the non-model parameters `extra` (None if there are none).
       graphdef, rest: the model's graph and its non-trained state (`nnx.split`).
-      notices: called once per compile with a line naming trained parameters larger than
+      notices: called once per compile with a line naming the layers with trained parameters
+        that no rule knows (a user's own layer: `dp.taps.unknown_layers`; exact, through
+        per-example gradients) and a line naming the other trained parameters larger than
         65,536 entries that no rule covers (their per-example gradients are instantiated).
       dtype: the forward's parameter dtype (bfloat16 for mixed precision); None keeps them.
         A, B and every gradient are cast to float32 before norms and sums.
@@ -192,7 +202,9 @@ def bookkeeping_clipper(loss: Callable[..., jax.Array], graphdef, rest, *,
         _, (_, shapes) = jax.eval_shape(lambda: one((jax.tree.map(
             lambda _: None, state), None if extra is None else jax.tree.map(
                 jnp.zeros_like, extra)), None, first))
-        _notify_uncovered(notices, state, covered)
+        notify_uncovered(notices, probe, {_leaf_path(kp): math.prod(v.shape) for kp, v in
+                                          jax.tree_util.tree_flatten_with_path(state)[0]},
+                         covered)
         st_off = jax.tree_util.tree_map_with_path(  # None: a tapped layer's parameter
             lambda kp, v: None if _leaf_path(kp) in covered
             else jnp.zeros((mask.shape[0], *v.shape), jnp.float32), state)
@@ -374,14 +386,3 @@ def _materialized(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     sort by an already sorted key returns its operands exactly."""
     index = jnp.arange(arrays[0].shape[0])
     return tuple(jax.lax.sort((index, *arrays), num_keys=1, is_stable=True)[1:])
-
-
-def _notify_uncovered(notices, state, covered) -> None:
-    if notices is None:
-        return
-    big = [".".join(map(str, _leaf_path(kp))) for kp, v in
-           jax.tree_util.tree_flatten_with_path(state)[0]
-           if _leaf_path(kp) not in covered and math.prod(v.shape) > 65536]
-    if big:
-        notices("book-keeping clipping has no rule for " + ", ".join(big)
-                + ": their per-example gradients are formed (exact, slower)")

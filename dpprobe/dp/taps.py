@@ -15,7 +15,14 @@ Flax NNX has no method interception (Linen's `intercept_methods`), so `tap_model
 class of each known layer of a freshly merged model (a copy made inside the traced function; the
 caller's model is never touched) to a subclass whose `__call__` calls the original and then the
 active `Taps`. Hand-written because no JAX library taps NNX layers (jax-privacy 2.0 vmaps).
-Rules for `nnx.Linear` live here; `finetune.models` registers its convolutions and patch embed.
+Rules for `nnx.Linear` live here, for `nnx.Conv` in `dp.flax_rules`; `finetune.models`
+registers its convolutions and patch embed.
+
+A layer class with trained parameters and no rule is still clipped exactly: its parameters get
+per-example gradients from offsets (`dp.bookkeeping`), formed at their full size per example.
+Layers whose parameters are meant for that route (norm scales and offsets, embeddings, a
+ViT's class token) are declared with `register_offset_layer`; any other class is named in a
+one-line notice (`unknown_layers`), so a user's own layer is never clipped slower silently.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Rule", "Taps", "register_rule", "rule_for", "tap_model"]
+__all__ = ["Rule", "Taps", "register_offset_layer", "register_rule", "rule_for", "tap_model",
+           "notify_uncovered", "unknown_layers"]
 
 
 class Rule(NamedTuple):
@@ -62,24 +70,83 @@ class Rule(NamedTuple):
     example_grads: Callable[[Any, jax.Array, jax.Array], jax.Array | None] | None = None
 
 
-_RULES: dict[type, Rule] = {}
+_RULES: dict[type, Rule | Callable[[Any], Rule | None]] = {}
+_OFFSET_LAYERS: set[type] = set()
 _TAPPED: dict[type, type] = {}
 _ACTIVE: list[Taps] = []
 
 
-def register_rule(cls: type, rule: Rule) -> None:
+def register_rule(cls: type, rule: Rule | Callable[[Any], Rule | None]) -> None:
     """Declare how to tap layers of class `cls` (exactly this class, not its subclasses: a
-    subclass may compute something else)."""
+    subclass may compute something else): a `Rule`, or a function of the layer that gives its
+    rule, or None for an instance whose options no rule implements (a dilated `nnx.Conv`)."""
     _RULES[cls] = rule
 
 
 def rule_for(module: Any) -> Rule | None:
-    """The rule of `module`'s class, or None."""
+    """The rule of `module` (its class's, or what its class's function gives), or None."""
     cls = type(module)
-    return _RULES.get(cls.__dict__.get("_dp_base", cls))
+    rule = _RULES.get(cls.__dict__.get("_dp_base", cls))
+    return rule if rule is None or isinstance(rule, Rule) else rule(module)
+
+
+def register_offset_layer(cls: type) -> None:
+    """Declare that layers of class `cls` (exactly) hold only parameters meant to be clipped
+    through per-example offsets (module docstring): no notice names them."""
+    _OFFSET_LAYERS.add(cls)
+
+
+def unknown_layers(model: nnx.Module, trained: set[tuple]) -> dict[tuple, str]:
+    """The layers whose parameters no rule and no declaration covers (module docstring).
+
+    Args:
+      model: the NNX model.
+      trained: the flat paths of its trained parameters.
+
+    Returns:
+      Module path -> its class's qualified name, for every layer that holds a trained
+      parameter of its own and has neither a rule (a rule's layer trains its bias through
+      offsets by design) nor an offset-layer declaration (`register_offset_layer`).
+    """
+    found = {}
+    for path, module in nnx.iter_modules(model):
+        path = tuple(path)
+        own = any(len(p) == len(path) + 1 and p[:-1] == path for p in trained)
+        if own and rule_for(module) is None and type(module) not in _OFFSET_LAYERS:
+            found[path] = f"{type(module).__module__}.{type(module).__qualname__}"
+    return found
+
+
+def notify_uncovered(notices: Callable[[str], None] | None, model: nnx.Module,
+                     sizes: dict[tuple, int], covered: set[tuple]) -> None:
+    """Tell `notices` (once per compile; None: nobody) which layers no rule knows, in one line
+    (`unknown_layers`), and in another the other large parameters no rule covers.
+
+    Args:
+      notices: called with each line.
+      model: the NNX model.
+      sizes: flat path -> entries, of every trained parameter.
+      covered: the flat paths the tapped layers' rules cover.
+    """
+    if notices is None:
+        return
+    unknown = unknown_layers(model, set(sizes))
+    if unknown:
+        notices("book-keeping clipping has no rule for the layers "
+                + ", ".join(f"{'.'.join(map(str, p)) or '(the model)'} ({c})"
+                            for p, c in unknown.items())
+                + ": their parameters' per-example gradients are formed (exact clipping, "
+                "slower; `dp.taps.register_rule` declares a faster rule)")
+    big = [".".join(map(str, p)) for p, size in sizes.items()
+           if p not in covered and p[:-1] not in unknown and size > 65536]
+    if big:
+        notices("book-keeping clipping has no rule for " + ", ".join(big)
+                + ": their per-example gradients are formed (exact, slower)")
 
 
 register_rule(nnx.Linear, Rule(inputs=lambda m, x: x))
+for _cls in (nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.Embed, nnx.BatchNorm):
+    register_offset_layer(_cls)  # scales, offsets, embedding rows: small or sparse per example
 
 
 class Taps:

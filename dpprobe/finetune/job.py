@@ -18,6 +18,12 @@ from typing import Any
 from dpprobe import accounting, extract, finetune
 from dpprobe.accounting import records
 from dpprobe.finetune.data import DATA_RULE, load_images
+from dpprobe.finetune.own_model import (
+    check_own_module,
+    own_model_parts,
+    own_module,
+    own_module_name,
+)
 from dpprobe.finetune.recipe import default_model, finetune_recipe
 from dpprobe.messages import log
 from dpprobe.multihost import processes
@@ -69,6 +75,10 @@ def finetune_run(config, checkpoint: Path | None, options: dict) -> FinetuneRun:
     Returns:
       A `FinetuneRun`.
     """
+    own = own_module(config.model)
+    if own is not None:  # from here on `model` is its class's name; the module is `own`
+        check_own_module(own, config)
+        config = dataclasses.replace(config, model=own_module_name(own))
     if config.train == "lora" and (config.model is None
                                    or config.model in finetune.models.MODEL_NAMES):
         raise ValueError(f"`train=lora` adapts a ViT's attention and MLP layers; "
@@ -82,7 +92,8 @@ def finetune_run(config, checkpoint: Path | None, options: dict) -> FinetuneRun:
 
     # Load: train and test images as uint8 (N, S, S, C), resized once to the model's input,
     # by the public per-record rule (a bad record trains as a null record; nothing counts them).
-    model_is_timm = config.model is not None and config.model not in finetune.models.MODEL_NAMES
+    model_is_timm = (own is None and config.model is not None
+                     and config.model not in finetune.models.MODEL_NAMES)
     train, test, class_names = load_images(config, rgb=model_is_timm)
     log(DATA_RULE, quiet)
     num_real, num_classes = len(train[1]), len(class_names)
@@ -103,7 +114,9 @@ def finetune_run(config, checkpoint: Path | None, options: dict) -> FinetuneRun:
 
     # Model: from scratch, or a timm ViT with its weights; zero-initialized head; with
     # train="lora", adapters (A from the seed, B = 0) on its attention and MLP layers.
-    model, mean, std, model_info = _build_model(config, num_classes, image_size, channels)
+    model, mean, std, model_info = (
+        own_model_parts(own, image_size, channels, num_classes) if own is not None
+        else _build_model(config, num_classes, image_size, channels))
 
     # The recipe: what the config gives, else chosen from public quantities (N, size, model).
     chosen = finetune_recipe(config, num_examples=num_real, image_size=image_size,

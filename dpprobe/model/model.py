@@ -36,13 +36,22 @@ class Privacy:
     ledger: dict = dataclasses.field(repr=False)
 
 
-def load_model(path: str | os.PathLike) -> Model:
+def load_model(path: str | os.PathLike, *, module=None) -> Model:
     """The model in a dpprobe model file (written by probe --save-model, tune --save-model or
     finetune --out). Raises `ModelFileError` (one line naming the file) for a damaged,
-    truncated or newer-format file."""
+    truncated or newer-format file.
+
+    Args:
+      path: the model file.
+      module: for a network finetuned from your own Flax NNX module (`dpprobe.finetune(
+        model=module)`), an instance of its class (any parameters: the file's replace them in
+        a copy); unused otherwise.
+
+    Returns:
+      The `Model`."""
     path = os.fspath(path)
     arrays, document = read_model_file(path)
-    return Model(path, arrays, document)
+    return Model(path, arrays, document, module=module)
 
 
 class Model:
@@ -56,7 +65,8 @@ class Model:
       privacy: the `Privacy` claim.
     """
 
-    def __init__(self, path: str, arrays: dict[str, np.ndarray], document: dict):
+    def __init__(self, path: str, arrays: dict[str, np.ndarray], document: dict, *,
+                 module=None):
         from dpprobe.model.format import ModelFileError
 
         self.path, self.arrays, self.document = path, arrays, document
@@ -82,7 +92,7 @@ class Model:
         else:
             from dpprobe.model.network import rebuild_network
 
-            self._network = rebuild_network(arrays, document, path)
+            self._network = rebuild_network(arrays, document, path, module)
 
     def __repr__(self) -> str:
         return (f"Model({self.path!r}, {self.kind}, {len(self.class_names)} classes, "

@@ -2,7 +2,9 @@
 ViTs, BEiTs, ResNets and EfficientNets) in a model file: their parameters keyed by module path
 (and a frozen BatchNorm's running statistics, the pretrained public constants, under `stats/`), the
 architecture to rebuild them, and the image transforms training used (resize, crop, channels,
-[0, 1] scaling, per-channel mean and std).
+[0, 1] scaling, per-channel mean and std). A user's own NNX module (`finetune.own_model`) is
+recorded by its class name (family "own_module"): its class is the user's code, so it is
+rebuilt only from an instance given back (`load_model(path, module=...)`).
 
 A loaded network computes its logits with `finetune.iter_logits`, the function the finetune
 job's evaluation uses, so that it predicts the classes its job scored.
@@ -14,13 +16,14 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["PARAMS_PREFIX", "SCATTERNET_FAMILIES", "STATS_PREFIX", "TIMM_CNN",
+__all__ = ["OWN_MODULE", "PARAMS_PREFIX", "SCATTERNET_FAMILIES", "STATS_PREFIX", "TIMM_CNN",
            "network_arrays", "network_document", "rebuild_network"]
 
 PARAMS_PREFIX = "params/"
 STATS_PREFIX = "stats/"  # frozen BatchNorm statistics (`finetune.models.FrozenBatchNorm`)
 TIMM_CNN = "timm_cnn"  # the family of timm's ResNets and EfficientNets, rebuilt through timm
 SCATTERNET_FAMILIES = ("scatternet_cnn", "scatternet_cnn_linear")  # a fixed kymatio front
+OWN_MODULE = "own_module"  # a user's own NNX module (`finetune.own_model`)
 
 
 def network_arrays(model) -> dict[str, np.ndarray]:
@@ -37,7 +40,14 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                      resize: int | None, crop: int | None, rgb: bool, mean, std,
                      timm_architecture: str | None) -> dict:
     """The architecture and transforms of a fine-tuned model (public inputs only)."""
-    from dpprobe.finetune.models import Beit, ConvNeXt, EfficientNet, ResNet, VisionTransformer
+    from dpprobe.finetune.models import (
+        MODEL_NAMES,
+        Beit,
+        ConvNeXt,
+        EfficientNet,
+        ResNet,
+        VisionTransformer,
+    )
 
     architecture = {"name": name, "num_classes": num_classes, "image_size": image_size,
                     "in_channels": channels}
@@ -49,8 +59,10 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
                          "timm_architecture": timm_architecture}
     elif isinstance(model, ResNet | EfficientNet | ConvNeXt):
         architecture |= {"family": TIMM_CNN, "timm_architecture": timm_architecture}
-    else:
+    elif name in MODEL_NAMES:
         architecture["family"] = name
+    else:  # the user's class, by its qualified name
+        architecture |= {"family": OWN_MODULE, "module_class": name}
     if name in SCATTERNET_FAMILIES:
         architecture["scatternet"] = _scatternet()
     return {
@@ -76,8 +88,9 @@ def _scatternet() -> dict:
             "groupnorm_groups": scatter.GROUPS}
 
 
-def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
-    """The `nnx.Module` of a model file, every parameter set from its arrays."""
+def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str, module=None):
+    """The `nnx.Module` of a model file, every parameter set from its arrays; `module`: an
+    instance of the class an own-module file names (copied, never changed), else unused."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -102,6 +115,8 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
     elif arch["family"] in SCATTERNET_FAMILIES and arch.get("scatternet") != _scatternet():
         raise ModelFileError(f"{path}: its ScatterNet {arch.get('scatternet')} is not this "
                              f"version's {_scatternet()}")
+    elif arch["family"] == OWN_MODULE:
+        model = _own_module(arch["module_class"], module, path)
     elif arch["family"] in models.MODEL_NAMES:
         model = nnx.eval_shape(lambda: models.create_model(
             arch["family"], classes, image_size=side, in_channels=channels, rngs=nnx.Rngs(0)))
@@ -130,6 +145,22 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str):
     if unset:
         raise ModelFileError(f"{path}: parameters left unset: {unset[:3]}")
     return model
+
+
+def _own_module(class_name: str, module, path: str):
+    """A copy of `module`, the instance of `class_name` given back for an own-module file."""
+    from flax import nnx
+
+    from dpprobe.model.format import ModelFileError
+
+    if module is None:
+        raise ModelFileError(f"{path} holds the parameters of your own Flax module "
+                             f"{class_name}: load it with dpprobe.load_model(path, "
+                             f"module=<an instance of {class_name}>)")
+    given = f"{type(module).__module__}.{type(module).__qualname__}"
+    if given != class_name:
+        raise ModelFileError(f"{path} holds a {class_name}, not a {given}")
+    return nnx.clone(module)
 
 
 def _timm_cnn(architecture: str, num_classes: int, channels: int):

@@ -36,7 +36,8 @@ class FinetuneConfig:
         test split is public (the accuracy on it is published).
       model: "cnn", "cnn_cifar", "scatternet_cnn", "scatternet_cnn_linear", "wrn16_4" or a
         timm ViT name (`finetune.models`); None: chosen from the input side
-        (`finetune.recipe.default_model`).
+        (`finetune.recipe.default_model`); from Python, your own Flax NNX module
+        (`finetune.own_model`).
       weights, random_init: a timm model's local weights file, or random init; the hub
         otherwise. Models trained from scratch (`finetune.models.MODEL_NAMES`) take neither.
       resize, crop: resize each image's short side to `resize`, then center-crop `crop` x

@@ -14,6 +14,7 @@ from pathlib import Path
 from dpprobe import checks, extract, files, model_files, preflight, timings
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.job import finetune_run
+from dpprobe.finetune.own_model import own_module_name
 from dpprobe.messages import log
 from dpprobe.multihost import processes
 from dpprobe.pipelines.finetune_config import FinetuneConfig
@@ -121,6 +122,7 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
 
 def _options(config: FinetuneConfig) -> dict:
     """The options that make a run what it is (not where it writes, not how much it prints)."""
+    config = dataclasses.replace(config, model=own_module_name(config.model))
     return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
                                  default=str))
 

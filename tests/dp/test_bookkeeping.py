@@ -113,12 +113,12 @@ def test_each_example_moves_the_sum_by_at_most_c(name, ghost, dtype):
 
 
 def test_a_layer_without_a_rule_is_exact_and_named():
-    """flax's own `nnx.Conv` has no rule: its parameters' per-example gradients are formed
-    (exact), and a large one is named in a notice."""
+    """A dilated `nnx.Conv` has no rule (`dp.flax_rules`): its parameters' per-example
+    gradients are formed (exact), and the layer is named in a notice."""
 
     class Net(nnx.Module):
         def __init__(self, rngs):
-            self.conv = nnx.Conv(1, 300, (16, 16), rngs=rngs)  # 76,800 + 300 parameters
+            self.conv = nnx.Conv(1, 300, (16, 16), kernel_dilation=2, rngs=rngs)
             self.head = nnx.Linear(300, CLASSES, rngs=rngs)
 
         def __call__(self, x):
@@ -136,8 +136,10 @@ def test_a_layer_without_a_rule_is_exact_and_named():
     a = _flat(ours(params, (x, y), 0.1, jnp.ones(4)).grads)
     b = _flat(reference(params, (x, y), 0.1, jnp.ones(4)).grads)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
-    assert lines == ["book-keeping clipping has no rule for conv.kernel: their per-example "
-                     "gradients are formed (exact, slower)"]
+    assert lines == ["book-keeping clipping has no rule for the layers conv "
+                     "(flax.nnx.nn.linear.Conv): their parameters' per-example gradients are "
+                     "formed (exact clipping, slower; `dp.taps.register_rule` declares a faster "
+                     "rule)"]
 
 
 def test_a_layer_called_twice_is_refused():

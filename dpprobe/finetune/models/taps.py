@@ -18,10 +18,10 @@ import jax.numpy as jnp
 
 from dpprobe.dp.bookkeeping import after
 from dpprobe.dp.norm_bounds import HIGHEST
-from dpprobe.dp.taps import Rule, register_rule
+from dpprobe.dp.taps import Rule, register_offset_layer, register_rule
 from dpprobe.finetune.models._conv import Conv, im2col, shifted_windows
-from dpprobe.finetune.models.layers import Conv2d, GroupedConv2d, conv_patches
-from dpprobe.finetune.models.vit import PatchEmbed
+from dpprobe.finetune.models.layers import Conv2d, FrozenBatchNorm, GroupedConv2d, conv_patches
+from dpprobe.finetune.models.vit import Block, PatchEmbed, VisionTransformer
 from dpprobe.finetune.models.wrn import WSConv, standardize_weight
 from dpprobe.finetune.models.ws_ghost import WS_GHOST
 
@@ -141,3 +141,7 @@ register_rule(PatchEmbed, Rule(inputs=_patch_rows))
 # (ghost norm or instantiation by cost); grouped and depthwise, each group's block exactly.
 register_rule(Conv2d, Rule(inputs=conv_patches))
 register_rule(GroupedConv2d, Rule(inputs=conv_patches, row_grads=_grouped_row_grads))
+# Layers whose own parameters train through per-example offsets by design (a frozen BatchNorm's
+# scale and offset, a ViT's class token, position embedding and layer scales): no notice.
+for _cls in (FrozenBatchNorm, Block, VisionTransformer):
+    register_offset_layer(_cls)
