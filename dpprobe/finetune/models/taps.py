@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dpprobe.dp.bookkeeping import after
 from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_offset_layer, register_rule
+from dpprobe.finetune.models import beit, convnext
 from dpprobe.finetune.models._conv import Conv, im2col, shifted_windows
 from dpprobe.finetune.models.layers import Conv2d, FrozenBatchNorm, GroupedConv2d, conv_patches
 from dpprobe.finetune.models.vit import Block, PatchEmbed, VisionTransformer
@@ -142,6 +143,8 @@ register_rule(PatchEmbed, Rule(inputs=_patch_rows))
 register_rule(Conv2d, Rule(inputs=conv_patches))
 register_rule(GroupedConv2d, Rule(inputs=conv_patches, row_grads=_grouped_row_grads))
 # Layers whose own parameters train through per-example offsets by design (a frozen BatchNorm's
-# scale and offset, a ViT's class token, position embedding and layer scales): no notice.
-for _cls in (FrozenBatchNorm, Block, VisionTransformer):
+# scale and offset, a ViT's class token, position embedding and layer scales, a BEiT's relative
+# position tables, q/v biases and layer scales, a ConvNeXt block's layer scale): no notice.
+for _cls in (FrozenBatchNorm, Block, VisionTransformer, beit.Attention, beit.Beit, beit.Block,
+             convnext.Block):
     register_offset_layer(_cls)
