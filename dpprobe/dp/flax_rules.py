@@ -25,7 +25,7 @@ from flax.nnx.nn.linear import canonicalize_padding
 from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_rule
 
-__all__ = ["conv_rule", "nnx_conv_patches"]
+__all__ = ["conv_rule", "grouped_kernel_grads", "nnx_conv_patches"]
 
 
 def _pair(value) -> tuple[int, int]:
@@ -57,16 +57,31 @@ def nnx_conv_patches(module: nnx.Conv, x: jax.Array) -> jax.Array:
     return jnp.concatenate(windows, axis=-1)
 
 
-def _grouped_row_grads(module: nnx.Conv, a: jax.Array, b: jax.Array) -> dict[str, jax.Array]:
+def grouped_kernel_grads(a: jax.Array, b: jax.Array, kernel_shape: tuple,
+                         groups: int) -> dict[str, jax.Array]:
     """Every example's kernel gradient of a grouped convolution from its patches a (n, T,
-    kh kw c_in) and output gradient b (n, T, c_out): group g's block only (module docstring)."""
-    kh, kw, per_group, out = module.kernel.shape
-    groups = module.feature_group_count
+    kh kw c_in) and output gradient b (n, T, c_out): group g's block of the kernel is its
+    input channels' patches times its output channels' b (the other blocks of A^T B are not
+    parameters); depthwise (one channel per group) costs as much as the forward.
+
+    Args:
+      a, b: the patches and the output gradients, per example.
+      kernel_shape: (kh, kw, c_in / groups, c_out), the HWIO kernel's shape.
+      groups: the convolution's feature groups.
+
+    Returns:
+      {"kernel": (n, kh, kw, c_in / groups, c_out)}.
+    """
+    kh, kw, per_group, out = kernel_shape
     n, tokens = a.shape[:2]
     a = a.reshape(n, tokens, kh * kw, groups, per_group)
     b = b.reshape(n, tokens, groups, out // groups)
     g = jnp.einsum("ntkgc,ntgo->nkcgo", a, b, precision=HIGHEST)
     return {"kernel": g.reshape(n, kh, kw, per_group, out)}
+
+
+def _grouped_row_grads(module: nnx.Conv, a: jax.Array, b: jax.Array) -> dict[str, jax.Array]:
+    return grouped_kernel_grads(a, b, module.kernel.shape, module.feature_group_count)
 
 
 _PLAIN = Rule(inputs=nnx_conv_patches)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dpprobe.dp.bookkeeping import after
+from dpprobe.dp.flax_rules import grouped_kernel_grads
 from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_offset_layer, register_rule
 from dpprobe.finetune.models import beit, convnext
@@ -124,17 +125,9 @@ register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
                            grads=_standardized_grads, ghost=WS_GHOST,
                            example_grads=_conv_example_grads))
 def _grouped_row_grads(module, a, b):
-    """Every example's kernel gradient of a grouped convolution from its patches a (n, T,
-    kh kw c_in) and output gradient b (n, T, c_out): group g's block of the kernel is its
-    input channels' patches times its output channels' b (the other blocks of A^T B are not
-    parameters); depthwise (one channel per group) costs as much as the forward."""
-    kh, kw, per_group, out = module.kernel.shape
-    groups = module.groups
-    n, tokens = a.shape[:2]
-    a = a.reshape(n, tokens, kh * kw, groups, per_group)
-    b = b.reshape(n, tokens, groups, out // groups)
-    g = jnp.einsum("ntkgc,ntgo->nkcgo", a, b, precision=HIGHEST)
-    return {"kernel": g.reshape(n, kh, kw, per_group, out)}
+    """A grouped or depthwise convolution's per-example kernel gradients, group by group
+    (`dp.flax_rules.grouped_kernel_grads`, which Flax's own grouped `nnx.Conv` uses too)."""
+    return grouped_kernel_grads(a, b, module.kernel.shape, module.groups)
 
 
 register_rule(PatchEmbed, Rule(inputs=_patch_rows))
