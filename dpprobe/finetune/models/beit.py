@@ -37,7 +37,16 @@ import numpy as np
 from flax import nnx
 
 from dpprobe.finetune.models.common import float32_logits, zero_head
-from dpprobe.finetune.models.vit import Mlp, PatchEmbed, _dense, _layer_norm
+from dpprobe.finetune.models.vit import (
+    Mlp,
+    PatchEmbed,
+    TransformerShape,
+    _dense,
+    _layer_norm,
+    attend,
+    layer_scales,
+    residual_block,
+)
 
 __all__ = ["Beit", "BeitConfig", "beit_config_from_timm", "relative_position_index"]
 
@@ -45,8 +54,9 @@ _POOLS = ("avg", "token")
 
 
 @dataclasses.dataclass(frozen=True)
-class BeitConfig:
-    """The architecture of a BEiT (the fields timm's `Beit` constructor takes).
+class BeitConfig(TransformerShape):
+    """The architecture of a BEiT (the fields timm's `Beit` constructor takes; the shape, and
+    the patch embed's and MLP's biases, BEiT's always, as the ViT's: `TransformerShape`).
 
     `rel_pos_bias`: a relative position table in every block; `shared_rel_pos_bias`: one
     table for all blocks; `fc_norm`: the LayerNorm on the pooled vector instead of on all
@@ -54,15 +64,6 @@ class BeitConfig:
     gamma_2 (timm's `init_values`).
     """
 
-    image_size: tuple[int, int]
-    patch_size: tuple[int, int]
-    in_channels: int
-    embed_dim: int
-    depth: int
-    num_heads: int
-    head_dim: int
-    mlp_dim: int
-    qkv_bias: bool = True
     abs_pos_embed: bool = False
     rel_pos_bias: bool = True
     shared_rel_pos_bias: bool = False
@@ -71,14 +72,6 @@ class BeitConfig:
     layer_scale: bool = True
     layer_scale_init: float = 0.1
     norm_eps: float = 1e-6
-    # What the ViT's PatchEmbed and Mlp read: BEiT's patch embed and MLP always have biases.
-    patch_bias: bool = True
-    proj_bias: bool = True
-
-    @property
-    def grid_size(self) -> tuple[int, int]:
-        """Patches along (height, width)."""
-        return (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
 
     @property
     def num_relative_distance(self) -> int:
@@ -140,22 +133,15 @@ class Attention(nnx.Module):
         self.proj = _dense(inner, config.embed_dim, True, rngs)
 
     def __call__(self, x: jax.Array, shared_bias: jax.Array | None) -> jax.Array:
-        n, length, _ = x.shape
         qkv = self.qkv(x)
         if self.q_bias is not None:
             q_bias = self.q_bias[...]
             qkv = qkv + jnp.concatenate([q_bias, jnp.zeros_like(q_bias), self.v_bias[...]])
-        qkv = qkv.reshape(n, length, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("nqhd,nkhd->nhqk", q * self.head_dim**-0.5, k)
+        bias = shared_bias
         if self.relative_position_bias_table is not None:
-            scores = scores + _relative_bias(self.relative_position_bias_table[...],
-                                             self.grid).astype(scores.dtype)
-        if shared_bias is not None:
-            scores = scores + shared_bias.astype(scores.dtype)
-        probs = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)))
-        out = jnp.einsum("nhqk,nkhd->nqhd", probs.astype(v.dtype), v)
-        return self.proj(out.reshape(n, length, -1))
+            table = _relative_bias(self.relative_position_bias_table[...], self.grid)
+            bias = table if bias is None else table + bias
+        return attend(qkv, self.num_heads, self.proj, bias)
 
 
 class Block(nnx.Module):
@@ -167,15 +153,12 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.norm2 = _layer_norm(dim, config.norm_eps, rngs)
         self.mlp = Mlp(config, rngs=rngs)
-        gamma = jnp.full((dim,), config.layer_scale_init)
-        self.gamma_1 = nnx.Param(gamma) if config.layer_scale else None
-        self.gamma_2 = nnx.Param(gamma) if config.layer_scale else None
+        self.gamma_1, self.gamma_2 = layer_scales(config, config.layer_scale,
+                                                  config.layer_scale_init)
 
     def __call__(self, x: jax.Array, shared_bias: jax.Array | None) -> jax.Array:
-        branch = self.attn(self.norm1(x), shared_bias)
-        x = x + (branch if self.gamma_1 is None else branch * self.gamma_1[...])
-        branch = self.mlp(self.norm2(x))
-        return x + (branch if self.gamma_2 is None else branch * self.gamma_2[...])
+        return residual_block(x, self, lambda y: self.attn(y, shared_bias),
+                              (self.gamma_1, self.gamma_2))
 
 
 class Beit(nnx.Module):

@@ -20,7 +20,9 @@ import numpy as np
 from flax import nnx
 
 from dpprobe.finetune.models.beit import Beit, beit_config_from_timm
-from dpprobe.finetune.models.common import check_no_batchnorm, zero_head
+from dpprobe.finetune.models.common import check_no_batchnorm
+from dpprobe.finetune.models.layers import arrays_into_timm
+from dpprobe.finetune.models.timm_weights import abstract_with_head
 
 __all__ = ["beit_from_timm", "beit_timm_arrays", "load_beit_into_timm"]
 
@@ -59,22 +61,9 @@ def beit_timm_arrays(model: Beit) -> dict[str, np.ndarray]:
 def load_beit_into_timm(model: Beit, timm_model: Any) -> None:
     """Write `model`'s parameters into `timm_model` (same architecture and classes) with
     `load_state_dict(strict=True)`; ValueError if the architectures differ."""
-    import torch
-
     if beit_config_from_timm(timm_model) != model.config:
         raise ValueError("the timm model's architecture differs from the NNX model's")
-    arrays = beit_timm_arrays(model)
-    state = timm_model.state_dict()
-    if set(arrays) != set(state):
-        raise ValueError(f"the timm model's architecture differs from the NNX model's (ours "
-                         f"only: {sorted(set(arrays) - set(state))[:3]}, timm's only: "
-                         f"{sorted(set(state) - set(arrays))[:3]})")
-    for key, array in arrays.items():
-        if tuple(array.shape) != tuple(state[key].shape):
-            raise ValueError(f"shape mismatch copying {key} into timm: {array.shape} into "
-                             f"{tuple(state[key].shape)}")
-        state[key] = torch.from_numpy(np.array(array))  # a writable copy
-    timm_model.load_state_dict(state, strict=True)
+    arrays_into_timm(beit_timm_arrays(model), timm_model)
 
 
 def beit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
@@ -100,19 +89,11 @@ def beit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
       ValueError: for an architecture `finetune.models.beit` does not reproduce, or a timm
         tensor without a counterpart (or the other way round).
     """
-    import torch.nn as tnn
-
     check_no_batchnorm(timm_model)
     config = beit_config_from_timm(timm_model)
-    keep_head = num_classes is None
-    if keep_head:
-        if not isinstance(timm_model.head, tnn.Linear):
-            raise ValueError("num_classes=None keeps timm's head, but this model has none "
-                             "(num_classes=0); pass the number of classes")
-        num_classes = timm_model.head.out_features
-    model = nnx.eval_shape(lambda: Beit(config, num_classes, rngs=nnx.Rngs(0)))
-    model.head = zero_head(config.embed_dim, num_classes, head_bias_init=head_bias_init,
-                           rngs=rngs)
+    model, keep_head = abstract_with_head(
+        lambda classes: Beit(config, classes, rngs=nnx.Rngs(0)), timm_model, config.embed_dim,
+        num_classes, rngs=rngs, head_bias_init=head_bias_init)
     state = {k: v.detach().cpu().float().numpy() for k, v in timm_model.state_dict().items()
              if keep_head or not k.startswith("head.")}
     used = set()

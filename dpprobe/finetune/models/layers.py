@@ -27,6 +27,7 @@ from flax import nnx
 from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
+           "arrays_into_timm",
            "batchnorm_from_torch", "conv_from_torch", "conv_patches", "linear_from_torch",
            "same_padding", "timm_builder", "timm_head"]
 
@@ -224,3 +225,26 @@ def timm_builder(model_class: Any, classifier: str, check: Callable[[Any], None]
     build.__doc__ = (f"Our NNX `{name}` with the weights of a timm `{name}` instance (see "
                      f"`{model_class.__module__}` for which): `layers.timm_builder`.")
     return build
+
+
+def arrays_into_timm(arrays: dict, timm_model: Any, *, unwritten_ok: Callable = lambda k: False
+                     ) -> None:
+    """Write `arrays` (timm's state-dict keys -> NumPy arrays) into `timm_model` with
+    `load_state_dict(strict=True)`: ValueError (naming up to 3 keys) when a key is missing on
+    either side (timm keys for which `unwritten_ok` is true may stay unwritten, e.g.
+    BatchNorm's `num_batches_tracked`) or a tensor has another shape."""
+    import numpy as np
+    import torch
+
+    state = timm_model.state_dict()
+    unknown = sorted(set(arrays) - set(state))
+    unwritten = sorted(k for k in set(state) - set(arrays) if not unwritten_ok(k))
+    if unknown or unwritten:
+        raise ValueError(f"the timm model's architecture differs from the NNX model's "
+                         f"(ours only: {unknown[:3]}, timm's only: {unwritten[:3]})")
+    for key, array in arrays.items():
+        if tuple(array.shape) != tuple(state[key].shape):
+            raise ValueError(f"shape mismatch copying {key} into timm: {array.shape} into "
+                             f"{tuple(state[key].shape)}")
+        state[key] = torch.from_numpy(np.array(array))  # a writable copy
+    timm_model.load_state_dict(state, strict=True)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from dpprobe.finetune.models.convnext import ConvNeXt
 from dpprobe.finetune.models.efficientnet import EfficientNet
+from dpprobe.finetune.models.layers import arrays_into_timm
 from dpprobe.finetune.models.resnet import ResNet
 
 __all__ = ["load_into_timm", "timm_arrays"]
@@ -58,19 +59,5 @@ def timm_arrays(model: ResNet | EfficientNet | ConvNeXt) -> dict[str, np.ndarray
 def load_into_timm(model: ResNet | EfficientNet | ConvNeXt, timm_model: Any) -> None:
     """Write `model`'s parameters and statistics into `timm_model` (same architecture and
     classes); ValueError if a tensor is missing on either side or has another shape."""
-    import torch
-
-    arrays = timm_arrays(model)
-    state = timm_model.state_dict()
-    unknown = sorted(set(arrays) - set(state))
-    unwritten = sorted(k for k in set(state) - set(arrays)
-                       if not k.endswith("num_batches_tracked"))
-    if unknown or unwritten:
-        raise ValueError(f"the timm model's architecture differs from the NNX model's "
-                         f"(ours only: {unknown[:3]}, timm's only: {unwritten[:3]})")
-    for key, array in arrays.items():
-        if tuple(array.shape) != tuple(state[key].shape):
-            raise ValueError(f"shape mismatch copying {key} into timm: {array.shape} into "
-                             f"{tuple(state[key].shape)}")
-        state[key] = torch.from_numpy(np.array(array))  # a writable copy
-    timm_model.load_state_dict(state, strict=True)
+    arrays_into_timm(timm_arrays(model), timm_model,
+                     unwritten_ok=lambda key: key.endswith("num_batches_tracked"))

@@ -17,7 +17,7 @@ from flax import nnx
 from dpprobe.finetune.models.common import check_no_batchnorm, zero_head
 from dpprobe.finetune.models.vit import VisionTransformer, vit_config_from_timm
 
-__all__ = ["copy_from_timm", "copy_to_timm", "vit_from_timm", "weight_pairs"]
+__all__ = ["abstract_with_head", "copy_from_timm", "copy_to_timm", "vit_from_timm", "weight_pairs"]
 
 
 def weight_pairs(model, timm_model: Any, *, include_head: bool) -> list:
@@ -97,6 +97,32 @@ def _linear_pairs(linear: nnx.Linear, torch_linear: Any) -> list:
     return pairs
 
 
+def abstract_with_head(build, timm_model: Any, embed_dim: int, num_classes: int | None, *,
+                       rngs: nnx.Rngs, head_bias_init: float) -> tuple[nnx.Module, bool]:
+    """A transformer's abstract body (no random init to overwrite: every Param is then set
+    from timm) with its head: timm's kept (`num_classes` None: its Linear's classes) or a new
+    zero head. Returns (the model, whether timm's head is kept).
+
+    Args:
+      build: `build(num_classes)` constructs the NNX model.
+      timm_model: the timm model it converts.
+      embed_dim: the head's input width.
+      num_classes: None keeps timm's head; an int a new zero head of that many classes.
+      rngs, head_bias_init: the new head's construction and bias.
+    """
+    keep_head = num_classes is None
+    if keep_head:
+        import torch.nn as tnn
+
+        if not isinstance(timm_model.head, tnn.Linear):
+            raise ValueError("num_classes=None keeps timm's head, but this model has none "
+                             "(num_classes=0); pass the number of classes")
+        num_classes = timm_model.head.out_features
+    model = nnx.eval_shape(lambda: build(num_classes))
+    model.head = zero_head(embed_dim, num_classes, head_bias_init=head_bias_init, rngs=rngs)
+    return model, keep_head
+
+
 def vit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
                   head_bias_init: float = 0.0) -> VisionTransformer:
     """Our NNX `VisionTransformer` with the weights of a timm (torch) `VisionTransformer`.
@@ -123,18 +149,9 @@ def vit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
     """
     check_no_batchnorm(timm_model)
     config = vit_config_from_timm(timm_model)
-    keep_head = num_classes is None
-    if keep_head:
-        import torch.nn as tnn
-
-        if not isinstance(timm_model.head, tnn.Linear):
-            raise ValueError("num_classes=None keeps timm's head, but this model has none "
-                             "(num_classes=0); pass the number of classes")
-        num_classes = timm_model.head.out_features
-    # Abstract body (no random init to overwrite), every Param then set from timm.
-    model = nnx.eval_shape(lambda: VisionTransformer(config, num_classes, rngs=nnx.Rngs(0)))
-    model.head = zero_head(config.embed_dim, num_classes, head_bias_init=head_bias_init,
-                           rngs=rngs)
+    model, keep_head = abstract_with_head(
+        lambda classes: VisionTransformer(config, classes, rngs=nnx.Rngs(0)), timm_model,
+        config.embed_dim, num_classes, rngs=rngs, head_bias_init=head_bias_init)
     copy_from_timm(model, timm_model, include_head=keep_head)
     check_no_batchnorm(model)
     return model

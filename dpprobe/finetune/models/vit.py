@@ -35,19 +35,15 @@ from flax import nnx
 
 from dpprobe.finetune.models.common import float32_logits, zero_head
 
-__all__ = ["ViTConfig", "VisionTransformer", "vit_config_from_timm"]
+__all__ = ["TransformerShape", "ViTConfig", "VisionTransformer", "vit_config_from_timm"]
 
 _POOLS = ("token", "avg")
 
 
 @dataclasses.dataclass(frozen=True)
-class ViTConfig:
-    """The architecture of a VisionTransformer (the fields timm's constructor takes).
-
-    `final_norm` is the LayerNorm on all tokens after the blocks, `fc_norm` the one on the
-    pooled vector (timm puts the final norm there for 'avg' pooling). `layer_scale` adds a
-    per-channel gain (init `layer_scale_init`) on each residual branch (Touvron et al. 2021).
-    """
+class TransformerShape:
+    """What every timm vision transformer this package converts has (ViT, BEiT): the patch
+    grid, the widths, the biases of the qkv, projection and patch layers."""
 
     image_size: tuple[int, int]
     patch_size: tuple[int, int]
@@ -60,6 +56,22 @@ class ViTConfig:
     qkv_bias: bool = True
     proj_bias: bool = True
     patch_bias: bool = True
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """Patches along (height, width)."""
+        return (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig(TransformerShape):
+    """The architecture of a VisionTransformer (the fields timm's constructor takes).
+
+    `final_norm` is the LayerNorm on all tokens after the blocks, `fc_norm` the one on the
+    pooled vector (timm puts the final norm there for 'avg' pooling). `layer_scale` adds a
+    per-channel gain (init `layer_scale_init`) on each residual branch (Touvron et al. 2021).
+    """
+
     class_token: bool = True
     no_embed_class: bool = False
     pre_norm: bool = False
@@ -69,11 +81,6 @@ class ViTConfig:
     layer_scale: bool = False
     layer_scale_init: float = 1e-5
     norm_eps: float = 1e-6
-
-    @property
-    def grid_size(self) -> tuple[int, int]:
-        """Patches along (height, width)."""
-        return (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -125,13 +132,48 @@ class Attention(nnx.Module):
         self.proj = _dense(inner, config.embed_dim, config.proj_bias, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        n, length, _ = x.shape
-        qkv = self.qkv(x).reshape(n, length, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("nqhd,nkhd->nhqk", q * self.head_dim**-0.5, k)
-        probs = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)))
-        out = jnp.einsum("nhqk,nkhd->nqhd", probs.astype(v.dtype), v)
-        return self.proj(out.reshape(n, length, -1))
+        return attend(self.qkv(x), self.num_heads, self.proj)
+
+
+def attend(qkv: jax.Array, num_heads: int, proj: nnx.Linear,
+           bias: jax.Array | None = None) -> jax.Array:
+    """Self-attention from fused (N, L, 3 H d) q, k, v: softmax(q k^T / sqrt(d) [+ bias]) v
+    with the softmax in (at least) float32, heads merged, through `proj` (ViT and BEiT).
+
+    Args:
+      qkv: the qkv layer's output (its biases added).
+      num_heads: H.
+      proj: the output projection.
+      bias: added to the (N, H, L, L) scores (BEiT's relative position bias), or None.
+
+    Returns:
+      (N, L, D).
+    """
+    n, length, width = qkv.shape
+    qkv = qkv.reshape(n, length, 3, num_heads, width // (3 * num_heads))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("nqhd,nkhd->nhqk", q * q.shape[-1]**-0.5, k)
+    if bias is not None:
+        scores = scores + bias.astype(scores.dtype)
+    probs = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)))
+    out = jnp.einsum("nhqk,nkhd->nqhd", probs.astype(v.dtype), v)
+    return proj(out.reshape(n, length, -1))
+
+
+def layer_scales(config: TransformerShape, enabled: bool, init: float) -> tuple:
+    """A block's two layer scales (per-channel gains on its residual branches), or Nones."""
+    gamma = jnp.full((config.embed_dim,), init)
+    return (nnx.Param(gamma), nnx.Param(gamma)) if enabled else (None, None)
+
+
+def residual_block(x: jax.Array, block: nnx.Module, attn, scales: tuple) -> jax.Array:
+    """x + s1 attn(norm1(x)), then + s2 mlp(norm2(.)) (s: a layer scale, or 1 for None):
+    the pre-norm block of the ViT and the BEiT; `attn` is the block's attention, called."""
+    first, second = scales
+    branch = attn(block.norm1(x))
+    x = x + (branch if first is None else branch * first[...])
+    branch = block.mlp(block.norm2(x))
+    return x + (branch if second is None else branch * second[...])
 
 
 class Mlp(nnx.Module):
@@ -154,15 +196,10 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.norm2 = _layer_norm(dim, config.norm_eps, rngs)
         self.mlp = Mlp(config, rngs=rngs)
-        gamma = jnp.full((dim,), config.layer_scale_init)
-        self.ls1 = nnx.Param(gamma) if config.layer_scale else None
-        self.ls2 = nnx.Param(gamma) if config.layer_scale else None
+        self.ls1, self.ls2 = layer_scales(config, config.layer_scale, config.layer_scale_init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        branch = self.attn(self.norm1(x))
-        x = x + (branch if self.ls1 is None else branch * self.ls1[...])
-        branch = self.mlp(self.norm2(x))
-        return x + (branch if self.ls2 is None else branch * self.ls2[...])
+        return residual_block(x, self, self.attn, (self.ls1, self.ls2))
 
 
 class VisionTransformer(nnx.Module):
