@@ -91,11 +91,11 @@ def _scatternet() -> dict:
 def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str, module=None):
     """The `nnx.Module` of a model file, every parameter set from its arrays; `module`: an
     instance of the class an own-module file names (copied, never changed), else unused."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from dpprobe.finetune import models
+    from dpprobe.finetune.models.common import unset_params
     from dpprobe.model.format import ModelFileError
 
     arch = document["architecture"]
@@ -140,8 +140,7 @@ def rebuild_network(arrays: dict[str, np.ndarray], document: dict, path: str, mo
                    and k not in expected)
     if extra:
         raise ModelFileError(f"{path} holds parameters the architecture lacks: {extra[:3]}")
-    unset = [p for p, n in nnx.iter_graph(model)
-             if isinstance(n, nnx.Param) and isinstance(n.get_value(), jax.ShapeDtypeStruct)]
+    unset = unset_params(model)
     if unset:
         raise ModelFileError(f"{path}: parameters left unset: {unset[:3]}")
     return model

@@ -38,13 +38,15 @@ from flax import nnx
 
 from dpprobe.finetune.models.common import float32_logits, zero_head
 from dpprobe.finetune.models.vit import (
-    Mlp,
     PatchEmbed,
     TransformerShape,
     _dense,
     _layer_norm,
     attend,
+    check_timm_mlp,
+    layer_norm_eps,
     layer_scales,
+    pre_norm_layers,
     residual_block,
 )
 
@@ -148,11 +150,7 @@ class Block(nnx.Module):
     """Pre-norm BEiT block, layer scale gamma_1 / gamma_2 on the residual branches."""
 
     def __init__(self, config: BeitConfig, *, rngs: nnx.Rngs):
-        dim = config.embed_dim
-        self.norm1 = _layer_norm(dim, config.norm_eps, rngs)
-        self.attn = Attention(config, rngs=rngs)
-        self.norm2 = _layer_norm(dim, config.norm_eps, rngs)
-        self.mlp = Mlp(config, rngs=rngs)
+        pre_norm_layers(self, config, Attention(config, rngs=rngs), rngs)
         self.gamma_1, self.gamma_2 = layer_scales(config, config.layer_scale,
                                                   config.layer_scale_init)
 
@@ -212,7 +210,6 @@ def beit_config_from_timm(timm_model: Any) -> BeitConfig:
     normed MLPs, a head dim other than dim / heads is supported; separate qkv bias adds, no
     pooling, a patch embed with norm are refused)."""
     import torch.nn as tnn
-    from timm.layers import Mlp as TimmMlp
     from timm.layers import PatchEmbed as TimmPatchEmbed
     from timm.models.beit import Attention as TimmAttention
     from timm.models.beit import Beit as TimmBeit
@@ -239,20 +236,11 @@ def beit_config_from_timm(timm_model: Any) -> BeitConfig:
             raise refuse(f"blocks must be timm's BEiT Block, got {type(block).__name__}")
         if attn.qkv_bias_separate or attn.qkv.bias is not None or attn.proj.bias is None:
             raise refuse("the qkv projection must take (q_bias, 0, v_bias) as its bias")
-        if type(mlp) is not TimmMlp or not isinstance(mlp.norm, tnn.Identity):
-            raise refuse(f"the MLP must be timm's plain Mlp, got {type(mlp).__name__}")
-        if type(mlp.act) is not tnn.GELU or mlp.act.approximate != "none":
-            raise refuse(f"the MLP activation must be exact GELU, got {mlp.act}")
+        check_timm_mlp(mlp, refuse)
         if mlp.fc1.bias is None or mlp.fc2.bias is None:
             raise refuse("the MLP must have biases")
         norms += [block.norm1, block.norm2]
-    eps = set()
-    for norm in norms:
-        if isinstance(norm, tnn.Identity):
-            continue
-        if not isinstance(norm, tnn.LayerNorm) or not norm.elementwise_affine or norm.bias is None:
-            raise refuse(f"norms must be affine LayerNorm with bias, got {norm}")
-        eps.add(norm.eps)
+    eps = layer_norm_eps(norms, refuse)
     per_block = {(b.attn.q_bias is not None, b.attn.relative_position_bias_table is not None,
                   b.gamma_1 is not None, b.attn.num_heads, b.attn.qkv.out_features,
                   b.mlp.fc1.out_features) for b in m.blocks}

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dpprobe.finetune.models.beit import Beit, beit_config_from_timm
-from dpprobe.finetune.models.common import check_no_batchnorm
+from dpprobe.finetune.models.common import check_no_batchnorm, unset_params
 from dpprobe.finetune.models.layers import arrays_into_timm
 from dpprobe.finetune.models.timm_weights import abstract_with_head
 
@@ -111,8 +110,7 @@ def beit_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
         used.add(key)
     if set(state) - used:
         raise ValueError(f"timm tensors without a counterpart: {sorted(set(state) - used)[:3]}")
-    unset = [path for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Param) and isinstance(node.get_value(), jax.ShapeDtypeStruct)]
+    unset = unset_params(model)
     if unset:
         raise ValueError(f"timm weights left these parameters unset: {unset}")
     return model

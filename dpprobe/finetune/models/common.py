@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["BATCHNORM_MESSAGE", "HeadOnFeatures", "check_no_batchnorm", "float32_logits",
+           "unset_params",
            "zero_head"]
 
 BATCHNORM_MESSAGE = (
@@ -91,3 +92,9 @@ def check_no_batchnorm(module: Any) -> None:
             raise ValueError(f"{BATCHNORM_MESSAGE} (found {type(sub).__name__} at "
                              f"{name or '<root>'})")
 
+
+def unset_params(model: nnx.Module) -> list:
+    """The paths of `model`'s parameters still abstract (`nnx.eval_shape`'s placeholders):
+    what a weight loader that sets every parameter must leave empty."""
+    return [path for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Param) and isinstance(node.get_value(), jax.ShapeDtypeStruct)]

@@ -166,6 +166,15 @@ def layer_scales(config: TransformerShape, enabled: bool, init: float) -> tuple:
     return (nnx.Param(gamma), nnx.Param(gamma)) if enabled else (None, None)
 
 
+def pre_norm_layers(block: nnx.Module, config: TransformerShape, attention: nnx.Module,
+                    rngs: nnx.Rngs) -> None:
+    """A pre-norm block's layers, by timm's names: norm1, attn (`attention`), norm2, mlp."""
+    block.norm1 = _layer_norm(config.embed_dim, config.norm_eps, rngs)
+    block.attn = attention
+    block.norm2 = _layer_norm(config.embed_dim, config.norm_eps, rngs)
+    block.mlp = Mlp(config, rngs=rngs)
+
+
 def residual_block(x: jax.Array, block: nnx.Module, attn, scales: tuple) -> jax.Array:
     """x + s1 attn(norm1(x)), then + s2 mlp(norm2(.)) (s: a layer scale, or 1 for None):
     the pre-norm block of the ViT and the BEiT; `attn` is the block's attention, called."""
@@ -191,11 +200,7 @@ class Block(nnx.Module):
     """Pre-norm transformer block, optional layer scale on both residual branches."""
 
     def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
-        dim = config.embed_dim
-        self.norm1 = _layer_norm(dim, config.norm_eps, rngs)
-        self.attn = Attention(config, rngs=rngs)
-        self.norm2 = _layer_norm(dim, config.norm_eps, rngs)
-        self.mlp = Mlp(config, rngs=rngs)
+        pre_norm_layers(self, config, Attention(config, rngs=rngs), rngs)
         self.ls1, self.ls2 = layer_scales(config, config.layer_scale, config.layer_scale_init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -261,12 +266,38 @@ class VisionTransformer(nnx.Module):
         return float32_logits(self.head(self.features(x)))
 
 
+def check_timm_mlp(mlp: Any, refuse) -> None:
+    """`refuse(reason)` (a ValueError) unless `mlp` is timm's plain Mlp with exact GELU: the
+    MLP `Mlp` reproduces (ViT and BEiT)."""
+    import torch.nn as tnn
+    from timm.layers import Mlp as TimmMlp
+
+    if type(mlp) is not TimmMlp or not isinstance(mlp.norm, tnn.Identity):
+        raise refuse(f"the MLP must be timm's plain Mlp, got {type(mlp).__name__}")
+    if type(mlp.act) is not tnn.GELU or mlp.act.approximate != "none":
+        raise refuse(f"the MLP activation must be exact GELU, got {mlp.act}")
+
+
+def layer_norm_eps(norms, refuse) -> set:
+    """The eps of `norms` (timm modules; Identity skipped), refused unless each is an affine
+    LayerNorm with a bias (what `_layer_norm` reproduces)."""
+    import torch.nn as tnn
+
+    eps = set()
+    for norm in norms:
+        if isinstance(norm, tnn.Identity):
+            continue
+        if not isinstance(norm, tnn.LayerNorm) or not norm.elementwise_affine or norm.bias is None:
+            raise refuse(f"norms must be affine LayerNorm with bias, got {norm}")
+        eps.add(norm.eps)
+    return eps
+
+
 def vit_config_from_timm(timm_model: Any) -> ViTConfig:
     """The `ViTConfig` of a timm `VisionTransformer`; ValueError for what this module lacks."""
     import torch.nn as tnn
     from timm.layers import Attention as TimmAttention
     from timm.layers import LayerScale
-    from timm.layers import Mlp as TimmMlp
     from timm.layers import PatchEmbed as TimmPatchEmbed
     from timm.models.vision_transformer import Block as TimmBlock
     from timm.models.vision_transformer import VisionTransformer as TimmViT
@@ -309,21 +340,12 @@ def vit_config_from_timm(timm_model: Any) -> ViTConfig:
             raise refuse("qk-norm and scaled attention norms are not supported")
         if getattr(attn, "gate", None) is not None:
             raise refuse("gated attention is not supported")
-        if type(mlp) is not TimmMlp or not isinstance(mlp.norm, tnn.Identity):
-            raise refuse(f"the MLP must be timm's plain Mlp, got {type(mlp).__name__}")
-        if type(mlp.act) is not tnn.GELU or mlp.act.approximate != "none":
-            raise refuse(f"the MLP activation must be exact GELU, got {mlp.act}")
+        check_timm_mlp(mlp, refuse)
         for ls in (block.ls1, block.ls2):
             if not isinstance(ls, tnn.Identity | LayerScale):
                 raise refuse(f"layer scale must be timm's LayerScale, got {type(ls).__name__}")
         norms += [block.norm1, block.norm2]
-    eps = set()
-    for norm in norms:
-        if isinstance(norm, tnn.Identity):
-            continue
-        if not isinstance(norm, tnn.LayerNorm) or not norm.elementwise_affine or norm.bias is None:
-            raise refuse(f"norms must be affine LayerNorm with bias, got {norm}")
-        eps.add(norm.eps)
+    eps = layer_norm_eps(norms, refuse)
     if len(eps) != 1:
         raise refuse(f"all LayerNorms must share one eps, got {sorted(eps)}")
 
