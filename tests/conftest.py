@@ -42,15 +42,6 @@ from dpprobe.pipelines.cli import _use_jax_compilation_cache  # noqa: E402 (impo
 
 _use_jax_compilation_cache()  # in XDG_CACHE_HOME, as for every CLI run
 
-import jax  # noqa: E402
-
-# The pytest workers themselves compile without the persistent cache; the CLI subprocesses,
-# short-lived as a user's runs, keep it (the environment above). A worker that had run hundreds
-# of tests crashed (SIGSEGV) twice inside JAX's cache write (`compilation_cache.
-# put_executable_and_time`) in tests/pipelines/test_defaults.py's probe test, which passes alone
-# and with a fresh cache; the cause inside jaxlib is not found.
-jax.config.update("jax_enable_compilation_cache", False)
-
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 
 
