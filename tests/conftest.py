@@ -45,6 +45,38 @@ _use_jax_compilation_cache()  # in XDG_CACHE_HOME, as for every CLI run
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 
 
+def _map_counts() -> tuple[int, int]:
+    """This process's memory mappings and the kernel's limit on them (0, 0 off Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs():
+    """Drop JAX's compiled programs once this worker holds half the kernel's mappings.
+
+    XLA:CPU maps each compiled fusion's code and data separately: a worker that runs a few
+    hundred tests holds tens of thousands of mappings (14,256 at 44% of the suite on 2
+    workers), and at `vm.max_map_count` (65,530 here) the next compilation's mmap fails and
+    the worker dies of SIGSEGV inside XLA (seen late in the suite, in whichever test compiled
+    next). `jax.clear_caches()` frees the programs no live object holds (100 programs'
+    11,064 mappings -> 588); later tests recompile or load from the persistent cache.
+    """
+    yield
+    count, limit = _map_counts()
+    if limit and count > limit // 2:
+        import gc
+        import sys
+
+        jax = sys.modules.get("jax")
+        if jax is not None:
+            jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
