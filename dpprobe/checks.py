@@ -23,6 +23,7 @@ __all__ = [
     "check_groups",
     "check_int",
     "check_ints",
+    "check_optional_ints",
     "check_number",
     "check_processes",
     "check_unique",
@@ -93,6 +94,14 @@ def check_int(field: str, value, low: int = 1, high: int | None = None) -> int:
     return int(value)
 
 
+def check_optional_ints(config, names: Iterable[str], low: int = 1,
+                        high: int | None = None) -> None:
+    """`check_int` on each field of `config` in `names` that is set (None: not given)."""
+    for name in names:
+        if getattr(config, name) is not None:
+            check_int(name, getattr(config, name), low, high)
+
+
 def check_ints(field: str, values: Iterable, low: int = 1, high: int = MAX_STEPS) -> tuple:
     """A non-empty tuple of integers, each in [low, high]."""
     values = tuple(values)
@@ -116,13 +125,16 @@ def check_unique(field: str, values: tuple) -> tuple:
     return values
 
 
-def check_groups(groups: int | None, normalization: str) -> None:
-    """Groups are a setting of group normalization, and only of it."""
-    if groups is not None:
-        check_int("groups", groups)
-        if normalization != "group":
-            raise ValueError(f"`groups={groups}` needs `normalization=group` "
-                             f"(got `normalization={normalization}`)")
+def check_groups(config) -> None:
+    """A config's `groups` and `normalization`: `groups` alone means group normalization (set
+    in the frozen config), and groups are a setting of group normalization, and only of it."""
+    if config.normalization is None and config.groups is not None:
+        freeze(config, normalization="group")
+    if config.normalization is not None and config.groups is not None:
+        check_int("groups", config.groups)
+        if config.normalization != "group":
+            raise ValueError(f"`groups={config.groups}` needs `normalization=group` "
+                             f"(got `normalization={config.normalization}`)")
 
 
 def check_epsilons(field: str, epsilons: Iterable, *, allow_inf: bool = True) -> tuple:

@@ -28,10 +28,11 @@ from typing import Any
 
 from dpprobe import model as dpmodel
 from dpprobe import timings
+from dpprobe.extract.job import report_line
 from dpprobe.finetune.own_model import own_module
 from dpprobe.model_files import MODEL_FILE
 from dpprobe.pipelines.audit_job import AuditConfig, audit_report, run_audit
-from dpprobe.pipelines.extract_job import ExtractConfig, report_line, run_extract
+from dpprobe.pipelines.extract_job import ExtractConfig, run_extract
 from dpprobe.pipelines.finetune_job import (
     FinetuneConfig,
     finetune_audit_line,

@@ -34,18 +34,9 @@ from dpprobe.accounting.validation import check_delta, check_steps
 if TYPE_CHECKING:
     import dp_accounting
 
-__all__ = [
-    "ACCOUNTANTS",
-    "DEFAULT_ACCOUNTANT",
-    "NEIGHBORING_RELATION",
-    "NEIGHBORING_RELATION_TEXT",
-    "DpPlan",
-    "compute_epsilon",
-    "event_epsilon",
-    "event_to_dict",
-    "gaussian_mu",
-    "make_accountant",
-]
+__all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "NEIGHBORING_RELATION",
+           "NEIGHBORING_RELATION_TEXT", "Accountant", "DpPlan", "compute_epsilon",
+           "event_epsilon", "event_to_dict", "gaussian_mu", "make_accountant"]
 
 Accountant = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)

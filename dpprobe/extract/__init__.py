@@ -22,6 +22,7 @@ import importlib
 
 from dpprobe.extract.data_check import DataReport, check_data
 from dpprobe.extract.defects import NULL_LABEL, Defect
+from dpprobe.extract.info import format_store_info
 from dpprobe.extract.read import iter_split_chunks, load_split
 from dpprobe.extract.sources import (
     ImageSplit,
@@ -92,6 +93,7 @@ __all__ = [
     "extract_split",
     "file_sha256",
     "finalize_split",
+    "format_store_info",
     "from_torch_dataset",
     "image_mode_of",
     "iter_split_chunks",

@@ -46,6 +46,14 @@ class DataReport:
         lines.append("OK" if self.ok else "records above are changed by the rule")
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        """`dpprobe verify --data --json`: each record the rule would change (for the data's
+        owner only)."""
+        return {"ok": self.ok, "spec": self.spec, "for": "the data's owner only",
+                "splits": {name: {"records": size, "changed": [
+                    {"record": where, "kind": defect.kind, "detail": defect.detail}
+                    for where, defect in found]} for name, (size, found) in self.splits.items()}}
+
 
 def check_data(spec: str, *, data_dir: str | os.PathLike | None = None,
                num_classes: int | None = None) -> DataReport:

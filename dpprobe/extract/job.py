@@ -10,7 +10,7 @@ import os
 from dpprobe import extract
 from dpprobe.messages import log
 
-__all__ = ["extract_splits", "extract_with_ray"]
+__all__ = ["extract_splits", "extract_with_ray", "report_line"]
 
 
 def extract_splits(config, *, shard=None, only_create: bool = False) -> list:
@@ -98,3 +98,31 @@ def extract_with_ray(config) -> list:
         complete = extract.finalize_split(config.out, report.split)
         reports.append(dataclasses.replace(report, chunks_written=written, complete=complete))
     return reports
+
+
+def report_line(out: str, report, dtype: str) -> str:
+    """How one split's extraction ended, in plain words: written, resumed, or already there.
+
+    Args:
+      out: the store's path.
+      report: the split's `ExtractReport`.
+      dtype: the store's feature dtype.
+
+    Returns:
+      One line.
+    """
+    shard, done = report.shard, report.num_chunks - report.chunks_written
+    chunks = f"{report.num_chunks} chunk{'s' if report.num_chunks != 1 else ''}"
+    if report.chunks_written == 0 and report.complete:
+        work = (f"{'all' if report.num_chunks > 1 else 'its'} {chunks} already extracted by an "
+                "earlier run; reused, nothing to do")
+    elif report.resumed and done:
+        work = (f"resumed: {done} of {chunks} already extracted, {report.chunks_written} "
+                "written now")
+    else:
+        work = f"{report.chunks_written}/{chunks} written"
+    state = "complete" if report.complete else "INCOMPLETE"
+    if shard is not None and not report.complete:
+        state = "shard done; the split completes when every shard has run"
+    return (f"{out}/{report.split}: {report.num_examples} x {report.feature_shape} ({dtype}), "
+            f"{work}{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}")

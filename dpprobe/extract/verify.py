@@ -75,6 +75,30 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def text(self) -> str:
+        """What `dpprobe verify` prints: each split, each problem, and the verdict."""
+        lines = [f"{split}: {_split_check(info)}" for split, info in self.splits.items()]
+        lines += [f"PROBLEM {problem}" for problem in self.problems]
+        lines.append("OK" if self.ok else f"{len(self.problems)} problem(s)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """`dpprobe verify --json`: the verdict, the problems and each split's findings."""
+        return {"ok": self.ok, "problems": list(self.problems), "splits": self.splits}
+
+
+def _split_check(info: dict) -> str:
+    """'1438 examples, complete; 1 chunk checked, none bad' (what `verify_store` saw)."""
+    parts = [f"{info.get('num_examples')} examples, "
+             + ("complete" if info.get("complete") else "INCOMPLETE")]
+    if "chunks_checked" in info:
+        checked, bad = info["chunks_checked"], info.get("bad_chunks", 0)
+        parts.append(f"{checked} chunk{'s' * (checked != 1)} checked, "
+                     + (f"{bad} bad" if bad else "none bad"))
+    parts += [f"{key.replace('_', ' ')} {value}" for key, value in info.items()
+              if key not in ("num_examples", "complete", "chunks_checked", "bad_chunks")]
+    return "; ".join(parts)
+
 
 def verify_store(store: StorePath, *, splits: Sequence[str] = ("train", "test"),
                  fingerprints: dict[str, str] | None = None,

@@ -6,19 +6,31 @@ data the job reads nor a folder inside it (the job's files would become records 
 folder); a `DIR/checkpoint` that dpprobe did not write is refused (the job deletes its
 checkpoint folder once the run is complete). One run writes DIR at a time: an flock on
 `DIR/.dpprobe-JOB.lock`, holding the run's pid; the kernel releases it when the process dies
-(SIGKILL included), so a killed run's lock is stale and the rerun takes it.
+(SIGKILL included), so a killed run's lock is stale and the rerun takes it. A finished run
+keeps its options beside its results (`OPTIONS_FILE`): a rerun with the same ones is already
+complete, one with others is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
-__all__ = ["check_checkpoint_folder", "check_outside_inputs", "hold"]
+from dpprobe.extract import parse_data_spec
+from dpprobe.finetune.own_model import own_module_name
+
+__all__ = ["OPTIONS_FILE", "check_checkpoint_folder", "check_outside_inputs", "finished_run",
+           "hold", "input_paths", "run_options"]
+
+# In a finished run's DIR: the options it ran with (private to its owner: they hold the seed).
+OPTIONS_FILE = ".dpprobe-finetune-options.json"
 
 # The names of a checkpoint folder's entries: a step, a step being written (orbax), the space
 # a checkpoint reserves (`finetune.Checkpointer`).
@@ -83,3 +95,76 @@ def hold(out: str | os.PathLike, job: str, option: str = "out") -> Iterator[None
             os.remove(path)
             os.rmdir(out)
         handle.close()
+
+
+def input_paths(config) -> list[str]:
+    """The local files and folders a finetune job reads (its output must not be, nor lie in,
+    one).
+
+    Args:
+      config: the job's `FinetuneConfig` (its data specs, data folder and weights file).
+
+    Returns:
+      The paths that exist, without an `?option` tail.
+    """
+    paths = [config.data_dir, config.weights]
+    for spec in (config.data, config.test_data):
+        try:
+            paths.append(parse_data_spec(spec)[1] if spec else None)
+        except ValueError:
+            pass  # refused by the reader, in its own words
+    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
+
+
+def run_options(config) -> dict:
+    """The options that make a run what it is (not where it writes, not how much it prints).
+
+    Args:
+      config: the job's `FinetuneConfig`.
+
+    Returns:
+      Its fields as JSON values, `out` and `quiet` None, an own module named by its class.
+    """
+    config = dataclasses.replace(config, model=own_module_name(config.model))
+    return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
+                                 default=str))
+
+
+def finished_run(out: Path, config) -> dict | None:
+    """The finished run in `out`, when it ran with `config`'s options.
+
+    Args:
+      out: the run folder.
+      config: the job's `FinetuneConfig`.
+
+    Returns:
+      Its results with "already_complete" (the results file); None when `out` holds no
+      finished run. A finished run with other options is refused (one line).
+    """
+    results_file = out / "results.json"
+    if not results_file.is_file():
+        return None
+    try:
+        results = json.loads(results_file.read_text())
+        finished = results.get("job") == "finetune"
+    except (OSError, ValueError, AttributeError):
+        return None  # not a run of ours: the output checks refuse it
+    if not finished:
+        return None
+    try:
+        previous = json.loads((out / OPTIONS_FILE).read_text())
+    except (OSError, ValueError):
+        previous = None
+    options = run_options(config)
+    if previous != options:
+        differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
+            sorted(k for k in set(previous) | set(options)
+                   if previous.get(k) != options.get(k))) + ")")
+        hint = ""
+        if isinstance(previous, dict) and previous.get("model") and config.model is None:
+            hint = (f" (that run trained model {previous['model']}, and a run naming no model "
+                    f"now gets the default for its image size: add `--model "
+                    f"{previous['model']}` for that run)")
+        raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
+                         f"give a new `out` to train another model{hint}")
+    return results | {"already_complete": str(results_file)}

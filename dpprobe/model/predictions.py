@@ -10,7 +10,10 @@ import sys
 
 import numpy as np
 
-__all__ = ["take_rows", "write_rows"]
+from dpprobe.extract import open_source
+from dpprobe.model.model import load_model
+
+__all__ = ["predict_examples", "take_rows", "write_rows"]
 
 
 def write_rows(stream, model, source, columns, top_k: int, counts: dict,
@@ -99,3 +102,24 @@ def take_rows(pending: collections.deque, count: int):
                           else chunk_labels[take:])
         count -= take
     return np.concatenate(ids), (None if labels[0] is None else np.concatenate(labels))
+
+
+def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
+    """The model's prediction for the first images of a data source's test split (public),
+    beside their labels.
+
+    Args:
+      model_path: a model file that takes images.
+      data: a data spec with a test split (digits, fashion-mnist, ...).
+      count: how many images (at most the split's).
+
+    Returns:
+      One {"row", "prediction" (class name), "probability", "label"} per image.
+    """
+    model = load_model(model_path)
+    test = open_source(data, split="test")["test"]
+    rows = range(min(count, len(test)))
+    probabilities = model.predict_proba(test.images(rows))
+    return [{"row": row, "prediction": model.class_names[int(np.argmax(p))],
+             "probability": float(np.max(p)), "label": test.class_names[int(test.labels[row])]}
+            for row, p in zip(rows, probabilities, strict=True)]

@@ -18,13 +18,14 @@ below float16 precision, the one step of training not reproduced).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import torch
 
-__all__ = ["FeatureHead", "Normalize", "example_input", "export_onnx", "export_torch",
-           "timm_state_dict", "to_torch"]
+__all__ = ["FeatureHead", "Normalize", "example_input", "export_model", "export_onnx",
+           "export_torch", "export_timm", "timm_state_dict", "to_torch"]
 
 
 class Normalize(torch.nn.Module):
@@ -304,3 +305,41 @@ def export_onnx(model) -> tuple[bytes, str]:
     entry = proto.metadata_props.add()
     entry.key, entry.value = "dpprobe_export", _export_note(model)
     return proto.SerializeToString(), _input_text(model)
+
+
+def export_timm(model) -> tuple[bytes, str, dict]:
+    """(bytes of timm's state dict as safetensors, its input, the `timm.create_model`
+    arguments that load it); the source, class names and privacy claim in its metadata."""
+    from safetensors.torch import save  # torch, as this module
+
+    state, kwargs = timm_state_dict(model)
+    note = json.dumps({"create_model": kwargs, "source": model.path,
+                       "class_names": model.class_names,
+                       "privacy": dataclasses.asdict(model.privacy) | {"ledger": None}})
+    inputs = (f"timm's preprocessing: NCHW images normalized by mean "
+              f"{model.document['transforms'][3]['mean']} and std "
+              f"{model.document['transforms'][3]['std']}")
+    return save(state, metadata={"dpprobe_export": note}), inputs, kwargs
+
+
+def export_model(model, format: str, out: str) -> tuple[bytes, str, str]:
+    """A model file exported to one format (`dpprobe export`).
+
+    Args:
+      model: the loaded model file (`dpmodel.load_model`).
+      format: "torch" (`export_torch`), "onnx" (`export_onnx`) or "timm" (`export_timm`).
+      out: where the bytes will be written (named in the loading code).
+
+    Returns:
+      (the file's bytes, its input, the Python code that loads it).
+    """
+    if format == "torch":
+        data, inputs = export_torch(model)
+        return data, inputs, f"torch.export.load({out!r}).module()"
+    if format == "onnx":
+        data, inputs = export_onnx(model)
+        return data, inputs, f"onnxruntime.InferenceSession({out!r})"
+    data, inputs, kwargs = export_timm(model)
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "model_name")
+    return data, inputs, (f"timm.create_model({kwargs['model_name']!r}, {args})"
+                          f".load_state_dict(safetensors.torch.load_file({out!r}), strict=True)")

@@ -51,8 +51,7 @@ class AccountConfig:
                    steps=checks.check_int("steps", self.steps, 1, checks.MAX_STEPS),
                    sampling_probability=checks.check_number(
                        "sampling_probability", self.sampling_probability, 0, 1))
-        if self.num_examples is not None:
-            checks.check_int("num_examples", self.num_examples)
+        checks.check_optional_ints(self, ("num_examples",))
 
 
 def account(config: AccountConfig | None = None, /, **options) -> dict:

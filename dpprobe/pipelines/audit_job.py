@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from dpprobe import accounting, checks, extract, files, plots, preflight, probe, timings
+from dpprobe import checks, extract, files, plots, preflight, probe, timings
 from dpprobe.accounting import records
 from dpprobe.extract.read import sample_rows
 from dpprobe.options import LOSSES, OPTIMIZERS, delta_option, integer, number, option
@@ -96,8 +94,7 @@ class AuditConfig:
         checks.check_int("steps", self.steps, 1, checks.MAX_STEPS)
         checks.check_int("runs", self.runs, 2, MAX_RUNS)
         checks.check_int("rows", self.rows)
-        if self.runs_per_call is not None:
-            checks.check_int("runs_per_call", self.runs_per_call)
+        checks.check_optional_ints(self, ("runs_per_call",))
 
 
 def run_audit(config: AuditConfig | str, /, **options) -> dict:
@@ -118,62 +115,14 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     features, labels = sample_rows(config.store, config.rows)
     num_classes = records.declared_num_classes(train_attrs)
     spec = probe.ProbeSpec(num_classes=num_classes, loss=config.loss, optimizer=config.optimizer)
-    num_examples = len(features) + 1  # the rows and the canary (or its null record)
     audit = audit_probe(features, labels, spec, epsilon=config.epsilon, delta=config.delta,
                         steps=config.steps, clip_norm=config.clip_norm, runs=config.runs,
                         confidence=config.confidence, runs_per_call=config.runs_per_call,
                         quiet=quiet)
-    plan, run, scores, bounds = audit.plan, audit.run, audit.scores, audit.bounds
-    claimed_epsilon, sigma = audit.claimed_epsilon, plan.noise_multiplier
 
     # Record: the claim, the bounds, what the plot needs; the audit's own privacy.
-    all_runs = accounting.PrivacyLedger()
-    for _ in range(2 * config.runs):
-        all_runs.record("audit run", plan)
-    fpr, fnr = audit.tradeoff()
-    results = records.header("audit", config.store, train_attrs, test_attrs) | {
-        "claim": {
-            "epsilon": claimed_epsilon,
-            "delta": config.delta,
-            "gdp_mu": audit.claimed_mu,
-            "noise_multiplier": sigma,
-            "steps": config.steps,
-            "clip_norm": config.clip_norm,
-            "sampling": "full batch (q = 1)",
-            "accountant": "pld",
-            "neighboring_relation": accounting.NEIGHBORING_RELATION,
-            "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
-            "dp_event": accounting.event_to_dict(plan.dp_event()),
-        },
-        "audit": {
-            "optimizer": config.optimizer,
-            "loss": config.loss,
-            "runs_per_side": config.runs,
-            "num_rows": len(features),
-            "num_train": num_examples,
-            "learning_rate": run.learning_rate,
-            "trainer": ("dpprobe.probe.train_probe (full batch, in memory), keys from "
-                        "dpprobe.dp.make_keys"),
-            "canary": (f"one appended feature, zero for every row; the canary row is "
-                       f"{probe.CANARY_NORM:g} along it, label {probe.CANARY_LABEL}; its "
-                       "neighbour is the canary replaced by a null record"),
-            "score": "-<w[d, :], u> / lr: the released weights of the canary's feature along "
-                     "the canary's descent direction u",
-            "thresholds": "chosen on scores simulated under the claim, before training",
-        },
-        "bounds": bounds.to_dict() | audit.ratios,
-        "claim_refuted": audit.refuted,
-        "histogram": _histogram(scores["in"], scores["out"]),
-        "tradeoff": {"fpr": fpr.tolist(), "fnr": fnr.tolist()},
-        "privacy": {
-            "audit_outputs": (
-                f"functions of {2 * config.runs} probes trained on {len(features)} rows of the "
-                f"train split, each one run of the claim's plan: together (epsilon "
-                f"{all_runs.epsilon(config.delta):.4g}, delta {config.delta:g})-DP for those "
-                "rows (PLD). The scores read only w[d, :], which no row moves: for one step of "
-                "sgd, momentum, adam or sign they do not depend on the rows at all"),
-            "row_sample": "drawn from OS entropy; the indices are not written",
-        } | records.randomness(None, ""),
+    results = records.header("audit", config.store, train_attrs, test_attrs) | audit.record(
+        spec, delta=config.delta, num_rows=len(features)) | {
         "note": NOTE,
         "warnings": records.warnings(train_attrs),  # features of a random-init backbone
     }
@@ -184,14 +133,8 @@ def run_audit(config: AuditConfig | str, /, **options) -> dict:
     if config.out:  # the owner's, never published: how long depends on the rows
         timings.write_timings(config.out, "audit", stopwatch, quiet=quiet,
                               train_seconds=audit.train_seconds)
-    results["scores"] = scores
+    results["scores"] = audit.scores
     return results
-
-
-def _histogram(in_scores, out_scores, bins: int = 60) -> dict:
-    edges = np.histogram_bin_edges(np.concatenate([in_scores, out_scores]), bins)
-    return {"edges": edges.tolist(), "in": np.histogram(in_scores, edges)[0].tolist(),
-            "out": np.histogram(out_scores, edges)[0].tolist()}
 
 
 def audit_report(results: dict) -> str:

@@ -41,14 +41,7 @@ from dpprobe.pipelines.extract_job import ExtractConfig
 from dpprobe.pipelines.finetune_job import FinetuneConfig
 from dpprobe.pipelines.predict_job import PredictConfig
 from dpprobe.pipelines.probe_job import ProbeConfig
-from dpprobe.pipelines.store_jobs import (
-    InfoConfig,
-    VerifyConfig,
-    store_info,
-    verify,
-    verify_json,
-    verify_report,
-)
+from dpprobe.pipelines.store_jobs import InfoConfig, VerifyConfig, store_info, verify
 from dpprobe.pipelines.tune_job import TuneConfig
 
 # A hub miss retries for ~45 s unless offline mode is set before huggingface_hub is imported;
@@ -83,9 +76,9 @@ def _extract(config: ExtractConfig, args) -> int:
 def _verify(config: VerifyConfig, args) -> int:
     report = verify(config)
     if getattr(args, "json", False):
-        print(json.dumps(verify_json(report), indent=2, default=str))
+        print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
-        print(report.text() if config.store is None else verify_report(report))
+        print(report.text())
     return 0 if report.ok else 1
 
 

@@ -17,11 +17,9 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
-
 from dpprobe import checks, extract, plots, preflight
-from dpprobe import model as dpmodel
 from dpprobe.messages import log
+from dpprobe.model.predictions import predict_examples
 from dpprobe.options import integer, option
 from dpprobe.pipelines.extract_job import run_extract
 from dpprobe.pipelines.probe_job import probe_table, run_probe
@@ -163,18 +161,6 @@ def run_demo(config: DemoConfig | str | None = None, /, **options) -> dict:
             "reused_features": reused, "published": PUBLISHED.get(data),
             "predictions": predictions,
             "wall_seconds": time.perf_counter() - start}
-
-
-def predict_examples(model_path: str, data: str, count: int) -> list[dict]:
-    """The model's prediction (class name and probability) for the first `count` images of
-    the test split of `data` (public), beside their labels."""
-    model = dpmodel.load_model(model_path)
-    test = extract.open_source(data, split="test")["test"]
-    rows = range(min(count, len(test)))
-    probabilities = model.predict_proba(test.images(rows))
-    return [{"row": row, "prediction": model.class_names[int(np.argmax(p))],
-             "probability": float(np.max(p)), "label": test.class_names[int(test.labels[row])]}
-            for row, p in zip(rows, probabilities, strict=True)]
 
 
 def demo_report(results: dict) -> str:

@@ -13,7 +13,6 @@ precomputed embeddings: its features) and return the logits (`dpmodel.torch_expo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from dpprobe import checks, preflight
@@ -79,26 +78,7 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
             config.quiet)
     from dpprobe.model import torch_export  # torch: imported when a model is exported
 
-    if config.format == "torch":
-        data, inputs = torch_export.export_torch(model)
-        load = f"torch.export.load({config.out!r}).module()"
-    elif config.format == "onnx":
-        data, inputs = torch_export.export_onnx(model)
-        load = f"onnxruntime.InferenceSession({config.out!r})"
-    else:
-        from safetensors.torch import save  # torch, as above
-
-        state, kwargs = torch_export.timm_state_dict(model)
-        note = json.dumps({"create_model": kwargs, "source": config.model,
-                           "class_names": model.class_names,
-                           "privacy": dataclasses.asdict(model.privacy) | {"ledger": None}})
-        data = save(state, metadata={"dpprobe_export": note})
-        inputs = (f"timm's preprocessing: NCHW images normalized by mean "
-                  f"{model.document['transforms'][3]['mean']} and std "
-                  f"{model.document['transforms'][3]['std']}")
-        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "model_name")
-        load = (f"timm.create_model({kwargs['model_name']!r}, {args}).load_state_dict("
-                f"safetensors.torch.load_file({config.out!r}), strict=True)")
+    data, inputs, load = torch_export.export_model(model, config.format, config.out)
     atomic_write_bytes(config.out, data)
     log(f"wrote {config.out} ({config.format}); input: {inputs}", config.quiet)
     return {"out": config.out, "format": config.format, "input": inputs, "load": load,

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from dpprobe import checks, extract, options, preflight
-from dpprobe.extract.job import extract_splits, extract_with_ray
+from dpprobe.extract.job import extract_splits, extract_with_ray, report_line
 from dpprobe.messages import log
 from dpprobe.options import Choices, integer, num_classes_option, option
 
@@ -100,11 +100,9 @@ class ExtractConfig:
         checks.check_int("seed", self.seed, 0)
         checks.check_int("augment_seed", self.augment_seed, 0)
         checks.check_int("batch_size", self.batch_size)
-        for name in ("resize", "crop", "rows_per_chunk", "views", "ray_shards", "num_classes"):
-            if getattr(self, name) is not None:
-                checks.check_int(name, getattr(self, name))
-        if self.num_workers is not None:
-            checks.check_int("num_workers", self.num_workers, 0)
+        checks.check_optional_ints(self, ("resize", "crop", "rows_per_chunk", "views",
+                                          "ray_shards", "num_classes"))
+        checks.check_optional_ints(self, ("num_workers",), 0)
         if self.shard is not None:
             index, count = self.shard
             if not (count >= 1 and 0 <= index < count):
@@ -141,25 +139,6 @@ def run_extract(config: ExtractConfig | None = None, /, **options) -> list:
     for report in reports:
         log(report_line(config.out, report, config.dtype), quiet=not config.progress)
     return reports
-
-
-def report_line(out: str, report, dtype: str) -> str:
-    """How one split's extraction ended, in plain words: written, resumed, or already there."""
-    shard, done = report.shard, report.num_chunks - report.chunks_written
-    chunks = f"{report.num_chunks} chunk{'s' if report.num_chunks != 1 else ''}"
-    if report.chunks_written == 0 and report.complete:
-        work = (f"{'all' if report.num_chunks > 1 else 'its'} {chunks} already extracted by an "
-                "earlier run; reused, nothing to do")
-    elif report.resumed and done:
-        work = (f"resumed: {done} of {chunks} already extracted, {report.chunks_written} "
-                "written now")
-    else:
-        work = f"{report.chunks_written}/{chunks} written"
-    state = "complete" if report.complete else "INCOMPLETE"
-    if shard is not None and not report.complete:
-        state = "shard done; the split completes when every shard has run"
-    return (f"{out}/{report.split}: {report.num_examples} x {report.feature_shape} ({dtype}), "
-            f"{work}{f' by shard {shard[0]}/{shard[1]}' if shard else ''}, {state}")
 
 
 def run_extract_ray(config: ExtractConfig | None = None, /, **options) -> list:

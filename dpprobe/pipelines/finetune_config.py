@@ -191,9 +191,8 @@ class FinetuneConfig:
             raise checks.ConfigError("microbatch_size", "has no effect: the job's book-keeping "
                                   "clipping forms no per-example kernel gradients; lower "
                                   "`physical_batch_size` to use less memory")
-        for name in ("batch_size", "steps", "resize", "crop", "num_classes"):
-            if getattr(self, name) is not None:
-                checks.check_int(name, getattr(self, name), high=checks.MAX_STEPS)
+        checks.check_optional_ints(self, ("batch_size", "steps", "resize", "crop",
+                                          "num_classes"), high=checks.MAX_STEPS)
         checks.check_int("warmup_steps", self.warmup_steps, 0)
         checks.check_int("audit_canaries", self.audit_canaries, 0, MAX_CANARIES)
         if self.audit_canaries == 1:

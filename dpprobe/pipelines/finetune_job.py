@@ -5,26 +5,21 @@ results.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
-from dpprobe import checks, extract, files, model_files, preflight, timings
+from dpprobe import checks, files, model_files, preflight, timings
 from dpprobe.finetune import run_folder
 from dpprobe.finetune.job import finetune_run
-from dpprobe.finetune.own_model import own_module_name
+from dpprobe.finetune.run_folder import OPTIONS_FILE
 from dpprobe.messages import log
 from dpprobe.multihost import processes
 from dpprobe.pipelines.finetune_config import FinetuneConfig
 from dpprobe.pipelines.reporting import TRAINING_TEXTS, warning_lines
 
 __all__ = ["FinetuneConfig", "finetune_audit_line", "finetune_line", "run_finetune"]
-
-# In a finished run's --out: the options it ran with (private to its owner: they hold --seed).
-OPTIONS_FILE = ".dpprobe-finetune-options.json"
-
 
 # `dpprobe finetune`'s parser texts (help, description, epilog).
 TEXTS = dict(
@@ -57,13 +52,13 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
     if not config.out:
         return _train(config, None)
     out = Path(config.out)
-    run_folder.check_outside_inputs(out, _input_paths(config))
+    run_folder.check_outside_inputs(out, run_folder.input_paths(config))
     run_folder.check_checkpoint_folder(out / "checkpoint")
     for name in ("results.json", model_files.MODEL_FILE):
         preflight.check_output_paths(out=out / name)
     preflight.check_timings_file(out / "results.json")
     with run_folder.hold(out, "finetune"):  # one run at a time
-        finished = _finished_run(out, config)
+        finished = run_folder.finished_run(out, config)
         if finished is not None and multi:  # the others would train on without it
             raise ValueError(f"{out} holds a finished run; give a new `out`")
         if finished is not None:
@@ -74,22 +69,12 @@ def run_finetune(config: FinetuneConfig | None = None, /, **options) -> dict:
         return _train(config, out)
 
 
-def _input_paths(config: FinetuneConfig) -> list[str]:
-    """The local files and folders the job reads (its output must not be, nor lie in, one)."""
-    paths = [config.data_dir, config.weights]
-    for spec in (config.data, config.test_data):
-        try:
-            paths.append(extract.parse_data_spec(spec)[1] if spec else None)
-        except ValueError:
-            pass  # refused by the reader, in its own words
-    return [p.partition("?")[0] for p in paths if p and os.path.exists(p.partition("?")[0])]
-
-
 def _train(config: FinetuneConfig, out: Path | None) -> dict:
     """The run (`finetune.job.finetune_run`), its model file, timings and results written to
     `out` (held) when given."""
     stopwatch = timings.Stopwatch()
-    options = _options(config)  # as given (a default model stays None: chosen again on rerun)
+    # As given (a default model stays None: chosen again on rerun).
+    options = run_folder.run_options(config)
     run = finetune_run(config, None if out is None else out / "checkpoint", options)
     results = run.results
     if out is None:
@@ -116,46 +101,6 @@ def _train(config: FinetuneConfig, out: Path | None) -> dict:
     log(f"wrote {out / OPTIONS_FILE} (the run's options, for its rerun: yours only)",
         config.quiet)
     return results
-
-
-
-
-def _options(config: FinetuneConfig) -> dict:
-    """The options that make a run what it is (not where it writes, not how much it prints)."""
-    config = dataclasses.replace(config, model=own_module_name(config.model))
-    return json.loads(json.dumps(dataclasses.asdict(config) | {"quiet": None, "out": None},
-                                 default=str))
-
-
-def _finished_run(out: Path, config: FinetuneConfig) -> dict | None:
-    """The results of the finished run in `out` when it ran with `config`'s options; None when
-    `out` holds no finished run. A finished run with other options is refused (one line)."""
-    results_file = out / "results.json"
-    if not results_file.is_file():
-        return None
-    try:
-        results = json.loads(results_file.read_text())
-        finished = results.get("job") == "finetune"
-    except (OSError, ValueError, AttributeError):
-        return None  # not a run of ours: the output checks refuse it
-    if not finished:
-        return None
-    try:
-        previous = json.loads((out / OPTIONS_FILE).read_text())
-    except (OSError, ValueError):
-        previous = None
-    if previous != _options(config):
-        differ = ("" if not isinstance(previous, dict) else " (differs in: " + ", ".join(
-            sorted(k for k in set(previous) | set(_options(config))
-                   if previous.get(k) != _options(config).get(k))) + ")")
-        hint = ""
-        if isinstance(previous, dict) and previous.get("model") and config.model is None:
-            hint = (f" (that run trained model {previous['model']}, and a run naming no model "
-                    f"now gets the default for its image size: add `--model "
-                    f"{previous['model']}` for that run)")
-        raise ValueError(f"{out} holds a finished finetune run with other options{differ}; "
-                         f"give a new `out` to train another model{hint}")
-    return results | {"already_complete": str(results_file)}
 
 
 def finetune_line(results: dict) -> str:

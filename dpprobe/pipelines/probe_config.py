@@ -152,14 +152,10 @@ class ProbeConfig:
         )
         checks.check_int("seeds", self.seeds)
         checks.check_int("physical_batch_size", self.physical_batch_size)
-        if self.normalization is None and self.groups is not None:
-            checks.freeze(self, normalization="group")  # groups alone means group normalization
-        if self.normalization is not None:
-            checks.check_groups(self.groups, self.normalization)
+        checks.check_groups(self)
         if self.bias_init is not None:
             checks.check_number("bias_init", self.bias_init)
-        if self.devices is not None:
-            checks.check_int("devices", self.devices)
+        checks.check_optional_ints(self, ("devices",))
         runs = (len(self.epsilons) * len(self.steps or [1]) * len(self.learning_rates or [None])
                 * self.seeds)
         if runs > MAX_RUNS:

@@ -11,10 +11,7 @@ from dpprobe import checks, extract
 from dpprobe.extract.verify import source_fingerprints
 from dpprobe.options import num_classes_option, option
 
-__all__ = [
-    "InfoConfig", "VerifyConfig", "format_store_info", "store_info", "verify", "verify_json",
-    "verify_report",
-]
+__all__ = ["InfoConfig", "VerifyConfig", "store_info", "verify"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +33,7 @@ class VerifyConfig:
     def __post_init__(self):
         if self.store is None and self.data is None:
             raise checks.ConfigError("store", "give a store to verify, or `data` to check raw data")
-        if self.num_classes is not None:
-            checks.check_int("num_classes", self.num_classes)
+        checks.check_optional_ints(self, ("num_classes",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,68 +89,7 @@ def verify(config: VerifyConfig | str | None = None, /,
 def store_info(config: InfoConfig | str, /) -> str:
     """The provenance of a store, for people."""
     store = config.store if isinstance(config, InfoConfig) else config
-    return format_store_info(store, extract.store_summary(store))
-
-
-def verify_report(report) -> str:
-    """What `dpprobe verify` prints: each split, each problem, and the verdict."""
-    lines = [f"{split}: {_split_check(info)}" for split, info in report.splits.items()]
-    lines += [f"PROBLEM {problem}" for problem in report.problems]
-    lines.append("OK" if report.ok else f"{len(report.problems)} problem(s)")
-    return "\n".join(lines)
-
-
-def _split_check(info: dict) -> str:
-    """'1438 examples, complete; 1 chunk checked, none bad' (what `verify_store` saw)."""
-    parts = [f"{info.get('num_examples')} examples, "
-             + ("complete" if info.get("complete") else "INCOMPLETE")]
-    if "chunks_checked" in info:
-        checked, bad = info["chunks_checked"], info.get("bad_chunks", 0)
-        parts.append(f"{checked} chunk{'s' * (checked != 1)} checked, "
-                     + (f"{bad} bad" if bad else "none bad"))
-    parts += [f"{key.replace('_', ' ')} {value}" for key, value in info.items()
-              if key not in ("num_examples", "complete", "chunks_checked", "bad_chunks")]
-    return "; ".join(parts)
-
-
-def verify_json(report) -> dict:
-    """`dpprobe verify --json`: the verdict, the problems and each split's findings (of a
-    store), or each record the rule would change (of `--data`: for the data's owner only)."""
-    if hasattr(report, "problems"):
-        return {"ok": report.ok, "problems": list(report.problems), "splits": report.splits}
-    return {"ok": report.ok, "spec": report.spec, "for": "the data's owner only",
-            "splits": {name: {"records": size, "changed": [
-                {"record": where, "kind": defect.kind, "detail": defect.detail}
-                for where, defect in found]} for name, (size, found) in report.splits.items()}}
-
-
-def format_store_info(store, summary: dict) -> str:
-    """The provenance of a store (`extract.store_summary`), for people."""
-    lines = [f"{store}: {summary['root'].get('format')} v{summary['root'].get('format_version')}"]
-    for name, attrs in summary["splits"].items():
-        backbone, dataset = attrs.get("backbone", {}), attrs.get("dataset", {})
-        pre = attrs.get("preprocessing", {})
-        lines += [
-            f"[{name}] {attrs.get('num_examples')} examples x {attrs.get('feature_shape')} "
-            f"{attrs.get('dtype')}, {attrs['chunks_done']}/{attrs['num_chunks']} chunks of "
-            f"{attrs.get('rows_per_chunk')} rows, complete={attrs.get('complete')}",
-            f"  backbone: {backbone.get('name')} (weights: {backbone.get('weights_source')}"
-            + (f", seed {backbone['seed']}" if backbone.get("seed") is not None else "")
-            + (f", file {backbone['weights_file']}" if backbone.get("weights_file") else "")
-            + (f", sha256 {backbone['weights_sha256']}" if backbone.get("weights_sha256")
-               else "")
-            + (f", tag {backbone['tag']}" if backbone.get("tag") else "") + ")"
-            + "".join(f", {k} {backbone[k]}" for k in ("timm_version", "kymatio_version",
-                                                      "torch_version") if backbone.get(k)),
-            "  preprocessing: " + ", ".join(f"{k}={v}" for k, v in pre.items()
-                                              if k != "transform" and v not in (None, [], ())),
-            f"  dataset: {dataset.get('name')} ({dataset.get('spec')}), "
-            f"{dataset.get('num_classes')} classes, fingerprint {dataset.get('fingerprint')}",
-            "  classes: " + ", ".join(str(c) for c in (attrs.get("class_names")
-                                                        or dataset.get("class_names") or [])),
-            f"  created {attrs.get('created')}, completed {attrs.get('completed', '-')}",
-        ]
-    return "\n".join(lines)
+    return extract.format_store_info(store, extract.store_summary(store))
 
 
 # `dpprobe verify`'s parser texts (help, description, epilog).

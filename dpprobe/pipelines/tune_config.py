@@ -181,12 +181,8 @@ class TuneConfig:
                    validation_fraction=checks.check_number(
                        "validation_fraction", self.validation_fraction, 0, 1, high_open=True))
         checks.check_int("trials", self.trials)
-        if self.final_steps is not None:
-            checks.check_int("final_steps", self.final_steps, 1, checks.MAX_STEPS)
-        if self.normalization is None and self.groups is not None:
-            checks.freeze(self, normalization="group")
-        if self.normalization is not None:
-            checks.check_groups(self.groups, self.normalization)
+        checks.check_optional_ints(self, ("final_steps",), 1, checks.MAX_STEPS)
+        checks.check_groups(self)
         if self.standardize and self.normalization == "none":
             raise ValueError("`standardize=True` needs a per-example normalization that bounds "
                              "each example's norm (`normalization` group or l2), the sensitivity "

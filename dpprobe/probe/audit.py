@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from dpprobe import accounting, probe
+from dpprobe.accounting import records
 from dpprobe.messages import log
 from dpprobe.timings import RateProgress
 
@@ -52,6 +53,74 @@ class ProbeAudit:
         from dpprobe import dp  # JAX, loaded by the audit that made this
 
         return dp.tradeoff_curve(self.scores["in"], self.scores["out"])
+
+    def record(self, spec: probe.ProbeSpec, *, delta: float, num_rows: int) -> dict:
+        """The audit's results: the claim, how it was audited, the bounds, what its plot
+        needs (score histograms, trade-off curve), and the audit's own privacy.
+
+        Args:
+          spec: the audited probe (its loss and optimizer).
+          delta: the claim's delta.
+          num_rows: the rows the probes trained on (beside the canary).
+
+        Returns:
+          {"claim", "audit", "bounds", "claim_refuted", "histogram", "tradeoff", "privacy"}.
+        """
+        plan, runs = self.plan, len(self.scores["in"])
+        all_runs = accounting.PrivacyLedger()
+        for _ in range(2 * runs):
+            all_runs.record("audit run", plan)
+        fpr, fnr = self.tradeoff()
+        return {
+            "claim": {
+                "epsilon": self.claimed_epsilon,
+                "delta": delta,
+                "gdp_mu": self.claimed_mu,
+                "noise_multiplier": plan.noise_multiplier,
+                "steps": plan.steps,
+                "clip_norm": plan.clip_norm,
+                "sampling": "full batch (q = 1)",
+                "accountant": "pld",
+                "neighboring_relation": accounting.NEIGHBORING_RELATION,
+                "neighboring_relation_text": accounting.NEIGHBORING_RELATION_TEXT,
+                "dp_event": accounting.event_to_dict(plan.dp_event()),
+            },
+            "audit": {
+                "optimizer": spec.optimizer,
+                "loss": spec.loss,
+                "runs_per_side": runs,
+                "num_rows": num_rows,
+                "num_train": num_rows + 1,  # the rows and the canary (or its null record)
+                "learning_rate": self.run.learning_rate,
+                "trainer": ("dpprobe.probe.train_probe (full batch, in memory), keys from "
+                            "dpprobe.dp.make_keys"),
+                "canary": (f"one appended feature, zero for every row; the canary row is "
+                           f"{probe.CANARY_NORM:g} along it, label {probe.CANARY_LABEL}; its "
+                           "neighbour is the canary replaced by a null record"),
+                "score": "-<w[d, :], u> / lr: the released weights of the canary's feature "
+                         "along the canary's descent direction u",
+                "thresholds": "chosen on scores simulated under the claim, before training",
+            },
+            "bounds": self.bounds.to_dict() | self.ratios,
+            "claim_refuted": self.refuted,
+            "histogram": _histogram(self.scores["in"], self.scores["out"]),
+            "tradeoff": {"fpr": fpr.tolist(), "fnr": fnr.tolist()},
+            "privacy": {
+                "audit_outputs": (
+                    f"functions of {2 * runs} probes trained on {num_rows} rows of the train "
+                    f"split, each one run of the claim's plan: together (epsilon "
+                    f"{all_runs.epsilon(delta):.4g}, delta {delta:g})-DP for those rows (PLD). "
+                    "The scores read only w[d, :], which no row moves: for one step of sgd, "
+                    "momentum, adam or sign they do not depend on the rows at all"),
+                "row_sample": "drawn from OS entropy; the indices are not written",
+            } | records.randomness(None, ""),
+        }
+
+
+def _histogram(in_scores, out_scores, bins: int = 60) -> dict:
+    edges = np.histogram_bin_edges(np.concatenate([in_scores, out_scores]), bins)
+    return {"edges": edges.tolist(), "in": np.histogram(in_scores, edges)[0].tolist(),
+            "out": np.histogram(out_scores, edges)[0].tolist()}
 
 
 def audit_probe(features, labels, spec: probe.ProbeSpec, *, epsilon: float, delta: float,

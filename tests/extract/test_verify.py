@@ -62,3 +62,25 @@ def test_check_chunk_sums_names_the_chunk_at_its_place_in_the_split(rng):
     relabelled[70] = (relabelled[70] + 1) % 4
     with pytest.raises(extract.DamagedStoreError, match=r"chunk 1 \(rows 64:128\)"):
         check_chunk_sums("s/train", sums, features, relabelled, 64)
+
+
+def test_verify_report_text_and_json_say_each_split_and_problem():
+    report = extract.VerifyReport(
+        ["test: missing"],
+        {"train": {"num_examples": 1438, "complete": True, "chunks_checked": 1, "bad_chunks": 0,
+                   "nan_rows": 2},
+         "valid": {"num_examples": 10, "complete": False, "chunks_checked": 3, "bad_chunks": 2}})
+    assert report.text().splitlines() == [
+        "train: 1438 examples, complete; 1 chunk checked, none bad; nan rows 2",
+        "valid: 10 examples, INCOMPLETE; 3 chunks checked, 2 bad",
+        "PROBLEM test: missing",
+        "1 problem(s)",
+    ]
+    assert report.to_dict() == {"ok": False, "problems": ["test: missing"],
+                                "splits": report.splits}
+    assert extract.VerifyReport([], {}).text() == "OK"
+    data = extract.DataReport("npz:x.npz", {"train": (3, [("row 1", extract.Defect(
+        1, "null", "NaN"))])})
+    assert data.to_dict() == {"ok": False, "spec": "npz:x.npz", "for": "the data's owner only",
+                              "splits": {"train": {"records": 3, "changed": [
+                                  {"record": "row 1", "kind": "null", "detail": "NaN"}]}}}

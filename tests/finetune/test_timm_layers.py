@@ -20,6 +20,7 @@ from dpprobe.finetune.models.layers import (
     GroupedConv2d,
     batchnorm_from_torch,
     conv_from_torch,
+    is_identity,
 )
 
 
@@ -95,3 +96,9 @@ def test_grouped_and_depthwise_clipping_equals_per_example_clipping():
     # The running statistics are not trained: they are not in the clipped sum's parameters.
     assert not any("mean" in str(path) or "var" in str(path)
                    for path, _ in nnx.to_flat_state(params))
+
+
+def test_is_identity_is_an_absent_or_identity_layer_only():
+    assert is_identity(None) and is_identity(torch.nn.Identity())
+    for layer in (torch.nn.Dropout(0.0), torch.nn.ReLU(), torch.nn.Conv2d(1, 1, 1)):
+        assert not is_identity(layer)

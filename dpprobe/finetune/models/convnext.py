@@ -42,6 +42,7 @@ from dpprobe.finetune.models.layers import (
     ACTIVATIONS,
     activation_name,
     conv_from_torch,
+    is_identity,
     linear_from_torch,
     timm_head,
 )
@@ -81,7 +82,7 @@ def _dense(layer: Any) -> nnx.Linear:
 
 
 def _identity(module: Any) -> bool:
-    return module is None or _kind(module) in ("Identity", "Dropout")
+    return is_identity(module) or _kind(module) == "Dropout"
 
 
 class Block(nnx.Module):

@@ -28,8 +28,8 @@ from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
            "arrays_into_timm",
-           "batchnorm_from_torch", "conv_from_torch", "conv_patches", "linear_from_torch",
-           "same_padding", "timm_builder", "timm_head"]
+           "batchnorm_from_torch", "conv_from_torch", "conv_patches", "is_identity",
+           "linear_from_torch", "same_padding", "timm_builder", "timm_head"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -51,6 +51,11 @@ def activation_name(module: Any) -> str:
     if name not in _TORCH_ACTIVATIONS or getattr(module, "approximate", "none") != "none":
         raise ValueError(f"unsupported activation {module}")
     return _TORCH_ACTIVATIONS[name]
+
+
+def is_identity(module: Any) -> bool:
+    """Whether a timm model's optional layer does nothing: absent (None) or `nn.Identity`."""
+    return module is None or type(module).__name__ == "Identity"
 
 
 def _array(tensor: Any) -> jax.Array:

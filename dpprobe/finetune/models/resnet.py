@@ -29,14 +29,11 @@ from dpprobe.finetune.models.layers import (
     activation_name,
     batchnorm_from_torch,
     conv_from_torch,
+    is_identity,
     timm_builder,
 )
 
 __all__ = ["ResNet", "resnet_from_timm"]
-
-
-def _identity(module: Any) -> bool:
-    return module is None or type(module).__name__ == "Identity"
 
 
 class Block(nnx.Module):
@@ -46,7 +43,7 @@ class Block(nnx.Module):
         kind = type(block).__name__
         if kind not in ("BasicBlock", "Bottleneck"):
             raise ValueError(f"unsupported ResNet block {kind}")
-        if not (_identity(block.se) and _identity(block.aa)):
+        if not (is_identity(block.se) and is_identity(block.aa)):
             raise ValueError("squeeze-excite and anti-aliasing ResNet blocks are not supported")
         depth = 2 if kind == "BasicBlock" else 3
         self.depth = depth
