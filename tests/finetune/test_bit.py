@@ -178,3 +178,62 @@ class TestSmallResNetV2(ModelFamilyContract):
         timm_model = _small()
         return timm_model, model_from_timm(timm_model, None, rngs=nnx.Rngs(0)), _images(
             cls.examples, cls.image_size)
+
+    def test_the_ghost_rule_in_every_convolution_moves_the_sum_by_at_most_c(self, family):
+        """Every StdConv through the ghost norm of `finetune.models.ws_ghost` (ghost=True; the
+        trainer's cost choice keeps this small model's layers instantiated): its norms are
+        upper bounds of `jax.vmap(jax.grad)`'s within 1e-3, its unclipped sum is the plain sum
+        within 1e-5, and removing any one example moves the clipped sum by at most
+        C (1 + 1e-6)."""
+        x, labels, params, clipper, rows = self.per_example(family, ghost=True)
+        norms = np.linalg.norm(rows, axis=1)
+        ones = np.ones(self.examples, np.float32)
+        plain = clipper(params, (x, labels), jnp.float32(np.inf), jnp.asarray(ones))
+        assert (np.linalg.norm(self.flat(plain.grads) - rows.sum(0))
+                <= 1e-5 * np.linalg.norm(rows.sum(0)))
+        bounds = np.asarray(plain.norms, np.float64)
+        assert (bounds >= norms * (1 - 1e-6)).all() and (bounds <= norms * (1 + 1e-3)).all()
+        clip = float(np.median(norms))
+        full = self.flat(clipper(params, (x, labels), jnp.float32(clip), jnp.asarray(ones)).grads)
+        for row in range(self.examples):
+            mask = ones.copy()
+            mask[row] = 0
+            moved = np.linalg.norm(full - self.flat(clipper(
+                params, (x, labels), jnp.float32(clip), jnp.asarray(mask)).grads))
+            assert moved <= clip * (1 + 1e-6), (row, moved / clip)
+
+
+@pytest.mark.slow
+def test_a_finetuned_bit50_model_file_exports_to_timm_strictly(tmp_path):
+    """resnetv2_50x1_bit fine-tuned (every parameter perturbed) in a model file: it holds no
+    statistics (GroupNorm only) and rebuilds; `dpprobe export --format timm` loads strictly
+    into `timm.create_model("resnetv2_50x1_bit", num_classes=K)` and gives dpprobe's logits
+    within 1e-4 (the head written back as timm's 1 x 1 convolution)."""
+    import safetensors.torch
+    import timm
+
+    from dpprobe import model as dpmodel
+    from dpprobe.pipelines import cli
+    from tests.model_helpers import CLASSES, network_file, perturb_nnx, uint8_images
+
+    name = "resnetv2_50x1_bit"
+    torch.manual_seed(0)
+    source = timm.create_model(name, pretrained=False, num_classes=len(CLASSES)).eval()
+    model = model_from_timm(source, len(CLASSES), rngs=nnx.Rngs(0))
+    perturb_nnx(model, 0.01)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    path = network_file(tmp_path / "m.safetensors", model, name=name, side=32, channels=3,
+                        mean=mean, std=std, rgb=True, timm_architecture=name)
+    assert not any(k.startswith("stats/") for k in safetensors.torch.load_file(path))
+    out = tmp_path / "timm.safetensors"
+    assert cli.main(["export", "--model", path, "--format", "timm", str(out), "--quiet"]) == 0
+    loaded = timm.create_model(name, pretrained=False, num_classes=len(CLASSES))
+    loaded.load_state_dict(safetensors.torch.load_file(out), strict=True)
+    images = uint8_images(3, 32, 3)
+    x = torch.from_numpy(images.transpose(0, 3, 1, 2).astype(np.float32) / 255.0)
+    x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        theirs = loaded.eval()(x).numpy()
+    ours = dpmodel.load_model(path).logits(images)
+    assert np.abs(ours).max() > 0.1
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-4)
