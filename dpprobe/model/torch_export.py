@@ -8,7 +8,8 @@ mean/std normalization, the per-example normalization and the linear head; a fin
 is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
 wrn16_4 and the ScatterNet models; timm's own VisionTransformer, filled by
 `finetune.models.timm_weights.copy_to_timm`, or Beit, filled by
-`finetune.models.beit_weights.load_beit_into_timm`; timm's own ResNet or EfficientNet, filled by
+`finetune.models.beit_weights.load_beit_into_timm`; timm's own ResNet, EfficientNet, ConvNeXt
+or BiT ResNetV2, filled by
 `finetune.models.timm_names.load_into_timm`, in eval mode: its BatchNorm frozen as trained).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
@@ -151,12 +152,14 @@ def _timm_cnn(model):
 
 
 def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """A fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt as timm's state dict, and
-    the `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
+    """A fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT ResNetV2 as timm's
+    state dict, and the `timm.create_model` arguments that load it with
+    `load_state_dict(strict=True)`."""
     family = model.document["architecture"]["family"] if model.kind == "network" else None
     if family not in ("vit", "beit", "timm_cnn"):
         raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, BEiT, "
-                         f"ResNet, EfficientNet or ConvNeXt; this is a {_describe(model)} (use "
+                         f"ResNet, EfficientNet, ConvNeXt or BiT ResNetV2; this is a "
+                         f"{_describe(model)} (use "
                          f"`format=torch` or `format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],

@@ -146,7 +146,8 @@ def test_timm_format_is_refused_for_a_probe(digits_store, tmp_path, capsys):
     assert cli.main(["export", "--model", str(tmp_path / "eps8.safetensors"), "--format",
                      "timm", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert ("exports a fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt; this is a "
+    assert ("exports a fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT "
+            "ResNetV2; this is a "
             "linear probe") in err
     assert len(err.splitlines()) == 1 and not out.exists()
 

@@ -1,14 +1,17 @@
-"""The way back from our ResNet / EfficientNet / ConvNeXt to timm: every `nnx.Param` and frozen
-BatchNorm statistic of the NNX model under its timm state-dict key, in timm's layout.
+"""The way back from our ResNet / EfficientNet / ConvNeXt / BiT ResNetV2 to timm: every
+`nnx.Param` and frozen BatchNorm statistic of the NNX model under its timm state-dict key, in
+timm's layout.
 
 The NNX modules mirror timm's module names (`finetune.models.resnet`, `.efficientnet`), so a
 key is the module path joined by dots, with the head under timm's name (`fc`, `classifier`),
 a ResNet shortcut's `down_conv`/`down_bn` as `downsample.0`/`.1`, ConvNeXt's `head_norm` and
 MLP `mlp_fc1`/`mlp_fc2` as `head.norm`, `mlp.fc1`/`.fc2` (as 1 x 1 convolutions, (out, in, 1,
-1), where timm holds them so: `ConvNeXt.conv_mlp`), and the leaves renamed
-(kernel -> weight, HWIO -> OIHW for a convolution, (in, out) -> (out, in) for a Linear; scale ->
-weight, mean -> running_mean, var -> running_var). `load_into_timm` writes them into a timm
-model of the same architecture and requires that every timm tensor but BatchNorm's
+1), where timm holds them so: `ConvNeXt.conv_mlp`), a ResNetV2's `stem_conv`/`downsample_conv`
+as `stem.conv`/`downsample.conv` and its head as timm's 1 x 1 convolution, and the leaves
+renamed (kernel -> weight, HWIO -> OIHW for a convolution, (in, out) -> (out, in) for a
+Linear; scale -> weight, mean -> running_mean, var -> running_var). `load_into_timm` writes
+them into a timm model of the same architecture and requires that every timm tensor but
+BatchNorm's
 `num_batches_tracked` counters (unused in eval mode) is written: the inverse of
 `model_from_timm`, tested both ways.
 """
