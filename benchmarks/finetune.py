@@ -19,7 +19,8 @@ same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest m
 
 Models: the small CNN (28 x 28 x 1), WRN-16-4 with GroupNorm and weight standardization
 (28 x 28 x 1), ViT-tiny/16 at 32 px (3 channels); `--models convnext`: timm's convnext_atto at
-32 px (3 channels, p 32). Medians over repeats; the machine is shared.
+32 px (3 channels, p 32); `--models bit`: timm's resnetv2_50x1_bit (BiT) at 32 px (3 channels,
+p 32). Medians over repeats; the machine is shared.
 
 Parameter-efficient modes (`--train bias,lora`, ViT-tiny only; `finetune.modes`): one more row
 per mode, DP-SGD of that mode against the non-private reference of the same mode
@@ -48,6 +49,7 @@ MODELS = {  # name: (finetune model, image side, channels, physical batch)
     "wrn16_4": ("wrn16_4", 28, 1, 32),
     "vit": ("vit_tiny_patch16_224", 32, 3, 64),
     "convnext": ("convnext_atto", 32, 3, 32),  # not in the default --models
+    "bit": ("resnetv2_50x1_bit", 32, 3, 32),  # not in the default --models
 }
 CLASSES = 10
 

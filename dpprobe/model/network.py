@@ -46,6 +46,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
         ConvNeXt,
         EfficientNet,
         ResNet,
+        ResNetV2,
         VisionTransformer,
     )
 
@@ -57,7 +58,7 @@ def network_document(model, *, name: str, num_classes: int, image_size: int, cha
     elif isinstance(model, Beit):
         architecture |= {"family": "beit", "beit_config": dataclasses.asdict(model.config),
                          "timm_architecture": timm_architecture}
-    elif isinstance(model, ResNet | EfficientNet | ConvNeXt):
+    elif isinstance(model, ResNet | EfficientNet | ConvNeXt | ResNetV2):
         architecture |= {"family": TIMM_CNN, "timm_architecture": timm_architecture}
     elif name in MODEL_NAMES:
         architecture["family"] = name

@@ -8,7 +8,8 @@ mean/std normalization, the per-example normalization and the linear head; a fin
 is its mean/std normalization and the network (`dpmodel.torch_models` for cnn, cnn_cifar,
 wrn16_4 and the ScatterNet models; timm's own VisionTransformer, filled by
 `finetune.models.timm_weights.copy_to_timm`, or Beit, filled by
-`finetune.models.beit_weights.load_beit_into_timm`; timm's own ResNet or EfficientNet, filled by
+`finetune.models.beit_weights.load_beit_into_timm`; timm's own ResNet, EfficientNet, ConvNeXt
+or BiT ResNetV2, filled by
 `finetune.models.timm_names.load_into_timm`, in eval mode: its BatchNorm frozen as trained).
 A probe on precomputed embeddings (backbone none) takes the features (n, d).
 
@@ -152,12 +153,14 @@ def _timm_cnn(model):
 
 
 def timm_state_dict(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """A fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt as timm's state dict, and
-    the `timm.create_model` arguments that load it with `load_state_dict(strict=True)`."""
+    """A fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT ResNetV2 as timm's
+    state dict, and the `timm.create_model` arguments that load it with
+    `load_state_dict(strict=True)`."""
     family = model.document["architecture"]["family"] if model.kind == "network" else None
     if family not in ("vit", "beit", "timm_cnn"):
         raise ValueError(f"{model.path}: `format=timm` exports a fine-tuned timm ViT, BEiT, "
-                         f"ResNet, EfficientNet or ConvNeXt; this is a {_describe(model)} (use "
+                         f"ResNet, EfficientNet, ConvNeXt or BiT ResNetV2; this is a "
+                         f"{_describe(model)} (use "
                          f"`format=torch` or `format=onnx`)")
     arch = model.document["architecture"]
     kwargs = {"model_name": arch["timm_architecture"], "num_classes": arch["num_classes"],
@@ -270,6 +273,33 @@ def export_torch(model) -> tuple[bytes, str]:
     return buffer.getvalue(), _input_text(model)
 
 
+class _ConcatPad(torch.nn.Module):
+    """A `ConstantPad2d` as concatenation: the same values, but onnxruntime's graph optimizer
+    cannot fuse it into the next MaxPool (it fused a Pad of zeros into MaxPool's own padding,
+    which is -inf: BiT's "fixed" stem then gave a resnetv2_50x1_bit's logits 0.12 off)."""
+
+    def __init__(self, pad: torch.nn.ConstantPad2d):
+        super().__init__()
+        self.left, self.right, self.top, self.bottom = pad.padding
+        self.value = float(pad.value)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        rows = [x.new_full((n, c, k, w), self.value) for k in (self.top, self.bottom)]
+        x = torch.cat([rows[0], x, rows[1]], dim=2)
+        cols = [x.new_full((n, c, x.shape[2], k), self.value) for k in (self.left, self.right)]
+        return torch.cat([cols[0], x, cols[1]], dim=3)
+
+
+def _unfused_pads(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with each `ConstantPad2d` replaced by `_ConcatPad` (for the ONNX export)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.ConstantPad2d:
+                setattr(parent, name, _ConcatPad(child))
+    return module
+
+
 def export_onnx(model) -> tuple[bytes, str]:
     """(bytes of an ONNX model, its input): input "images" (or "features"), output "logits",
     a dynamic batch axis; the privacy claim and class names in its metadata. A ScatterNet is
@@ -287,7 +317,7 @@ def export_onnx(model) -> tuple[bytes, str]:
 
     from dpprobe.extract.scattering import batch_scatterings
 
-    module = batch_scatterings(to_torch(model), dft="matrix")
+    module = _unfused_pads(batch_scatterings(to_torch(model), dft="matrix"))
     example = example_input(model)
     name = "features" if model.kind == "linear" and not model.takes_images else "images"
     batch = torch.export.Dim("batch", min=1)

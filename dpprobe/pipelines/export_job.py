@@ -1,9 +1,9 @@
 """The export job: a released model (`dpmodel`) written where models are served.
 
   * `torch`: a `torch.export` program (`torch.export.load(OUT).module()`), any model;
-  * `timm`: a fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt as timm's state
-    dict (safetensors), loaded by `timm.create_model(name, num_classes=K[, img_size=S])` and
-    `load_state_dict(strict=True)`;
+  * `timm`: a fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT ResNetV2 as
+    timm's state dict (safetensors), loaded by
+    `timm.create_model(name, num_classes=K[, img_size=S])` and `load_state_dict(strict=True)`;
   * `onnx`: an ONNX model (opset from torch's exporter), any model.
 
 The exported modules take float32 NCHW images in [0, 1] at the model's input size (a probe on

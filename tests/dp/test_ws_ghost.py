@@ -1,6 +1,8 @@
 """The ghost norm through weight standardization (`finetune.models.ws_ghost`) against per-example
-gradients from `jax.vmap(jax.grad)`, including filters whose variance is floored, a zero and a
-large gain, and the leave-one-out bound on rows built to break it."""
+gradients from `jax.vmap(jax.grad)`, for WRN's `WSConv` (filters whose variance is floored, a
+zero and a large gain) and BiT's `StdConv` (no gain, eps 1e-8 added to the variance: a zero
+filter, filters whose variance is eps and eps / 10, so f = var / (var + eps) is far from 1),
+and the leave-one-out bound on rows built to break it."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from flax import nnx
 from dpprobe import dp
 from dpprobe.dp.accumulate import x64_jit
 from dpprobe.finetune.models import WSConv
+from dpprobe.finetune.models.bit import StdConv
 from dpprobe.finetune.models.ws_ghost import WS_GHOST
 
 
-def _layer(stride=1, size=3):
+def _layer(stride=1, size=3, kind="ws"):
+    if kind == "std":
+        return _std_layer(stride, size)
     conv = WSConv(6, 8, size, stride, rngs=nnx.Rngs(0))
     kernel = np.asarray(conv.kernel[...]).copy()
     kernel[..., 0] = 0.25  # a constant filter: variance 0, floored at eps
@@ -25,6 +30,21 @@ def _layer(stride=1, size=3):
     conv.gain.set_value(jnp.asarray([1.0, 2.0, 0.0, 30.0, 0.5, 1.0, -1.5, 1.0]))
     conv.bias.set_value(jnp.linspace(-1.0, 1.0, 8))
     return conv
+
+
+def _std_layer(stride, size):
+    """A `StdConv` (BiT's eps 1e-8) whose filters span f = var / (var + eps) from 0 to 1."""
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(size=(size, size, 6, 8)).astype(np.float32) * 0.1
+    kernel[..., 0] = 0.25  # a constant filter: u = 0, f = 0
+    for j, var in ((1, 1e-8), (2, 1e-9)):  # f = 1/2 and 1/11
+        u = kernel[..., j] - kernel[..., j].mean()
+        kernel[..., j] = u * np.sqrt(var / np.mean(u**2))
+    kernel[..., 3] *= 10.0  # variance ~1: f rounds to 1 in float32
+    return StdConv(jnp.asarray(kernel), stride=stride, padding=(size - 1) // 2, eps=1e-8)
+
+
+KINDS = ["ws", "std"]
 
 
 def _loss(model, x, w):
@@ -49,11 +69,12 @@ def _data(n, side, rng):
     return jnp.asarray(x), jnp.asarray(w)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stride,size", [(1, 3), (2, 3), (2, 1)])
-def test_norms_and_clipped_sum_equal_per_example_gradients(stride, size):
+def test_norms_and_clipped_sum_equal_per_example_gradients(stride, size, kind):
     """The bound is >= each example's exact norm and within 1e-3 of it; the clipped sum equals
     sum_i min(1, C / |g_i|) g_i of vmap(grad)'s gradients (within 1e-5 unclipped)."""
-    conv = _layer(stride, size)
+    conv = _layer(stride, size, kind)
     rng = np.random.default_rng(0)
     x, w = _data(6, 7, rng)
     side = conv(x).shape[1]
@@ -74,10 +95,11 @@ def test_norms_and_clipped_sum_equal_per_example_gradients(stride, size):
         assert np.linalg.norm(got - expected) <= tol * np.linalg.norm(expected)
 
 
-def test_the_rule_is_used_and_matches_instantiation():
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_rule_is_used_and_matches_instantiation(kind):
     """ghost=True goes through `WS_GHOST` (its sums are called) and agrees with the
     instantiated chain rule (ghost=False) within 1e-5 unclipped."""
-    conv = _layer()
+    conv = _layer(kind=kind)
     x, w = _data(4, 5, np.random.default_rng(1))
     graphdef, params = nnx.split(conv, nnx.Param)
     calls = []
@@ -99,14 +121,15 @@ def test_the_rule_is_used_and_matches_instantiation():
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("jit", [jax.jit, x64_jit], ids=["float32", "float64"])
-def test_each_example_moves_the_sum_by_at_most_c(jit):
+def test_each_example_moves_the_sum_by_at_most_c(jit, kind):
     """Removing any one example moves the computed sum (reduced over the batch in float32, or
     in float64 as the trainer does) by at most C (1 + 1e-6) (float64 measure) on rows built
     to break the bound: huge inputs, inputs near float32's max, patches constant over their
     features (their gradient lies in the direction the standardization removes), output
     gradients along the standardized filters."""
-    conv = _layer()
+    conv = _layer(kind=kind)
     rng = np.random.default_rng(2)
     x, w = (np.array(v) for v in _data(8, 5, rng))
     x[1] *= 1e6

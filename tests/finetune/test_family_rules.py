@@ -17,6 +17,7 @@ TIMM = {
     "resnet18": {},
     "tf_efficientnet_lite0": {},
     "convnext_atto": {},
+    "resnetv2_50x1_bit": {},
 }
 
 

@@ -146,7 +146,8 @@ def test_timm_format_is_refused_for_a_probe(digits_store, tmp_path, capsys):
     assert cli.main(["export", "--model", str(tmp_path / "eps8.safetensors"), "--format",
                      "timm", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert ("exports a fine-tuned timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt; this is a "
+    assert ("exports a fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT "
+            "ResNetV2; this is a "
             "linear probe") in err
     assert len(err.splitlines()) == 1 and not out.exists()
 
@@ -187,11 +188,13 @@ def test_finetuned_timm_cnn_round_trips_through_the_model_file_and_timm(name, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "tf_efficientnet_lite0"])
+@pytest.mark.parametrize("name", ["resnet18", "tf_efficientnet_lite0", "resnetv2_50x1_bit"])
 def test_finetuned_timm_cnn_exports_to_onnx(name, tmp_path):
     """`--format onnx` of a fine-tuned ResNet / EfficientNet-Lite (BatchNorm frozen at random
-    statistics, every parameter perturbed) runs in onnxruntime and gives dpprobe's logits
-    within 1e-4: the frozen statistics are constants of the exported graph."""
+    statistics, every parameter perturbed) or BiT ResNetV2 (its weight standardization in the
+    graph; its "fixed" stem's zero pad kept out of onnxruntime's fusion into the max pool)
+    runs in onnxruntime and gives dpprobe's logits within 1e-4: the frozen statistics are
+    constants of the exported graph."""
     import timm
 
     from tests.contract import randomize_batchnorm

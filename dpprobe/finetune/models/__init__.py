@@ -9,10 +9,12 @@ contract).
   * `create_model(name, ...)`: "cnn", "cnn_cifar" (Tramer & Boneh 2021), "wrn16_4" (De et al.
     2022, GroupNorm + weight standardization), "scatternet_cnn" (Tramer & Boneh's CNN on a
     fixed ScatterNet), "scatternet_cnn_linear" (that CNN and a linear model on the ScatterNet,
-    one head), or a timm ViT, BEiT, ResNet, EfficientNet or ConvNeXt name at random init;
+    one head), or a timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT ResNetV2 name at
+    random init;
   * `model_from_timm(timm_model, ...)`: a timm VisionTransformer (`vit_from_timm`), Beit
     (`beit_from_timm`), ResNet (`resnet_from_timm`), EfficientNet (`efficientnet_from_timm`)
-    or ConvNeXt (`convnext_from_timm`), pretrained or not, as NNX, BatchNorm frozen
+    ConvNeXt (`convnext_from_timm`) or BiT ResNetV2 (`resnetv2_from_timm`), pretrained or
+    not, as NNX, BatchNorm frozen
     (`FrozenBatchNorm`);
   * `check_no_batchnorm(module)`: the refusal every constructor applies.
 """
@@ -20,6 +22,7 @@ contract).
 from dpprobe.finetune.models import taps as _taps  # noqa: F401 - registers the book-keeping rules
 from dpprobe.finetune.models.beit import Beit, BeitConfig
 from dpprobe.finetune.models.beit_weights import beit_from_timm
+from dpprobe.finetune.models.bit import ResNetV2, resnetv2_from_timm
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import BATCHNORM_MESSAGE, check_no_batchnorm
 from dpprobe.finetune.models.convnext import ConvNeXt, convnext_from_timm
@@ -49,6 +52,7 @@ __all__ = [
     "EfficientNet",
     "FrozenBatchNorm",
     "ResNet",
+    "ResNetV2",
     "TemperedCNN",
     "ViTConfig",
     "VisionTransformer",
@@ -61,6 +65,7 @@ __all__ = [
     "input_mean_std",
     "model_from_timm",
     "resnet_from_timm",
+    "resnetv2_from_timm",
     "standardize_weight",
     "vit_config_from_timm",
     "vit_from_timm",

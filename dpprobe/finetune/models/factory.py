@@ -8,6 +8,7 @@ import jax
 from flax import nnx
 
 from dpprobe.finetune.models.beit_weights import beit_from_timm
+from dpprobe.finetune.models.bit import resnetv2_from_timm
 from dpprobe.finetune.models.cnn import CifarCNN, TemperedCNN
 from dpprobe.finetune.models.common import check_no_batchnorm
 from dpprobe.finetune.models.convnext import convnext_from_timm
@@ -38,6 +39,7 @@ _FROM_TIMM = {"VisionTransformer": vit_from_timm, "ResNet": resnet_from_timm,
               "EfficientNet": efficientnet_from_timm,
               "ConvNeXt": convnext_from_timm}
 _FROM_TIMM["Beit"] = beit_from_timm  # BEiT (`finetune.models.beit`)
+_FROM_TIMM["ResNetV2"] = resnetv2_from_timm  # BiT (`finetune.models.bit`)
 TIMM_FAMILIES: tuple[str, ...] = tuple(_FROM_TIMM)
 
 
@@ -85,7 +87,8 @@ def create_model(name: str, num_classes: int, *, image_size: int, in_channels: i
         "scatternet_cnn": their CNN on a fixed ScatterNet, "scatternet_cnn_linear": that CNN
         and a linear model on the ScatterNet, one head over both), or a
         timm name of a VisionTransformer (vit_*_patch*_*, deit_*, deit3_*), ResNet (resnet*,
-        resnext*) or EfficientNet (efficientnet_*, tf_efficientnet_lite*): its architecture
+        resnext*), EfficientNet (efficientnet_*, tf_efficientnet_lite*), ConvNeXt
+        (convnext_*), BEiT (beit_*) or BiT ResNetV2 (resnetv2_*_bit): its architecture
         (at `image_size` for a ViT) built by timm at random init (timm's init, seeded from
         `rngs`), then converted by `model_from_timm`.
       num_classes: classes of the head.

@@ -4,7 +4,8 @@ convolutional families (grouped and depthwise included).
 
 Each layer computes y = A W with A its im2col patches (or the image's non-overlapping patches)
 and W its kernel flattened to (d, p), so one example's kernel gradient is A^T B. For a
-weight-standardized convolution W = standardize(kernel, gain) (`finetune.models.wrn`), a fixed
+weight-standardized convolution W = standardize(kernel, gain) (`finetune.models.wrn`; BiT's
+`finetune.models.bit`: standardize(kernel), no gain), a fixed
 function of the parameters, so the gradients of the kernel and the gain are the chain rule
 through it (`jax.vjp`, one example at a time) where the layer has many tokens, and a ghost
 norm through the standardization's (linear) chain rule where it has few
@@ -22,6 +23,7 @@ from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_offset_layer, register_rule
 from dpprobe.finetune.models import beit, convnext
 from dpprobe.finetune.models._conv import Conv, im2col, shifted_windows
+from dpprobe.finetune.models.bit import StdConv, standardize_std
 from dpprobe.finetune.models.layers import Conv2d, FrozenBatchNorm, GroupedConv2d, conv_patches
 from dpprobe.finetune.models.vit import Block, PatchEmbed, VisionTransformer
 from dpprobe.finetune.models.wrn import WSConv, standardize_weight
@@ -112,6 +114,14 @@ def _standardized_grads(module, g):
     return {"kernel": kernel_grad, "gain": gain_grad}
 
 
+def _std_grads(module, g):
+    """A `StdConv`'s kernel gradient from its W_hat gradient g: the chain rule through
+    timm's standardization (`bit.standardize_std`, no gain)."""
+    kernel = module.kernel[...]
+    _, pullback = jax.vjp(lambda v: standardize_std(v, module.eps), kernel)
+    return {"kernel": pullback(g.reshape(kernel.shape).astype(kernel.dtype))[0]}
+
+
 def _patch_rows(module, x):
     n, h, w, c = x.shape
     ph, pw = module.kernel.shape[:2]
@@ -124,6 +134,10 @@ register_rule(Conv, Rule(inputs=_conv_rows, example_grads=_conv_example_grads))
 register_rule(WSConv, Rule(inputs=_conv_rows, params=("kernel", "gain"),
                            grads=_standardized_grads, ghost=WS_GHOST,
                            example_grads=_conv_example_grads))
+# BiT's convolutions (timm's StdConv2d): the same, without a gain and with eps added to the
+# variance (`finetune.models.ws_ghost` covers both standardizations).
+register_rule(StdConv, Rule(inputs=_conv_rows, grads=_std_grads, ghost=WS_GHOST,
+                            example_grads=_conv_example_grads))
 def _grouped_row_grads(module, a, b):
     """A grouped or depthwise convolution's per-example kernel gradients, group by group
     (`dp.flax_rules.grouped_kernel_grads`, which Flax's own grouped `nnx.Conv` uses too)."""

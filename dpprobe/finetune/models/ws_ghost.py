@@ -1,37 +1,50 @@
 """Ghost norm through weight standardization: the book-keeping rule (`dp.taps.Rule.ghost`) of
-`WSConv` for layers with few tokens, without forming any example's kernel gradient.
+`WSConv` (WRN-16-4) and `StdConv` (timm's StdConv2d, BiT) for layers with few tokens, without
+forming any example's kernel gradient.
 
-The layer computes y = A W_hat + bias with W_hat = standardize(V, gain) (`wrn.standardize_weight`)
-flattened to (m, p), m the fan-in. Per filter j, with u_j = v_j - mean(v_j), s_j = |u_j| (the
-standard deviation times sqrt(m)), w0_j = u_j / s_j and sc_j = gain_j / s_j, the chain rule
-through the standardization maps the filter's W_hat gradient g_j (= A^T b_j) to
+The layer computes y = A W_hat + bias with W_hat a standardization of the kernel V flattened to
+(m, p), m the fan-in. Per filter j, with u_j = v_j - mean(v_j) and w0_j = u_j / |u_j|:
 
-    d kernel_j = sc_j (P g_j - f_j w0_j q_j),   d gain_j = q_j = w0_j . g_j,
+  * `WSConv` (`wrn.standardize_weight`): W_hat_j = gain_j u_j / s_j with s_j = sqrt(max(|u_j|^2,
+    eps)); sc_j = gain_j / s_j, f_j = 1 (f_j = 0 where |u_j|^2 is floored at eps: the scale is
+    then constant, and w0_j = u_j / sqrt(eps));
+  * `StdConv` (`bit.standardize_std`, no gain): W_hat_j = r_j u_j with r_j = (|u_j|^2 / m +
+    eps)^(-1/2); sc_j = r_j and f_j = r_j^2 |u_j|^2 / m in [0, 1) (eps additive: the scale
+    moves with u_j, but less than 1 / |u_j| does).
 
-P the centring I - 1 1^T / m and f_j = 1 (f_j = 0 where m var_j is floored at eps, s_j = sqrt(eps):
-the scale is then constant). P g_j = A_c^T b_j with A_c the patches centred over their m
-features, and q_j = (A_c w0_j) . b_j. With B' = B sc (column j times sc_j) and |w0_j| = 1, w0_j
-orthogonal to 1, an example's squared norm is therefore
+In both, the chain rule through the standardization maps the filter's W_hat gradient g_j
+(= A^T b_j) to
 
-    |A_c^T B'|^2 - sum_j f_j sc_j^2 q_j^2 (2 - |w0_j|^2) + sum_j q_j^2,
+    d kernel_j = sc_j (P g_j - f_j q_j w0_j),   d gain_j = q_j = w0_j . g_j (WSConv only),
+
+P the centring I - 1 1^T / m (for StdConv: d W_hat = r P dV + u dr with dr = -r^3 u . dV / m,
+so the transpose is r P g - r^3 |u|^2 q w0 / m). P g_j = A_c^T b_j with A_c the patches
+centred over their m features, and q_j = (A_c w0_j) . b_j. With B' = B sc (column j times
+sc_j) and w0_j . P g_j = q_j, an example's squared norm is therefore
+
+    |A_c^T B'|^2 - sum_j f_j sc_j^2 q_j^2 (2 - f_j |w0_j|^2) + [sum_j q_j^2: the gain],
 
 the first term a ghost norm (`dp.bookkeeping`), the others from q (n, p), which costs one more
 product A_c W0 (the layer's forward again, as one matmul). The clipped sum is the einsum
 sum_i c_i A_c,i^T B'_i minus (f sc w0) times Q = sum_i c_i q_i (the gain's clipped sum).
 
-Rounding. The map actually applied is the one of the computed w0, sc, f (functions of the
+Rounding. The map actually applied is the one of the computed w0, sc, f >= 0 (functions of the
 parameters only) and the computed A_c, so q_j = (A_c w0_j) . b_j and w0_j . (A_c^T b_j) are equal
-exactly; the computed q~ differs from q by at most err_j = gamma_(m+T+2) |w0_j| sum_t |a_t||b_tj|
-(Higham), so with e_j >= |w0_j|^2 (rounded up) the example's term (c times the map of its g,
-with q~ in place of q) has squared norm at most
+exactly and the identity above holds for any computed w0 (no exact centring or unit norm is
+needed); the computed q~ differs from q by at most err_j = gamma_(m+T+2) |w0_j| sum_t
+|a_t||b_tj| (Higham), so q^2 >= L_j = q~_j^2 - 2 |q~_j| err_j, and with e_j >= |w0_j|^2 (rounded
+up) and 2 - f_j e_j >= 0, f_j q_j^2 (2 - f_j |w0_j|^2) >= f_j (2 - f_j e_j) L_j (when L_j < 0
+the right side is <= 0 <= the left). The example's term (c times the map of its g, with q~ in
+place of q) therefore has squared norm at most
 
-    N^2 - sum_j f_j sc_j^2 (q~_j^2 (2 - e_j) - 2 |q~_j| err_j) + sum_j q~_j^2,
+    N^2 - sum_j f_j sc_j^2 (2 - f_j e_j) L_j + [sum_j q~_j^2],
 
-N the ghost bound of |A_c^T B'|; each sum is rounded down (the subtracted one) or up by its
-gamma, a flushed term by its 2^-126, and the einsum's charge (gamma_(T+8) tau) is added after
-the square root, as for any ghost layer. The correction by f sc w0 Q is applied after the
-reduction over the batch, in float64 inside an `x64_jit` program: `slack` bounds how far that
-reduction moves the other examples' terms (dp.bookkeeping's guarantee).
+N the ghost bound of |A_c^T B'|; each sum is rounded down (the subtracted one, by gamma of
+its terms' absolute values) or up by its gamma, a flushed term by its 2^-126, and the einsum's
+charge (gamma_(T+8) tau) is added after the square root, as for any ghost layer. The
+correction by f sc w0 Q is applied after the reduction over the batch, in float64 inside an
+`x64_jit` program: `slack` bounds how far that reduction moves the other examples' terms
+(dp.bookkeeping's guarantee).
 """
 
 from __future__ import annotations
@@ -51,16 +64,29 @@ __all__ = ["WS_GHOST"]
 _TINY = 2.0**-125
 
 
-def _ws_map(kernel: jax.Array, gain: jax.Array, eps: float):
-    """(w0 (m, p), sc (p,), f (p,), e (p,) >= |w0_j|^2), as `standardize_weight` computes them."""
-    w = kernel.astype(jnp.float32)
+def _ws_map(module, floor_eps: float):
+    """(w0 (m, p), sc (p,), f (p,) >= 0, e (p,) >= |w0_j|^2) of a `WSConv` (a gain: the
+    floored spread of `standardize_weight`) or a `StdConv` (no gain: `module.eps` added to the
+    variance, `bit.standardize_std`), module docstring."""
+    w = module.kernel[...].astype(jnp.float32)
     mean = w.mean(axis=(0, 1, 2), keepdims=True)
-    fan_in = math.prod(kernel.shape[:-1])
-    spread = fan_in * w.var(axis=(0, 1, 2), keepdims=True)
-    rs = jax.lax.rsqrt(jnp.maximum(spread, eps))
-    w0 = ((w - mean) * rs).reshape(fan_in, -1)
+    fan_in = math.prod(w.shape[:-1])
+    gain = getattr(module, "gain", None)
+    if gain is not None:
+        spread = fan_in * w.var(axis=(0, 1, 2), keepdims=True)
+        rs = jax.lax.rsqrt(jnp.maximum(spread, floor_eps))
+        w0 = ((w - mean) * rs).reshape(fan_in, -1)
+        sc = rs.reshape(-1) * gain[...].astype(jnp.float32)
+        f = (spread > floor_eps).reshape(-1).astype(jnp.float32)
+    else:
+        u = (w - mean).reshape(fan_in, -1)
+        squares = jnp.sum(jnp.square(u), axis=0)
+        var = squares / fan_in
+        sc = jax.lax.rsqrt(var + module.eps)
+        f = var * jnp.square(sc)
+        w0 = u * jax.lax.rsqrt(jnp.maximum(squares, _TINY))  # a zero filter: w0 = 0
     e = jnp.sum(jnp.square(w0), axis=0) * (1.0 + gamma(fan_in + 2)) + fan_in * _TINY
-    return w0, rs.reshape(-1) * gain.astype(jnp.float32), (spread > eps).reshape(-1), e
+    return w0, sc, f, e
 
 
 class _WSGhost:
@@ -83,7 +109,7 @@ class _WSGhost:
     def norm(self, module, a: jax.Array, b: jax.Array):
         """(bound (n,) of each example's term, data for `sums`) from a (n, T, m), b (n, T, p)."""
         tokens, fan_in, filters = a.shape[1], a.shape[2], b.shape[2]
-        w0, sc, f, e = _ws_map(module.kernel[...], module.gain[...], self.eps)
+        w0, sc, f, e = _ws_map(module, self.eps)
         a_c = a - jnp.mean(a, axis=2, keepdims=True)
         b_sc = b * sc
         bound, charge, _, _, bsc_exp, bsc_peak = ghost_scaled(a_c, b_sc)
@@ -98,12 +124,20 @@ class _WSGhost:
         tau = jnp.einsum("nt,ntp->np", rows, jnp.abs(b_s), precision=HIGHEST) * (
             1.0 + gamma(tokens + 4))
         err = gamma(fan_in + tokens + 2) * tau * jnp.sqrt(e) + (fan_in + 2) * tokens * _TINY
-        weight = jnp.where(f, jnp.square(sc), 0.0)
-        lower = weight * (jnp.square(q) * (2.0 - e) - 2.0 * jnp.abs(q) * err)
-        spread = weight * (jnp.square(q) * jnp.abs(2.0 - e) + 2.0 * jnp.abs(q) * err)
+        # f q^2 (2 - f |w0|^2) from below: L = q~^2 - 2 |q~| err <= q^2 <= (|q~| + err)^2
+        # (module docstring; 2 - f e < 0 cannot happen with f <= 1, |w0| ~ 1, but is bounded).
+        weight = f * jnp.square(sc)
+        factor = 2.0 - f * e
+        high = jnp.square(jnp.abs(q) + err)
+        lower = weight * factor * jnp.where(
+            factor >= 0.0, jnp.square(q) - 2.0 * jnp.abs(q) * err, high)
+        spread = weight * jnp.abs(factor) * high
         drop = (jnp.sum(lower, axis=1) - 2.0 * gamma(filters + 8) * jnp.sum(spread, axis=1)
                 - filters * 4 * _TINY)
-        gains = jnp.sum(jnp.square(q), axis=1) * (1.0 + gamma(filters + 2)) + filters * _TINY
+        gains = 0.0  # the gain's own term (WSConv's), module docstring
+        if getattr(module, "gain", None) is not None:
+            gains = (jnp.sum(jnp.square(q), axis=1) * (1.0 + gamma(filters + 2))
+                     + filters * _TINY)
         # The ghost bound in units of 2^(a_exp + b_exp): a_c's scaling is the same in both,
         # so only b's exponents differ; a flush of the power-of-two product loses < 2^-126.
         ghost = mul_pow2(bound, bsc_exp - b_exp) + 2.0 * _TINY
@@ -117,32 +151,42 @@ class _WSGhost:
         finite = jnp.isfinite(bsc_peak) & jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
         norm = jnp.where(finite, (norm + ghost_charge) * (1.0 + gamma(2)), jnp.nan)
         q = unscale_pair(q, a_exp[:, None], a_peak[:, None], b_exp[:, None], b_peak[:, None])
-        return norm, (a_c, b_sc, q, w0, sc, f)
+        return norm, (a_c, b_sc, q, w0, sc, f, norm)
 
     @staticmethod
     def slack(examples: int, data) -> jax.Array:
         """The bound, relative to C, of how far this layer's reduction over the batch moves the
         other examples' terms (`dp.bookkeeping.reduction_slack`): the einsum's n T exact
         float64 products round within gamma_nT sum_i c_i tau_i <= n^2 2^-29 C (U carries
-        gamma32_(T+8) tau); the gains' sum of n exact products within n^2 2^-53 C, carried
-        into the kernel by sc w0 (|w0_j| ~ 1), and the subtraction's float64 rounding is
-        within 2^-53 of |einsum| + |correction| <= n (1 + 2 max sc) C."""
-        _, _, _, _, sc, f = data
-        top = jnp.max(jnp.where(f, jnp.abs(sc), 0.0))
+        gamma32_(T+8) tau). The correction f sc w0 Q: with c_i <= C / N_i (N_i this layer's
+        bound of example i, <= its whole norm), |c_i f_j sc_j q_ij| <= top C for top the
+        largest f_j |sc_j| |q_ij| / N_i in the batch (<= max f sc for a WSConv, whose gain
+        term puts q in N; unbounded a priori for a StdConv, whose q may be large where the
+        kernel's gradient is not, f near 1, so measured); Q's sum of n exact products then
+        rounds within n^2 2^-53 top C, and the subtraction's float64 rounding is within 2^-53
+        of |einsum| + |correction| <= n (1 + 2 top) C (and a gain's own sum within n^2 2^-53
+        C)."""
+        _, _, q, _, sc, f, norm = data
+        ratio = f * jnp.abs(sc) * jnp.abs(q) / norm[:, None]
+        # A row of non-finite bound is dropped by the clipper (factor 0): it moves nothing.
+        ratio = jnp.where(jnp.isfinite(norm)[:, None] & (q != 0), ratio, 0.0)
+        top = jnp.max(ratio) * (1.0 + 2.0**-20)  # the division's rounding
         n2 = float(examples) ** 2
         return n2 * 2.0**-29 * (1.0 + 2.0**-20) + 4.0 * n2 * 2.0**-53 * (1.0 + top)
 
     @staticmethod
     def sums(module, data, factor: jax.Array, keep: jax.Array,
              acc=jnp.float32) -> dict[str, jax.Array]:
-        """The clipped sums of the kernel and the gain (module docstring), reduced over the
-        batch in `acc` (float64 inside an `x64_jit` program, `dp.bookkeeping`)."""
-        a_c, b_sc, q, w0, sc, f = data
+        """The clipped sums of the kernel and (WSConv's) gain (module docstring), reduced over
+        the batch in `acc` (float64 inside an `x64_jit` program, `dp.bookkeeping`)."""
+        a_c, b_sc, q, w0, sc, f, _ = data
         gains = weighted_sum(q, factor, keep, acc)
         kernel = ghost_sum(a_c, b_sc, factor, keep, acc)
-        kernel = kernel - (jnp.where(f, sc, 0.0) * w0).astype(acc) * gains
-        return {"kernel": kernel.reshape(module.kernel.shape),
-                "gain": gains.reshape(module.gain.shape)}
+        kernel = kernel - (f * sc * w0).astype(acc) * gains
+        sums = {"kernel": kernel.reshape(module.kernel.shape)}
+        if getattr(module, "gain", None) is not None:
+            sums["gain"] = gains.reshape(module.gain.shape)
+        return sums
 
 
 WS_GHOST = _WSGhost()
