@@ -50,6 +50,7 @@ from dpprobe.finetune.models.common import HeadOnFeatures
 from dpprobe.finetune.models.layers import (
     ACTIVATIONS,
     activation_name,
+    is_identity,
     linear_from_torch,
     timm_head,
 )
@@ -62,7 +63,8 @@ def _kind(module: Any) -> str:
 
 
 def _identity(module: Any) -> bool:
-    return module is None or _kind(module) in ("Identity", "DropPath", "Dropout")
+    """Absent, nn.Identity, or a dropout (identity in eval mode, trained without it)."""
+    return is_identity(module) or _kind(module) in ("DropPath", "Dropout")
 
 
 def _array(tensor: Any) -> jax.Array:
