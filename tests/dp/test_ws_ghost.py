@@ -150,3 +150,29 @@ def test_each_example_moves_the_sum_by_at_most_c(jit, kind):
     assert np.isfinite(full).all()
     for row in range(8):
         assert np.linalg.norm(full - flat(jnp.ones(8).at[row].set(0.0))) <= clip * (1 + 1e-6)
+
+
+def test_a_stdconv_row_parallel_to_its_filter_is_bounded_and_the_slack_is_public():
+    """A StdConv's correction |c f sc q| is unbounded by the example's kernel gradient when
+    its W_hat gradient lies along a filter with f ~ 1 (|dV| = sc (1 - f) |q|): the bound is
+    raised to f sc |q| / STD_TOP there, and the reduction's slack (which lowers the clip norm
+    of every example) is the same for any batch, never a statistic of it."""
+    from dpprobe.finetune.models.ws_ghost import STD_TOP, _ws_map
+
+    conv = _std_layer(1, 3)
+    w0, sc, f, _ = _ws_map(conv, 0.0)
+    j = 4  # a random filter of variance ~1e-2: f = 1 - 1e-6
+    a = jnp.asarray(np.asarray(w0[:, j])[None, None, :]).repeat(2, axis=0)  # (2, 1, m)
+    b = np.zeros((2, 1, 8), np.float32)
+    b[0, 0, j], b[1, 0, (j + 1) % 8] = 3.0, 1e-3
+    norm, data = WS_GHOST.norm(conv, a, jnp.asarray(b))
+    q = np.asarray(data[2])
+    reach = float(f[j] * sc[j]) * abs(q[0, j]) / STD_TOP
+    exact = float(sc[j]) * (1.0 - float(f[j])) * abs(q[0, j])  # |dV_j| of row 0
+    assert reach > 10 * exact  # the case the raise exists for
+    assert float(norm[0]) >= reach
+    other, data2 = WS_GHOST.norm(conv, a * 7.0, jnp.asarray(b[::-1].copy()))
+    assert float(WS_GHOST.slack(2, data)) == float(WS_GHOST.slack(2, data2))
+    ws = _layer(1, 3, "ws")
+    assert float(WS_GHOST.slack(2, WS_GHOST.norm(ws, a, jnp.asarray(b))[1])) == float(
+        WS_GHOST.slack(2, WS_GHOST.norm(ws, a * 7.0, jnp.asarray(b[::-1].copy()))[1]))

@@ -64,6 +64,13 @@ __all__ = ["WS_GHOST"]
 _TINY = 2.0**-125
 
 
+# A StdConv's bound on f sc |q~| relative to the example's own bound (`_WSGhost.norm`): raised
+# where the ratio exceeds it, which a gradient does only when nearly parallel to its filter
+# (the direction the standardization removes); 2^10 keeps the slack's share n^2 2^-43 (3e-8 at
+# n = 256).
+STD_TOP = 2.0**10
+
+
 def _ws_map(module, floor_eps: float):
     """(w0 (m, p), sc (p,), f (p,) >= 0, e (p,) >= |w0_j|^2) of a `WSConv` (a gain: the
     floored spread of `standardize_weight`) or a `StdConv` (no gain: `module.eps` added to the
@@ -151,26 +158,35 @@ class _WSGhost:
         finite = jnp.isfinite(bsc_peak) & jnp.isfinite(a_peak) & jnp.isfinite(b_peak)
         norm = jnp.where(finite, (norm + ghost_charge) * (1.0 + gamma(2)), jnp.nan)
         q = unscale_pair(q, a_exp[:, None], a_peak[:, None], b_exp[:, None], b_peak[:, None])
-        return norm, (a_c, b_sc, q, w0, sc, f, norm)
+        if getattr(module, "gain", None) is not None:
+            # The gain's term puts |q~_j| <= N: |c f sc q~| <= max f |sc| C (parameters only).
+            top = jnp.max(jnp.where(f > 0, jnp.abs(sc), 0.0))
+        else:
+            # No gain: q~ is not bounded by the example's norm (f near 1 lets a large q hide
+            # behind a small kernel gradient), so the bound is raised to at least
+            # max_j f_j sc_j |q~_j| / STD_TOP (the 2^-20: the product's float32 rounding). It
+            # stays an upper bound of the example's norm (so clipping to C holds), it binds
+            # only where that ratio exceeds STD_TOP, and it makes |c f sc q~| <= STD_TOP C
+            # for every row: a public constant, never a statistic of the batch.
+            reach = jnp.max(f * jnp.abs(sc) * jnp.abs(q), axis=1) * (1.0 + 2.0**-20) / STD_TOP
+            norm = jnp.maximum(norm, reach)
+            top = jnp.asarray(STD_TOP, jnp.float32)
+        return norm, (a_c, b_sc, q, w0, sc, f, top)
 
     @staticmethod
     def slack(examples: int, data) -> jax.Array:
         """The bound, relative to C, of how far this layer's reduction over the batch moves the
         other examples' terms (`dp.bookkeeping.reduction_slack`): the einsum's n T exact
         float64 products round within gamma_nT sum_i c_i tau_i <= n^2 2^-29 C (U carries
-        gamma32_(T+8) tau). The correction f sc w0 Q: with c_i <= C / N_i (N_i this layer's
-        bound of example i, <= its whole norm), |c_i f_j sc_j q_ij| <= top C for top the
-        largest f_j |sc_j| |q_ij| / N_i in the batch (<= max f sc for a WSConv, whose gain
-        term puts q in N; unbounded a priori for a StdConv, whose q may be large where the
-        kernel's gradient is not, f near 1, so measured); Q's sum of n exact products then
-        rounds within n^2 2^-53 top C, and the subtraction's float64 rounding is within 2^-53
-        of |einsum| + |correction| <= n (1 + 2 top) C (and a gain's own sum within n^2 2^-53
-        C)."""
-        _, _, q, _, sc, f, norm = data
-        ratio = f * jnp.abs(sc) * jnp.abs(q) / norm[:, None]
-        # A row of non-finite bound is dropped by the clipper (factor 0): it moves nothing.
-        ratio = jnp.where(jnp.isfinite(norm)[:, None] & (q != 0), ratio, 0.0)
-        top = jnp.max(ratio) * (1.0 + 2.0**-20)  # the division's rounding
+        gamma32_(T+8) tau). The correction f sc w0 Q: |c_i f_j sc_j q~_ij| <= top C, with top
+        a function of the parameters and public constants only, never of the batch (so the
+        clip norm this slack lowers is the same on neighbouring batches): max f |sc| for a
+        WSConv, whose gain term puts |q~| within the example's bound N_i, and `STD_TOP` for
+        a StdConv, whose bound `norm` raises to at least f sc |q~| / STD_TOP; Q's sum of n
+        exact products then rounds within n^2 2^-53 top C, and the subtraction's float64
+        rounding is within 2^-53 of |einsum| + |correction| <= n (1 + 2 top) C (and a gain's
+        own sum within n^2 2^-53 C)."""
+        top = data[-1]
         n2 = float(examples) ** 2
         return n2 * 2.0**-29 * (1.0 + 2.0**-20) + 4.0 * n2 * 2.0**-53 * (1.0 + top)
 
