@@ -7,7 +7,7 @@ timers wrapped around the job's phases:
   * imports: the interpreter's start to the job's start (the CLI, argparse's `choices`, which
     import `dpprobe.dp`), plus the `probe` import the store read overlaps;
   * store read: `probe.store_runs.read_splits` (train and test splits, JAX imported meanwhile);
-  * calibration: `accounting.calibrate_noise_multiplier` (8 epsilons);
+  * calibration: `accounting.calibrate_plan` (8 epsilons);
   * train: `probe.train_probe`, split by JAX's own monitoring events into tracing/lowering,
     XLA compilation, compilation-cache reads, and the rest (the clipped sums, noise, the
     optimizer: the arithmetic);
@@ -61,13 +61,14 @@ from dpprobe.probe import store_runs
 from dpprobe.pipelines import cli, probe_job
 from dpprobe import accounting
 wrap(store_runs, "read_splits", "store read")
-wrap(accounting, "calibrate_noise_multiplier", "calibration")
+wrap(accounting, "calibrate_plan", "calibration")
 wrap(probe_results, "run_record", "records (epsilon per run, PLD)")
 wrap(probe_results, "composed_epsilon", "records (epsilon per run, PLD)")
 wrap(files, "write_json", "writing (results.json)")
 wrap(timings, "write_timings", "writing (timings)")
 wrap(probe_job, "probe_table", "table")
-def start_job(inner=probe_job.run_probe):
+from dpprobe import jobs
+def start_job(inner=jobs.probe_job):
     def job(*args, **kwargs):
         marks["job_wall"], marks["job_cpu"] = time.perf_counter(), cpu()
         from dpprobe import probe
@@ -86,7 +87,7 @@ def start_job(inner=probe_job.run_probe):
         wrap(probe, "evaluate_chunks", "evaluation")
         return inner(*args, **kwargs)
     return job
-cli.run_probe = start_job()
+jobs.probe_job = start_job()
 code = cli.main(sys.argv[1:])
 sys.stdout.flush()
 end_wall, end_cpu = time.perf_counter(), cpu()

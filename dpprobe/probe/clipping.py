@@ -124,7 +124,6 @@ def clipped_grad_sum(
     mask: jax.Array | None = None,
     gram: jax.Array | None = None,
     finite_rows: bool = False,
-    wide_features: jax.Array | None = None,
 ) -> tuple[dict, jax.Array]:
     """Sum over examples of per-example gradients clipped to `clip_norm`, per config.
 
@@ -139,9 +138,6 @@ def clipped_grad_sum(
       gram: optional precomputed `feature_gram(features)` (it does not change across steps).
       finite_rows: the caller guarantees every row of `features` is finite (it ran
         `zero_nonfinite_rows`), which saves a pass over the features here.
-      wide_features: optional `features` already in float64, which the sum's row reduction
-        then reads instead of converting `features` on every call (a trainer whose features
-        do not change across steps converts them once per program).
 
     Returns:
       ({"w": (P, d, C), "b": (P, C)} clipped sums, (P,) number of examples that were clipped).
@@ -153,15 +149,13 @@ def clipped_grad_sum(
       moves it by at most a relative 2 N^2 2^-53 more (`dp.accumulate`); outside, float32.
     """
     sums, _, num_clipped = _clip(params, features, onehot, clip_norm, loss, mask, gram,
-                                 finite_rows, wide_features)
+                                 finite_rows)
     return sums, num_clipped
 
 
-def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows,
-          wide_features=None):
+def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows):
     """(clipped sums, per-example norms (N, P), (P,) examples clipped): `clipped_grad_sum`."""
     features = _as_views(features).astype(jnp.promote_types(features.dtype, jnp.float32))
-    summed = features if wide_features is None else _as_views(wide_features)
     views = features.shape[1]
     if gram is None:
         gram = feature_gram(features)
@@ -172,7 +166,6 @@ def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows,
     if not finite_rows:
         row_finite = jnp.isfinite(jnp.diagonal(gram, axis1=1, axis2=2)).all(axis=1)  # (N,)
         features = jnp.where(row_finite[:, None, None], features, 0.0)
-        summed = jnp.where(row_finite[:, None, None], summed, 0.0)
     # min(1, C / ||g||), written so that C = inf and ||g|| = 0 both give exactly 1.
     scale = jnp.minimum(1.0, clip_norm[None, :] / jnp.maximum(norms, jnp.finfo(norms.dtype).tiny))
     scale = jnp.where(valid, scale, 0.0)
@@ -192,7 +185,16 @@ def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows,
                                 preferred_element_type=acc),
                 "b": jnp.sum(weighted, axis=(0, 1), dtype=acc)}
 
-    sums = row_block_sum(block_sum, summed, weighted)
+    def single_view_sum(features, weighted):
+        return {"w": jnp.einsum("nd,npc->pdc", features, weighted, precision=_HIGHEST,
+                                preferred_element_type=acc),
+                "b": jnp.sum(weighted, axis=0, dtype=acc)}
+
+    if views == 1:  # the same sum without the views axis, which XLA:CPU laid out apart and
+        # copied: two more float32 copies of the features (f32[N, 1, d] in layout {2, 0, 1})
+        sums = row_block_sum(single_view_sum, features[:, 0], weighted[:, 0])
+    else:
+        sums = row_block_sum(block_sum, features, weighted)
     return sums, norms, num_clipped
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpprobe.dp.accumulate import FLOAT64_SUMS, x64_jit
+from dpprobe.dp.accumulate import x64_jit
 from dpprobe.dp.clipping import valid_labels, zero_nonfinite_rows
 from dpprobe.probe.clipping import clipped_grad_sum, feature_gram
 from dpprobe.probe.normalization import normalize_features
@@ -81,15 +81,17 @@ def check_full_batch(runs: Sequence[RunSpec]) -> None:
 def _prepare_rows(features, onehot, mask):
     """The in-memory rows as every step reads them, computed once for all blocks of steps:
     float32 features with non-finite rows nulled (`zero_nonfinite_rows`), one-hot labels, the
-    mask, the per-example Gram matrices, and the features in float64 for the sums' float64
-    reduction (`dp.accumulate`). Once, not once per compiled block of steps: with a
+    mask and the per-example Gram matrices. Once, not once per compiled block of steps: with a
     progress bar a sweep runs about 20 blocks, and each converted every feature again (the
     default sweep on 200,000 x 512, T = 39, loaded 2-core CPU: 125 -> 98 CPU seconds). The
-    first step prepares them inside its own program (fused: a single-step sweep makes no
-    copy; materialized, its 40 runs on 50k x 768 took 0.3 s more system time)."""
+    first step prepares them inside its own program. The sum's float64 operands are not
+    prepared here: each block of `dp.accumulate.SUM_BLOCK_ROWS` rows is widened inside the
+    sum, in cache, where a float64 copy of every feature (and XLA's second copy of it for the
+    loop over blocks: 2 x 307 MB at 50,000 x 768) cost the single-step sweep of 40 runs
+    0.9 of its 1.2 s per step."""
     features, mask = zero_nonfinite_rows(features.astype(jnp.float32), mask)
     gram = feature_gram(features if features.ndim == 3 else features[:, None, :])
-    return features, onehot, mask, gram, features.astype(FLOAT64_SUMS)
+    return features, onehot, mask, gram
 
 
 _prepare = x64_jit(_prepare_rows)
@@ -97,11 +99,11 @@ _prepare = x64_jit(_prepare_rows)
 
 def _sum_fn(rows, spec: ProbeSpec):
     """The clipped-sum function of the prepared in-memory rows (`_prepare`)."""
-    features, onehot, mask, gram, wide = rows
+    features, onehot, mask, gram = rows
 
     def sum_fn(params, clip):
         return clipped_grad_sum(params, features, onehot, clip, loss=spec.loss, mask=mask,
-                                gram=gram, finite_rows=True, wide_features=wide)
+                                gram=gram, finite_rows=True)
 
     return sum_fn
 

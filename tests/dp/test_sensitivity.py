@@ -102,8 +102,15 @@ def poisson(features, labels):
                                      rng=np.random.default_rng(0))
 
 
+def in_memory_views(features, labels):
+    """Two identical views per example: the sum over (N, views, d) rows, not the single-view
+    one (`probe.clipping`)."""
+    return in_memory(np.stack([features, features], axis=1), labels)
+
+
 TRAINERS = {
     "in_memory": (probe.train, "dp_update", 3, in_memory),
+    "in_memory_views": (probe.train, "dp_update", 3, in_memory_views),
     "sharded": (probe.train, "dp_update", 3, lambda x, y: in_memory(x, y, mesh=True)),
     "streamed": (probe.streaming, "dp_update_jit", 3, streamed),
     "poisson": (probe.poisson, "dp_update_jit", 3, poisson),
@@ -166,6 +173,18 @@ def test_row_block_sum_is_the_float64_sum_over_every_row_once(rows):
     assert sums["xw"].dtype == np.float64
     np.testing.assert_allclose(np.asarray(sums["xw"]), x64.T @ w64, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(np.asarray(sums["w"]), w64.sum(0), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("block_rows", [0, 2**15 + 1])
+def test_row_block_sum_refuses_blocks_beyond_the_bound(block_rows):
+    """The bound of `dp.accumulate` holds for blocks of at most `MAX_BLOCK_ROWS` rows: a larger
+    block (or none) is refused, not summed with a looser bound than the docstring states."""
+    from dpprobe.dp.accumulate import MAX_BLOCK_ROWS, row_block_sum
+
+    assert MAX_BLOCK_ROWS == 2**15
+    rows = np.ones((4, 2), np.float32)
+    with pytest.raises(ValueError, match="block_rows"):
+        row_block_sum(lambda x, w: {"xw": x.T @ w}, rows, rows, block_rows=block_rows)
 
 
 @pytest.mark.parametrize("rows,shape", [(1, (130, 128)), (31, (130, 128)), (32, (130, 128)),

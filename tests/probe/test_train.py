@@ -171,3 +171,21 @@ def test_sign_sgd_equals_one_dp_adam_step_from_zero(rng, loss):
         assert clear.mean() > 0.99
         np.testing.assert_allclose(adam[key][clear], sign[key][clear], rtol=1e-3, atol=ulp)
         np.testing.assert_allclose(np.abs(sign[key] - start), 1e-3, atol=ulp)
+
+
+def test_the_first_step_widens_the_sum_a_block_at_a_time():
+    """The clipped sum's float64 operands are one block of `dp.accumulate.SUM_BLOCK_ROWS` rows
+    at a time, not a float64 copy of every feature (which XLA:CPU also copied once more for
+    the loop over blocks): the first step's compiled program holds less scratch memory than
+    N x d float64 values. (Its float32 features, N x d x 4 bytes, are the one full copy.)"""
+    from dpprobe.probe import step, train
+
+    n, d, classes = 8192, 256, 3
+    rng = np.random.default_rng(0)
+    spec = probe.ProbeSpec(classes)
+    feats, onehot, mask = train.prepare_inputs(rng.normal(size=(n, d)).astype(np.float16),
+                                               rng.integers(0, classes, n), spec)
+    plan = accounting.DpPlan(1.0, 1, clip_norm=1.0)
+    arrays = step.run_arrays([probe.RunSpec(plan, 0.1)] * 4, fixed_keys(4, 0), n)
+    compiled = train._first_step.lower(feats, onehot, mask, arrays, spec=spec).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < n * d * 8
