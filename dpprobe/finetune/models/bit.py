@@ -52,6 +52,7 @@ from dpprobe.finetune.models.layers import (
     activation_name,
     is_identity,
     linear_from_torch,
+    timm_builder,
     timm_head,
 )
 
@@ -246,29 +247,13 @@ def _head(fc: Any, features: int, num_classes: int | None, rngs: nnx.Rngs,
     return timm_head(fc, features, num_classes, rngs, head_bias_init)
 
 
-def resnetv2_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
-                       head_bias_init: float = 0.0) -> ResNetV2:
-    """Our NNX `ResNetV2` with the weights of a timm BiT `ResNetV2`.
-
-    For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals `timm_model.eval()(b)` up to
-    float rounding.
-
-    Args:
-      timm_model: a timm `ResNetV2` instance (see the module docstring for which).
-      num_classes: None keeps timm's head.fc; an int replaces it with a new zero-initialized
-        head of that many classes with bias `head_bias_init`.
-      rngs: for a new head's construction (its values are constants).
-      head_bias_init: bias of a new head.
-
-    Returns:
-      A `ResNetV2` meeting the contract of `finetune.models.common`.
-
-    Raises:
-      ValueError: for a stem, block, convolution, norm, head or pooling this module does not
-        reproduce.
-    """
+def _check_head(timm_model: Any) -> None:
+    """Raises ValueError for a head other than average pooling and fc."""
     head = timm_model.head
     if _kind(head) != "ClassifierHead" or getattr(head.global_pool, "pool_type", "") != "avg":
         raise ValueError("ResNetV2's head must be average pooling and fc")
-    return ResNetV2(timm_model, _head(head.fc, timm_model.num_features, num_classes, rngs,
-                                      head_bias_init))
+
+
+# Raises ValueError (the constructor) for a stem, block, convolution, norm, head or pooling this
+# module does not reproduce.
+resnetv2_from_timm = timm_builder(ResNetV2, "head.fc", _check_head, make_head=_head)

@@ -44,7 +44,7 @@ from dpprobe.finetune.models.layers import (
     conv_from_torch,
     is_identity,
     linear_from_torch,
-    timm_head,
+    timm_builder,
 )
 
 __all__ = ["ConvNeXt", "convnext_from_timm"]
@@ -166,31 +166,16 @@ class ConvNeXt(nnx.Module):
         return float32_logits(self.head(self.features(x)))
 
 
-def convnext_from_timm(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
-                       head_bias_init: float = 0.0) -> ConvNeXt:
-    """Our NNX `ConvNeXt` with the weights of a timm `ConvNeXt`.
-
-    For an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))` equals `timm_model.eval()(b)` up to
-    float rounding.
-
-    Args:
-      timm_model: a timm `ConvNeXt` instance (see the module docstring for which).
-      num_classes: None keeps timm's head.fc; an int replaces it with a new zero-initialized
-        head of that many classes with bias `head_bias_init`.
-      rngs: for a new head's construction (its values are constants).
-      head_bias_init: bias of a new head.
-
-    Returns:
-      A `ConvNeXt` meeting the contract of `finetune.models.common`.
-
-    Raises:
-      ValueError: for a stem, block, norm, head or pooling this module does not reproduce.
-    """
+def _check_head(timm_model: Any) -> None:
+    """Raises ValueError for a head other than norm + fc with average pooling."""
     head = timm_model.head
     if _kind(head) not in ("NormMlpClassifierHead", "ClassifierHead") or not _identity(
             getattr(head, "pre_logits", None)):
         raise ValueError("ConvNeXt's head must be norm + fc (no MLP head: convnext_large_mlp)")
     if getattr(head.global_pool, "pool_type", "avg") != "avg":
         raise ValueError("ConvNeXt pooling must be 'avg'")
-    return ConvNeXt(timm_model, timm_head(head.fc, timm_model.num_features, num_classes, rngs,
-                                          head_bias_init))
+
+
+# Raises ValueError (the constructor) for a stem, block, norm, head or pooling this module does
+# not reproduce.
+convnext_from_timm = timm_builder(ConvNeXt, "head.fc", _check_head)

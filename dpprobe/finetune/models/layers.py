@@ -16,6 +16,7 @@ weights, never computed from the private data.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -200,17 +201,20 @@ def timm_head(classifier: Any, features: int, num_classes: int | None, rngs: nnx
     return zero_head(features, num_classes, head_bias_init=head_bias_init, rngs=rngs)
 
 
-def timm_builder(model_class: Any, classifier: str, check: Callable[[Any], None]) -> Callable:
+def timm_builder(model_class: Any, classifier: str, check: Callable[[Any], None],
+                 make_head: Callable = timm_head) -> Callable:
     """The `*_from_timm` function of an NNX class converted from timm with its weights.
 
     Args:
       model_class: the NNX class, called as `model_class(timm_model, head)`.
-      classifier: the name of timm's classifier attribute (`"fc"`, `"classifier"`).
+      classifier: the dotted path of timm's classifier (`"fc"`, `"classifier"`, `"head.fc"`).
       check: raises ValueError for a timm instance the class does not reproduce.
+      make_head: `timm_head` or a function of the same arguments for another classifier
+        layer (BiT's 1 x 1 convolution).
 
     Returns:
       `build(timm_model, num_classes, *, rngs, head_bias_init=0.0)`: our NNX model with the
-      weights of `timm_model` (its BatchNorm frozen), meeting the contract of
+      weights of `timm_model` (a BatchNorm frozen), meeting the contract of
       `finetune.models.common`; for an NCHW batch `b`, `model(b.transpose(0, 2, 3, 1))`
       equals `timm_model.eval()(b)` up to float rounding. `num_classes` None keeps timm's
       classifier, an int replaces it with a new zero-initialized head of that many classes
@@ -221,8 +225,8 @@ def timm_builder(model_class: Any, classifier: str, check: Callable[[Any], None]
     def build(timm_model: Any, num_classes: int | None, *, rngs: nnx.Rngs,
               head_bias_init: float = 0.0):
         check(timm_model)
-        return model_class(timm_model, timm_head(getattr(timm_model, classifier),
-                                                 timm_model.num_features, num_classes, rngs,
+        fc = functools.reduce(getattr, classifier.split("."), timm_model)
+        return model_class(timm_model, make_head(fc, timm_model.num_features, num_classes, rngs,
                                                  head_bias_init))
 
     build.__name__ = build.__qualname__ = f"{name.lower()}_from_timm"
