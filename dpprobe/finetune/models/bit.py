@@ -216,10 +216,8 @@ def _check_stem(stem: Any) -> bool:
 
 
 class ResNetV2(HeadOnFeatures):
-    """timm's BiT ResNetV2 in NNX (module docstring); built by `resnetv2_from_timm`.
-    `conv_head`: timm holds the head as a 1 x 1 convolution (for the way back to timm)."""
-
-    conv_head = True
+    """timm's BiT ResNetV2 in NNX (module docstring); built by `resnetv2_from_timm`. timm holds
+    its head as a 1 x 1 convolution (`timm_names.timm_arrays` reshapes it on the way back)."""
 
     def __init__(self, timm_model: Any, head: nnx.Linear):
         self.fixed_stem = _check_stem(timm_model.stem)

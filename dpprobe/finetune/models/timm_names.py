@@ -59,7 +59,7 @@ def timm_arrays(model: ResNet | EfficientNet | ConvNeXt) -> dict[str, np.ndarray
             array = array.transpose(3, 2, 0, 1) if array.ndim == 4 else array.T
             if conv_mlp and modules[-1] in ("mlp.fc1", "mlp.fc2"):
                 array = array[:, :, None, None]  # timm's 1 x 1 convolution
-            if getattr(model, "conv_head", False) and modules[0] == head:
+            if isinstance(model, ResNetV2) and ".".join(modules) == head:
                 array = array[:, :, None, None]  # ResNetV2's head: a 1 x 1 convolution
             leaf = "weight"
         arrays[".".join([*modules, _LEAVES.get(leaf, leaf)])] = array
