@@ -2,6 +2,7 @@
 test (no training needed to test a format, a prediction or an export), and small image sets."""
 
 import numpy as np
+import pytest
 
 from dpprobe import model as dpmodel
 from dpprobe import model_files
@@ -46,3 +47,38 @@ def nchw01(images: np.ndarray) -> np.ndarray:
     """uint8 NHW[C] images as the exported modules' input: float32 NCHW in [0, 1]."""
     x = images.astype(np.float32) / np.float32(255.0)
     return (x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)).copy()
+
+
+def check_weights_file(tmp_path, name: str, source, images: np.ndarray, missing: str,
+                       match: str) -> None:
+    """`source`'s state dict (a timm model) as .safetensors through
+    `extract.create_backbone(name, weights=)` (what `dpprobe finetune --model NAME --weights
+    FILE` builds its model from): our features are timm's pre-logits on `images` (NCHW) within
+    1e-4 and the new head is zero; the file without the tensor `missing` is refused (its
+    message matching `match`)."""
+    import jax.numpy as jnp
+    import safetensors.torch
+    import torch
+    from flax import nnx
+
+    from dpprobe import extract
+    from dpprobe.finetune.models import model_from_timm
+
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    side = images.shape[-1]
+    safetensors.torch.save_file(state, str(tmp_path / "full.safetensors"))
+    backbone = extract.create_backbone(name, weights=tmp_path / "full.safetensors", crop=side,
+                                       device="cpu")
+    model = model_from_timm(backbone.module, 10, rngs=nnx.Rngs(0))
+    with torch.no_grad():
+        expected = source.forward_head(source.forward_features(torch.from_numpy(images)),
+                                       pre_logits=True).numpy()
+    ours = np.asarray(model.features(jnp.asarray(images.transpose(0, 2, 3, 1))))
+    assert np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
+    assert not np.asarray(model.head.kernel[...]).any()
+    del state[missing]
+    safetensors.torch.save_file(state, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        extract.create_backbone(name, weights=tmp_path / "partial.safetensors", crop=side,
+                                device="cpu")

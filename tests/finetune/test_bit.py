@@ -21,6 +21,7 @@ from dpprobe.finetune.models import ResNetV2, model_from_timm
 from dpprobe.finetune.models.timm_names import load_into_timm
 from tests.conftest import fixed_keys
 from tests.contract import NUM_CLASSES, ModelFamilyContract
+from tests.model_helpers import check_weights_file
 
 
 def _perturb(timm_model, seed: int) -> None:
@@ -94,33 +95,13 @@ def test_bit50_weights_file_loads_strictly_into_the_finetuned_model(tmp_path):
     (what `dpprobe finetune --model resnetv2_50x1_bit --weights FILE` builds its model from):
     our features are timm's pre-logits within 1e-4, the new head is zero; a file lacking one
     norm's scale is refused."""
-    import safetensors.torch
     import timm
-
-    from dpprobe import extract
 
     torch.manual_seed(3)
     source = timm.create_model("resnetv2_50x1_bit", pretrained=False).eval()
     _perturb(source, 4)
-    state = {k: v.contiguous() for k, v in source.state_dict().items()}
-    path = tmp_path / "bit.safetensors"
-    safetensors.torch.save_file(state, str(path))
-    backbone = extract.create_backbone("resnetv2_50x1_bit", weights=path, crop=32,
-                                       device="cpu")
-    model = model_from_timm(backbone.module, 10, rngs=nnx.Rngs(0))
-    images = _images(2, 32)
-    with torch.no_grad():
-        expected = source.forward_head(source.forward_features(torch.from_numpy(images)),
-                                       pre_logits=True).numpy()
-    ours = np.asarray(model.features(jnp.asarray(images.transpose(0, 2, 3, 1))))
-    assert np.abs(expected).max() > 0.1
-    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
-    assert not np.asarray(model.head.kernel[...]).any()
-    del state["stages.3.blocks.2.norm2.weight"]
-    safetensors.torch.save_file(state, str(tmp_path / "partial.safetensors"))
-    with pytest.raises(ValueError, match="norm2"):
-        extract.create_backbone("resnetv2_50x1_bit", weights=tmp_path / "partial.safetensors",
-                                crop=32, device="cpu")
+    check_weights_file(tmp_path, "resnetv2_50x1_bit", source, _images(2, 32),
+                       "stages.3.blocks.2.norm2.weight", match="norm2")
 
 
 @pytest.mark.parametrize("name,match", [("resnetv2_50", "StdConv2d"),

@@ -15,6 +15,7 @@ from flax import nnx
 from dpprobe.finetune.models import ConvNeXt, model_from_timm
 from dpprobe.finetune.models.timm_names import load_into_timm
 from tests.contract import NUM_CLASSES, ModelFamilyContract
+from tests.model_helpers import check_weights_file
 
 
 def _perturb_gamma(timm_model, seed: int) -> None:
@@ -70,31 +71,13 @@ def test_weights_file_loads_strictly_into_the_finetuned_model(tmp_path):
     (what `dpprobe finetune --model convnext_atto --weights FILE` builds its model from):
     our features are timm's pre-logits within 1e-4, the new head is zero; a file lacking one
     layer scale is refused."""
-    import safetensors.torch
     import timm
-
-    from dpprobe import extract
 
     torch.manual_seed(3)
     source = timm.create_model("convnext_atto", pretrained=False).eval()
     _perturb_gamma(source, 4)
-    state = {k: v.contiguous() for k, v in source.state_dict().items()}
-    path = tmp_path / "atto.safetensors"
-    safetensors.torch.save_file(state, str(path))
-    backbone = extract.create_backbone("convnext_atto", weights=path, crop=32, device="cpu")
-    model = model_from_timm(backbone.module, 10, rngs=nnx.Rngs(0))
-    images = _images(2, 32)
-    with torch.no_grad():
-        expected = source.forward_head(source.forward_features(torch.from_numpy(images)),
-                                       pre_logits=True).numpy()
-    ours = np.asarray(model.features(jnp.asarray(images.transpose(0, 2, 3, 1))))
-    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
-    assert not np.asarray(model.head.kernel[...]).any()
-    del state["stages.2.blocks.3.gamma"]
-    safetensors.torch.save_file(state, str(tmp_path / "partial.safetensors"))
-    with pytest.raises(ValueError, match="gamma"):
-        extract.create_backbone("convnext_atto", weights=tmp_path / "partial.safetensors",
-                                crop=32, device="cpu")
+    check_weights_file(tmp_path, "convnext_atto", source, _images(2, 32), "stages.2.blocks.3.gamma",
+                       match="gamma")
 
 
 @pytest.mark.parametrize("name,match", [("convnext_atto_ols", "stem"),
