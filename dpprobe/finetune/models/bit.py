@@ -54,6 +54,7 @@ from dpprobe.finetune.models.layers import (
     linear_from_torch,
     timm_builder,
     timm_head,
+    torch_array,
 )
 
 __all__ = ["ResNetV2", "StdConv", "resnetv2_from_timm", "standardize_std"]
@@ -66,10 +67,6 @@ def _kind(module: Any) -> str:
 def _identity(module: Any) -> bool:
     """Absent, nn.Identity, or a dropout (identity in eval mode, trained without it)."""
     return is_identity(module) or _kind(module) in ("DropPath", "Dropout")
-
-
-def _array(tensor: Any) -> jax.Array:
-    return jnp.asarray(tensor.detach().cpu().float().numpy())
 
 
 def standardize_std(kernel: jax.Array, eps: float) -> jax.Array:
@@ -118,7 +115,7 @@ def _std_conv(conv: Any) -> StdConv:
             or isinstance(conv.padding, str) or conv.padding[0] != conv.padding[1]
             or conv.padding_mode != "zeros"):
         raise ValueError(f"unsupported StdConv2d (groups, dilation, bias or padding): {conv}")
-    return StdConv(_array(conv.weight.permute(2, 3, 1, 0)), stride=conv.stride[0],
+    return StdConv(torch_array(conv.weight.permute(2, 3, 1, 0)), stride=conv.stride[0],
                    padding=conv.padding[0], eps=float(conv.eps))
 
 
@@ -134,8 +131,8 @@ def _group_norm(norm: Any) -> tuple[nnx.GroupNorm, str]:
     layer = nnx.eval_shape(lambda: nnx.GroupNorm(channels, num_groups=norm.num_groups,
                                                  epsilon=float(norm.eps),
                                                  use_fast_variance=False, rngs=nnx.Rngs(0)))
-    layer.scale.set_value(_array(norm.weight))
-    layer.bias.set_value(_array(norm.bias))
+    layer.scale.set_value(torch_array(norm.weight))
+    layer.bias.set_value(torch_array(norm.bias))
     return layer, activation_name(norm.act)
 
 

@@ -30,7 +30,7 @@ from dpprobe.finetune.models.common import zero_head
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
            "arrays_into_timm",
            "batchnorm_from_torch", "conv_from_torch", "conv_patches", "is_identity",
-           "linear_from_torch", "same_padding", "timm_builder", "timm_head"]
+           "linear_from_torch", "same_padding", "timm_builder", "timm_head", "torch_array"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -59,7 +59,8 @@ def is_identity(module: Any) -> bool:
     return module is None or type(module).__name__ == "Identity"
 
 
-def _array(tensor: Any) -> jax.Array:
+def torch_array(tensor: Any) -> jax.Array:
+    """A torch tensor's values as a float32 JAX array."""
     return jnp.asarray(tensor.detach().cpu().float().numpy())
 
 
@@ -135,8 +136,8 @@ def conv_from_torch(conv: Any) -> Conv2d:
         raise ValueError(f"unsupported convolution padding: {conv}")
     same = type(conv).__name__ == "Conv2dSame"  # timm pads it at call time, as TF's "same"
     padding = "same" if same else tuple((p, p) for p in conv.padding)
-    kernel = _array(conv.weight.permute(2, 3, 1, 0))  # OIHW -> HWIO
-    bias = None if conv.bias is None else _array(conv.bias)
+    kernel = torch_array(conv.weight.permute(2, 3, 1, 0))  # OIHW -> HWIO
+    bias = None if conv.bias is None else torch_array(conv.bias)
     if conv.groups == 1:
         return Conv2d(kernel, bias, stride=conv.stride[0], padding=padding)
     return GroupedConv2d(kernel, bias, stride=conv.stride[0], padding=padding,
@@ -174,8 +175,9 @@ def batchnorm_from_torch(bn: Any, activation: str | None = None) -> FrozenBatchN
             if type(bn.drop).__name__ not in ("Identity", "Dropout"):
                 raise ValueError(f"unsupported BatchNormAct2d drop layer: {bn.drop}")
             activation = activation_name(bn.act)
-    return FrozenBatchNorm(_array(bn.weight), _array(bn.bias), _array(bn.running_mean),
-                           _array(bn.running_var), eps=float(bn.eps), activation=activation)
+    return FrozenBatchNorm(torch_array(bn.weight), torch_array(bn.bias),
+                           torch_array(bn.running_mean), torch_array(bn.running_var),
+                           eps=float(bn.eps), activation=activation)
 
 
 def linear_from_torch(linear: Any) -> nnx.Linear:
@@ -184,9 +186,9 @@ def linear_from_torch(linear: Any) -> nnx.Linear:
     layer = nnx.eval_shape(lambda: nnx.Linear(in_features, out_features,
                                               use_bias=linear.bias is not None,
                                               rngs=nnx.Rngs(0)))
-    layer.kernel.set_value(_array(linear.weight.T))
+    layer.kernel.set_value(torch_array(linear.weight.T))
     if linear.bias is not None:
-        layer.bias.set_value(_array(linear.bias))
+        layer.bias.set_value(torch_array(linear.bias))
     return layer
 
 
