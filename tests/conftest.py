@@ -1,6 +1,8 @@
 import atexit
+import gc
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,10 +70,7 @@ def _free_compiled_programs():
     yield
     count, limit = _map_counts()
     if limit and count > limit // 2:
-        import gc
-        import sys
-
-        jax = sys.modules.get("jax")
+        jax = sys.modules.get("jax")  # None where no test loaded JAX: nothing to drop
         if jax is not None:
             jax.clear_caches()
         gc.collect()
