@@ -28,14 +28,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from dpprobe.finetune.models import layers
 from dpprobe.finetune.models.common import HeadOnFeatures
-from dpprobe.finetune.models.layers import (
-    ACTIVATIONS,
-    activation_name,
-    batchnorm_from_torch,
-    conv_from_torch,
-    timm_builder,
-)
 
 __all__ = ["EfficientNet", "efficientnet_from_timm"]
 
@@ -44,15 +38,15 @@ class SqueezeExcite(nnx.Module):
     """x * gate(conv_expand(act(conv_reduce(mean over H, W of x)))), per example."""
 
     def __init__(self, se: Any):
-        self.conv_reduce = conv_from_torch(se.conv_reduce)
-        self.conv_expand = conv_from_torch(se.conv_expand)
-        self.act = activation_name(se.act1)
-        self.gate = activation_name(se.gate)
+        self.conv_reduce = layers.conv_from_torch(se.conv_reduce)
+        self.conv_expand = layers.conv_from_torch(se.conv_expand)
+        self.act = layers.activation_name(se.act1)
+        self.gate = layers.activation_name(se.gate)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         s = x.mean(axis=(-3, -2), keepdims=True)
-        s = self.conv_expand(ACTIVATIONS[self.act](self.conv_reduce(s)))
-        return x * ACTIVATIONS[self.gate](s)
+        s = self.conv_expand(layers.ACTIVATIONS[self.act](self.conv_reduce(s)))
+        return x * layers.ACTIVATIONS[self.gate](s)
 
 
 class Block(nnx.Module):
@@ -76,9 +70,9 @@ class Block(nnx.Module):
             if name == "se":
                 layer = None if type(layer).__name__ == "Identity" else SqueezeExcite(layer)
             elif name.startswith("bn"):
-                layer = batchnorm_from_torch(layer)
+                layer = layers.batchnorm_from_torch(layer)
             else:
-                layer = conv_from_torch(layer)
+                layer = layers.conv_from_torch(layer)
             setattr(self, name, layer)
         self.has_skip = bool(block.has_skip)
 
@@ -95,15 +89,15 @@ class EfficientNet(HeadOnFeatures):
     """timm's EfficientNet in NNX (module docstring); built by `efficientnet_from_timm`."""
 
     def __init__(self, timm_model: Any, head: nnx.Linear):
-        self.conv_stem = conv_from_torch(timm_model.conv_stem)
-        self.bn1 = batchnorm_from_torch(timm_model.bn1)
+        self.conv_stem = layers.conv_from_torch(timm_model.conv_stem)
+        self.bn1 = layers.batchnorm_from_torch(timm_model.bn1)
         self.blocks = nnx.List([nnx.List([Block(b) for b in stage])
                                 for stage in timm_model.blocks])
         if type(timm_model.conv_head).__name__ == "Identity":
             self.conv_head = self.bn2 = None
         else:
-            self.conv_head = conv_from_torch(timm_model.conv_head)
-            self.bn2 = batchnorm_from_torch(timm_model.bn2)
+            self.conv_head = layers.conv_from_torch(timm_model.conv_head)
+            self.bn2 = layers.batchnorm_from_torch(timm_model.bn2)
         self.head = head
 
     def features(self, x: jax.Array) -> jax.Array:
@@ -124,4 +118,4 @@ def _check_supported(timm_model: Any) -> None:
         raise ValueError(f"EfficientNet pooling must be 'avg', got {pool.pool_type!r}")
 
 
-efficientnet_from_timm = timm_builder(EfficientNet, "classifier", _check_supported)
+efficientnet_from_timm = layers.timm_builder(EfficientNet, "classifier", _check_supported)
