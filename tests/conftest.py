@@ -1,4 +1,5 @@
 import atexit
+import ctypes
 import gc
 import os
 import shutil
@@ -56,24 +57,52 @@ def _map_counts() -> tuple[int, int]:
         return 0, 0
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory in bytes (0 off Linux)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+# A worker whose resident memory grew this much since its last clearing drops its programs.
+_RESIDENT_GROWTH = 3 << 30
+_resident_after_clearing = [0]
+
+
+def _release_memory() -> None:
+    """Drop JAX's compiled programs, collect, and hand freed heap back to the kernel."""
+    jax = sys.modules.get("jax")  # None where no test loaded JAX: nothing to drop
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
+    try:  # glibc keeps freed heap pages mapped until asked; elsewhere nothing to ask
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    _resident_after_clearing[0] = _resident_bytes()
+
+
 @pytest.fixture(autouse=True)
 def _free_compiled_programs():
-    """Drop JAX's compiled programs once this worker holds half the kernel's mappings.
+    """Drop JAX's compiled programs once this worker holds half the kernel's mappings, or its
+    resident memory grew by 3 GiB since it last did.
 
     XLA:CPU maps each compiled fusion's code and data separately: a worker that runs a few
     hundred tests holds tens of thousands of mappings (14,256 at 44% of the suite on 2
     workers), and at `vm.max_map_count` (65,530 here) the next compilation's mmap fails and
     the worker dies of SIGSEGV inside XLA (seen late in the suite, in whichever test compiled
     next). `jax.clear_caches()` frees the programs no live object holds (100 programs'
-    11,064 mappings -> 588); later tests recompile or load from the persistent cache.
+    11,064 mappings -> 588); later tests recompile or load from the persistent cache. The
+    same programs hold memory: a worker late in the suite reached 11 GB resident and the
+    kernel's OOM killer ended it on this 24 GB machine (two workers, other jobs beside them).
     """
     yield
     count, limit = _map_counts()
-    if limit and count > limit // 2:
-        jax = sys.modules.get("jax")  # None where no test loaded JAX: nothing to drop
-        if jax is not None:
-            jax.clear_caches()
-        gc.collect()
+    grown = _resident_bytes() - _resident_after_clearing[0] > _RESIDENT_GROWTH
+    if (limit and count > limit // 2) or grown:
+        _release_memory()
 
 
 @pytest.fixture
