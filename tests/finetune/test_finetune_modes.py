@@ -1,6 +1,7 @@
 """`--train head|bias|lora` and `--non-private`: only the trained parameters change, get noise
-and count; LoRA adapters merge into the released model exactly enough to export it; the
-non-private reference is plain SGD on the batch gradient; results.json records the speed."""
+and count; LoRA adapters merge into the released model exactly enough to export it (the
+exports: tests/model/test_export.py); the non-private reference is plain SGD on the batch
+gradient; results.json records the speed."""
 
 from __future__ import annotations
 
@@ -151,24 +152,9 @@ def test_both_clippers_agree_on_the_trained_parameters_of_a_mode(mode, rng):
     np.testing.assert_allclose(flat[0], flat[1], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_a_lora_vit_exports_to_torch_onnx_and_timm_as_the_adapter_model(tmp_path):
-    """timm's ViT-tiny with trained-looking adapters (random A and B, rank 4): the merged
-    model file, its `to_torch` (timm's own ViT, as `--format timm` fills it), torch.export and
-    ONNX exports equal the adapter model within 1e-4."""
-    from tests.model.test_export import TOLERANCE, _compare, _tiny_timm_vit
-
-    model = finetune.add_lora(fm.vit_from_timm(_tiny_timm_vit(0), None, rngs=nnx.Rngs(0)), 4,
-                              rngs=nnx.Rngs(1))
-    perturb_nnx(model, 0.02)  # every parameter, B and the head included
-    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    images = uint8_images(3, 32, 3)
-    adapters = np.concatenate(list(finetune.iter_logits(model, images, mean=mean, std=std)))
-    path = network_file(tmp_path / "vit.safetensors", finetune.merge_lora(model),
-                        name="vit_tiny_patch16_224", side=32, channels=3, mean=mean, std=std,
-                        rgb=True, timm_architecture="vit_tiny_patch16_224")
-    assert np.abs(dpmodel.load_model(path).logits(images) - adapters).max() <= TOLERANCE
-    _compare(path, images, tmp_path)  # torch and ONNX exports vs the loaded model
+# A LoRA ViT's merged model file and its torch, ONNX and timm exports equal the adapter model:
+# tests/model/test_export.py::test_finetuned_vit_exports_a_timm_state_dict_torch_and_onnx (the
+# one ViT exported in the suite).
 
 
 def test_non_private_is_plain_sgd_on_the_batch_gradient(rng):

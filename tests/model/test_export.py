@@ -91,15 +91,27 @@ def test_vit_timm_weight_map_round_trips_both_ways():
 
 @pytest.mark.slow
 def test_finetuned_vit_exports_a_timm_state_dict_torch_and_onnx(tmp_path):
+    """timm's ViT-tiny with trained-looking LoRA adapters (random A and B, rank 4; every
+    parameter perturbed, B and the head included), merged into a plain ViT: the model file
+    equals the adapter model, and its `to_torch` (timm's own ViT, as `--format timm` fills
+    it), torch.export, ONNX and `--format timm` exports equal the model file within 1e-4.
+    One ViT exported in the suite (the exports are the slow part): a plain fine-tuned ViT's
+    file is this one's kind, with its adapters merged at zero."""
     import safetensors.torch
     import timm
 
-    model = fm.vit_from_timm(_tiny_timm_vit(0), None, rngs=nnx.Rngs(0))
+    from dpprobe import finetune
+
+    model = finetune.add_lora(fm.vit_from_timm(_tiny_timm_vit(0), None, rngs=nnx.Rngs(0)), 4,
+                              rngs=nnx.Rngs(1))
+    perturb_nnx(model, 0.02)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    path = network_file(tmp_path / "vit.safetensors", model, name="vit_tiny_patch16_224",
-                        side=32, channels=3, mean=mean, std=std, rgb=True,
-                        timm_architecture="vit_tiny_patch16_224")
     images = uint8_images(3, 32, 3)
+    adapters = np.concatenate(list(finetune.iter_logits(model, images, mean=mean, std=std)))
+    path = network_file(tmp_path / "vit.safetensors", finetune.merge_lora(model),
+                        name="vit_tiny_patch16_224", side=32, channels=3, mean=mean, std=std,
+                        rgb=True, timm_architecture="vit_tiny_patch16_224")
+    assert np.abs(dpmodel.load_model(path).logits(images) - adapters).max() <= TOLERANCE
     diffs = _compare(path, images, tmp_path)
     # --format timm: timm.create_model(name, num_classes=K, img_size=S) + strict load.
     out = tmp_path / "vit_timm.safetensors"

@@ -266,9 +266,14 @@ def test_a_convnext_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
 
 def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypatch):
     """--weights: the timm checkpoint is loaded (by timm) and converted, head replaced by a
-    zero head for the new classes; a ViT at 32 px trains a step."""
+    zero head for the new classes; a ViT at 32 px trains a step. Its model file's predictions
+    on the test split reproduce the job's reported accuracy (`dpprobe predict`; checked on
+    this run rather than on a second ViT job of its own: one ViT finetune fewer in the suite)."""
     import timm
     import torch
+
+    from dpprobe import model as dpmodel
+    from tests.model.test_predict import _accuracy, _predict
 
     torch.manual_seed(0)
     source = timm.create_model("vit_tiny_patch16_224", pretrained=False)
@@ -286,3 +291,8 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
     # One DP step at a tiny learning rate: the patch embedding is still the file's (HWIO).
     kernel = source.patch_embed.proj.weight.detach().numpy().transpose(2, 3, 1, 0)
     np.testing.assert_allclose(saved[patch[0]], kernel, atol=1e-3)
+    rows = _predict("run/model.safetensors", "npz:test.npz", out=tmp_path / "p.csv")
+    assert len(rows) == 40 and _accuracy(rows) == results["test_accuracy"]
+    model = dpmodel.load_model("run/model.safetensors")
+    assert model.document["parameters"]["released"] == "final iterate"
+    assert model.document["architecture"]["timm_architecture"] == "vit_tiny_patch16_224"
