@@ -23,6 +23,7 @@ compiled again and replaced.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -73,7 +74,8 @@ def stored(name: str, jitted: Callable, *, x64: bool = False) -> Callable:
     def call(*args, **static):
         if not enabled() or not _single_device(args):
             return jitted(*args, **static)
-        with jax.enable_x64(x64):
+        # x64 programs run in their own scope (`x64_jit`); the others in the caller's.
+        with jax.enable_x64(True) if x64 else contextlib.nullcontext():
             key = _key(name, args, static, x64)
             compiled = _LOADED.get(key)
             if compiled is None:
