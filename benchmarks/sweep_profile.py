@@ -16,6 +16,9 @@ timers wrapped around the job's phases:
   * writing: results.json and the timings file; the table printed;
   * the rest (argument checks, the exit).
 
+The child turns the stored programs on as the `dpprobe` console script does
+(`probe.programs`): after the warm-up, tracing and lowering show only what is not stored.
+
 Wall and CPU seconds (user + sys, the child's own) per phase; medians over --repeats children.
 The wrapping imports `dpprobe.probe` before the job starts, so the store read no longer
 overlaps the JAX import here: phases add up to a little more than the plain CLI's wall time.
@@ -88,6 +91,7 @@ def start_job(inner=jobs.probe_job):
         return inner(*args, **kwargs)
     return job
 jobs.probe_job = start_job()
+os.environ.setdefault("DPPROBE_STORED_PROGRAMS", "1")  # as the console script (cli.entry)
 code = cli.main(sys.argv[1:])
 sys.stdout.flush()
 end_wall, end_cpu = time.perf_counter(), cpu()

@@ -272,7 +272,10 @@ def _one_line(err: BaseException) -> str:
 
 
 def entry() -> None:
-    """The `dpprobe` console script: `main`, then a fast exit (`pipelines._fast_exit`)."""
+    """The `dpprobe` console script: `main`, then a fast exit (`pipelines._fast_exit`). Its
+    probe programs are stored beside JAX's compilation cache (`probe.programs`: only here,
+    where no function is patched in memory; DPPROBE_STORED_PROGRAMS=0 turns it off)."""
+    os.environ.setdefault("DPPROBE_STORED_PROGRAMS", "1")
     _fast_exit.leave(main())
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from dpprobe.dp.clipping import valid_labels
 from dpprobe.dp.sampling import pad_rows
+from dpprobe.probe import programs
 from dpprobe.probe.clipping import linear_logits
 from dpprobe.probe.normalization import normalize_features
 
@@ -164,9 +165,14 @@ def count_totals(params: dict, chunks: Iterable[tuple[np.ndarray, np.ndarray]], 
     return totals
 
 
+# Stored on disk by the `dpprobe` command: a repeated sweep skips tracing (`probe.programs`).
+_stored_logits = programs.stored("probe.evaluation.block_logits", block_logits)
+_stored_counts = programs.stored("probe.evaluation._counts", _counts)
+
+
 def _block_counts(params, x, y, mask, *, normalization, groups, num_classes, top_k):
-    logits = block_logits(params, x, normalization=normalization, groups=groups)
-    return [np.asarray(c, np.float64) for c in _counts(logits, y, mask,
+    logits = _stored_logits(params, x, normalization=normalization, groups=groups)
+    return [np.asarray(c, np.float64) for c in _stored_counts(logits, y, mask,
                                                         num_classes=num_classes, top_k=top_k)]
 
 

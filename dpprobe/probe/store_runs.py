@@ -85,8 +85,9 @@ def read_splits(store, *, stream: bool, test_in_memory: bool, num_examples: int)
             _stored_labels if stream else functools.partial(extract.load_split, dtype=None),
             store, "train",
         )
-        test_read = pool.submit(lambda: list(extract.iter_split_chunks(
-            store, "test", dtype=None))) if test_in_memory else None
+        # One array, not chunk by chunk: the whole-split read decodes in place (`extract.read`).
+        test_read = pool.submit(lambda: [extract.load_split(
+            store, "test", dtype=None)[:2]]) if test_in_memory else None
         import dpprobe.probe.train  # noqa: F401  (JAX, loaded while the threads read)
 
         if stream:

@@ -18,6 +18,7 @@ import numpy as np
 
 from dpprobe.dp.accumulate import x64_jit
 from dpprobe.dp.clipping import valid_labels, zero_nonfinite_rows
+from dpprobe.probe import programs
 from dpprobe.probe.clipping import clipped_grad_sum, feature_gram
 from dpprobe.probe.normalization import normalize_features
 from dpprobe.probe.sharding import shard_rows
@@ -127,6 +128,11 @@ def _more_steps(state, start, stop, rows, runs: RunArrays, *, spec):
         return dp_update(spec, runs, state, sums, num_clipped, step, runs.denominator)
 
     return jax.lax.fori_loop(start, stop, body, state)
+
+
+# Stored on disk by the `dpprobe` command: a repeated sweep skips tracing (`probe.programs`).
+_first_step = programs.stored("probe.train._first_step", _first_step, x64=True)
+_more_steps = programs.stored("probe.train._more_steps", _more_steps, x64=True)
 
 
 def train_probe(features, labels, runs: Sequence[RunSpec], keys: jax.Array, spec: ProbeSpec, *,

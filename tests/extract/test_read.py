@@ -76,3 +76,33 @@ def test_an_incomplete_split_is_not_read(tmp_path, rng):
          np.zeros(300, int), chunks=[0])
     with pytest.raises(extract.IncompleteSplitError, match="1/5 chunks done"):
         list(extract.iter_split_chunks(store, "train"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_local_split_is_decoded_in_place_bit_for_bit(tmp_path, rng, monkeypatch, dtype):
+    # 300 rows in chunks of 64: the last chunk is stored padded to 64 rows.
+    store = str(tmp_path / "s.zarr")
+    complete_store(store, rng, dtype=dtype)
+    expected = zarr.open_group(store, mode="r")["train/features"][:]
+
+    def no_zarr_read(*args, **kwargs):
+        raise AssertionError("the local split was read through Zarr's chunk copies")
+
+    monkeypatch.setattr(zarr.Array, "get_basic_selection", no_zarr_read)
+    loaded, _, _ = extract.load_split(store, "train", dtype=None)
+    assert loaded.dtype == np.dtype(dtype) and loaded.ctypes.data % 64 == 0
+    unsigned = f"u{loaded.dtype.itemsize}"
+    np.testing.assert_array_equal(loaded.view(unsigned), expected.view(unsigned))
+
+
+def test_a_chunk_of_the_wrong_size_is_read_by_zarr_and_named(tmp_path, rng):
+    from numcodecs import blosc
+
+    store = tmp_path / "s.zarr"
+    complete_store(str(store), rng)
+    # A sound Blosc frame that decodes to half a chunk: the in-place decode must not accept it.
+    half = np.zeros((32, 7), np.float32)
+    (store / "train" / "features" / "c" / "1" / "0").write_bytes(blosc.compress(half, b"zstd",
+                                                                                 3, 1))
+    with pytest.raises(extract.DamagedStoreError, match=r"train/features: chunk 1 \(rows 64:128\)"):
+        extract.load_split(str(store), "train")
