@@ -65,17 +65,6 @@ def _data(side, channels, n, seed=0):
             rng.integers(0, CLASSES, n))
 
 
-def _images_per_second(run, images_per_step, steps, repeats):
-    """`run(steps)` after a compiling `run(1)`: images per second, median over repeats."""
-    run(1)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(steps)
-        times.append(time.perf_counter() - start)
-    return images_per_step * steps / statistics.median(times)
-
-
 def _jax_model(name, side, channels):
     from flax import nnx
 
@@ -115,7 +104,10 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
 
     runs = [runner(True), runner(False)]
     for run in runs:
-        run(1)  # compiles
+        # Compiles with the timed calls' step count: the update's program depends on it (its
+        # learning-rate schedule, a static argument of `finetune.train.dp_update`); warmed at
+        # one step, the first timed DP call compiled its noise and update again.
+        run(steps)
     times = [[], []]
     for _ in range(repeats):
         for run, spent in zip(runs, times, strict=True):
