@@ -4,14 +4,15 @@ same model at the same physical batch, and Opacus 1.6 (PyTorch) in its fastest m
   dpprobe DP-SGD     `finetune.train_finetune` (public API), full batch over N = k p examples
                      (k physical batches of p per step, `--batches-per-step`, default 4,
                      book-keeping clipped sums added, one noise draw and update per step):
-                     images per second over T steps after a compiling run. k = 4 draws the
-                     noise four times as often per image as a real run: the default recipe's
-                     B = 2048 at p 64 is k = 32
+                     images per second over T steps after a compiling run of T steps. k = 4
+                     draws the noise four times as often per image as a real run: the default
+                     recipe's B = 2048 at p 64 is k = 32
   non-private        the same trainer, model and images with `DpPlan(0, T, 1, inf)` (what
                      `dpprobe finetune --non-private` runs: the plain batch gradient, no
                      noise), timed in turn with DP-SGD (ABAB) so that load hits both alike
-  Opacus             the PyTorch counterpart (dpmodel/torch_models.py, or timm's ViT) made private
-                     by Opacus with Poisson sampling (expected batch p), in its fastest mode:
+  Opacus             the PyTorch counterpart (dpmodel/torch_models.py, or the timm model of the
+                     name: ViT, ConvNeXt, BiT) made private by Opacus with Poisson sampling
+                     (expected batch p), in its fastest mode:
                      ghost clipping where every layer supports it, per-sample hooks otherwise,
                      functorch for layers hooks do not know (the table says which)
   PyTorch            the same PyTorch model without Opacus (on the GPU when PyTorch sees one;
@@ -65,17 +66,6 @@ def _data(side, channels, n, seed=0):
             rng.integers(0, CLASSES, n))
 
 
-def _images_per_second(run, images_per_step, steps, repeats):
-    """`run(steps)` after a compiling `run(1)`: images per second, median over repeats."""
-    run(1)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(steps)
-        times.append(time.perf_counter() - start)
-    return images_per_step * steps / statistics.median(times)
-
-
 def _jax_model(name, side, channels):
     from flax import nnx
 
@@ -115,7 +105,10 @@ def dpprobe_pair(name, side, channels, p, steps, repeats, mode="all", lora_rank=
 
     runs = [runner(True), runner(False)]
     for run in runs:
-        run(1)  # compiles
+        # Compiles with the timed calls' step count: the update's program depends on it (its
+        # learning-rate schedule, a static argument of `finetune.train.dp_update`); warmed at
+        # one step, the first timed DP call compiled its noise and update again.
+        run(steps)
     times = [[], []]
     for _ in range(repeats):
         for run, spent in zip(runs, times, strict=True):
