@@ -209,13 +209,17 @@ def test_halved_noise_is_refuted(monkeypatch):
 
 @pytest.mark.slow
 def test_a_misreported_sampling_rate_is_refuted():
-    """sigma calibrated (and epsilon 2 claimed) for q / 10 while the sampler draws at q."""
-    plan = _plan(2.0, q_claimed=(100 / (REAL + CANARIES)) / 10)
-    claim = accounting.DpPlan(plan.noise_multiplier, plan.steps, plan.sampling_probability / 10,
+    """sigma calibrated (and epsilon 2 claimed) for q / 20 while the sampler draws at q.
+
+    A claim of q / 10 was refuted in only 7 of 8 runs (lower bounds 1.96-2.60, mean 2.24: the
+    one-run bound of 5,000 canaries is near its ceiling there); at q / 20 ten runs gave
+    2.55-3.38 (mean 2.88), far enough above 2 for a test whose noise comes from OS entropy."""
+    plan = _plan(2.0, q_claimed=(100 / (REAL + CANARIES)) / 20)
+    claim = accounting.DpPlan(plan.noise_multiplier, plan.steps, plan.sampling_probability / 20,
                               plan.clip_norm)
     audit = _audited(plan, claim)
     assert audit.refuted, audit
-    assert audit.fitted["sampling_probability"] > 5 * claim.sampling_probability
+    assert audit.fitted["sampling_probability"] > 10 * claim.sampling_probability
 
 
 @pytest.mark.parametrize("clipping", ["bookkeeping", "per_example"])
