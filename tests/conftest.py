@@ -94,9 +94,11 @@ def _free_compiled_programs():
     workers), and at `vm.max_map_count` (65,530 here) the next compilation's mmap fails and
     the worker dies of SIGSEGV inside XLA (seen late in the suite, in whichever test compiled
     next). `jax.clear_caches()` frees the programs no live object holds (100 programs'
-    11,064 mappings -> 588); later tests recompile or load from the persistent cache. The
-    same programs hold memory: a worker late in the suite reached 11 GB resident and the
-    kernel's OOM killer ended it on this 24 GB machine (two workers, other jobs beside them).
+    11,064 mappings -> 588); later tests recompile or load from the persistent cache. A
+    worker late in the suite reached 11 GB resident and the kernel's OOM killer ended it on
+    this 24 GB machine (two workers, other jobs beside them); the growth test drops what
+    programs hold, but the suite's peak stayed 11.1 GB in one worker with it (measured), so
+    something else holds most of that memory (not found yet).
     """
     yield
     count, limit = _map_counts()
