@@ -89,7 +89,9 @@ def create_backbone(
         (`vit_base_patch16_224.augreg_in21k`), or "scatternet".
       weights: local weights file (.safetensors/.pth) for a timm model instead of the hub.
       random_init: timm model with random weights (seeded by `seed`); for tests only.
-      resize, crop: resize the short side to `resize` and center-crop `crop` x `crop`.
+      resize, crop: resize the short side to `resize` and center-crop `crop` x `crop`;
+        `resize` alone crops the model's input side, or the whole `resize` x `resize`
+        image where that is smaller.
       device: "cpu", "cuda", ... (default: cuda if available).
       mode: ScatterNet's channels, "L" or "RGB": every image converted to it (Pillow's
         conversion, as torchvision's `ImageFolder` reads files as RGB), so that one grayscale
@@ -145,6 +147,11 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
         provenance |= {"weights_source": "random-init", "seed": seed}
     else:
         provenance |= {"weights_source": "hub"}
+    if crop is None and resize is not None and resize < _default_side(name):
+        # The short side resized to R below the model's input side S: the whole R x R image,
+        # as `dpprobe finetune --resize R` takes it. timm's transform alone would resize to S
+        # again (crop_pct 1), so R would change nothing but the resampling.
+        crop = resize
     if crop is not None:
         kwargs["img_size"] = crop  # ViT-style models resample position embeddings on load
     pretrained = not random_init
@@ -205,6 +212,14 @@ def _timm_backbone(name, weights, random_init, seed, resize, crop, device) -> Ba
         "transform": repr(tf),
     }
     return Backbone(name, model, transform, provenance, preprocessing, device)
+
+
+def _default_side(name: str) -> int:
+    """The input side of timm model `name`'s pretrained config (224 where it names none)."""
+    import timm.models
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    return int(cfg.input_size[-1]) if cfg is not None and cfg.input_size else 224
 
 
 def input_mismatch(first: tuple, shape: tuple, image: str) -> str:

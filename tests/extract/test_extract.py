@@ -18,13 +18,18 @@ def _array_split(rng, n=20, size=28, channels=None, classes=3):
                               "fp", array=images)
 
 
-@pytest.mark.parametrize("name,crop", [("test_vit", 64), ("vit_tiny_patch16_224.augreg_in21k", 32),
-                                       ("test_resnet", None)])
-def test_random_init_timm_extraction_equals_model_by_hand(tmp_path, rng, name, crop):
+# (name, crop, resize, the input side expected): `resize` alone below the model's side (160
+# for test_resnet) embeds the whole resized image, not one resized back to the model's side.
+@pytest.mark.parametrize("name,crop,resize,side", [
+    ("test_vit", 64, None, 64), ("vit_tiny_patch16_224.augreg_in21k", 32, None, 32),
+    ("test_resnet", None, None, None), ("test_resnet", None, 24, 24)])
+def test_random_init_timm_extraction_equals_model_by_hand(tmp_path, rng, name, crop, resize,
+                                                          side):
     import timm
 
     split = _array_split(rng, n=10, size=40)
-    backbone = extract.create_backbone(name, random_init=True, seed=3, crop=crop, device="cpu")
+    backbone = extract.create_backbone(name, random_init=True, seed=3, crop=crop, resize=resize,
+                                       device="cpu")
     store = str(tmp_path / "s.zarr")
     extract.extract_split(split, backbone, store, batch_size=4, dtype="float32", progress=False)
     stored, labels, attrs = extract.load_split(store, "train")
@@ -33,8 +38,8 @@ def test_random_init_timm_extraction_equals_model_by_hand(tmp_path, rng, name, c
     kwargs = {"img_size": crop} if crop else {}
     model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs).eval()
     cfg = timm.data.resolve_model_data_config(model)
-    if crop:
-        cfg |= {"input_size": (3, crop, crop), "crop_pct": 1.0, "crop_mode": "center"}
+    if side:
+        cfg |= {"input_size": (3, side, side), "crop_pct": 1.0, "crop_mode": "center"}
     tf = timm.data.create_transform(**cfg)
     batch = torch.stack([tf(img.convert("RGB")) for img in split.images(range(10))])
     with torch.no_grad():
@@ -47,6 +52,7 @@ def test_random_init_timm_extraction_equals_model_by_hand(tmp_path, rng, name, c
     assert attrs["preprocessing"]["grayscale_to_rgb"] is True
     assert attrs["dataset"]["fingerprint"] == "fp"
     assert attrs["feature_dim"] == expected.shape[1]
+    assert attrs["preprocessing"]["input_size"][-1] == (side or 160)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
