@@ -42,6 +42,13 @@ def load_backbone(record: dict, path: str, *, weights: str | None = None, device
         raise ValueError(f"{path} was trained on precomputed embeddings (backbone none): give "
                          "it features, not images")
     resize, crop = prep.get("resize"), prep.get("crop")
+    side = (prep.get("input_size") or [None])[-1]
+    if name != "scatternet" and crop is None and resize and side and resize < side:
+        # Written before `--resize R` alone below the model's side kept the whole R x R image:
+        # timm's transform resized it back to the model's side (crop_pct 1), which resize =
+        # crop = that side reproduces exactly.
+        resize = crop = side
+        prep = prep | {"resize": side, "crop": side}
     if name == "scatternet":
         backbone = extract.create_backbone("scatternet", resize=resize, crop=crop, device=device,
                                            mode=prep.get("mode") or _scatternet_mode(record, dim))
