@@ -54,8 +54,9 @@ class ExtractConfig:
                                help="random weights (seeded by --seed); for tests only")
     seed: int = option(0, type=integer, help="seed of --random-init (default %(default)s)")
     resize: int | None = option(
-        None, type=integer, help="resize the short side to R before cropping (Mehta et al.: 384); without --crop, "
-        "the model's input side is cropped, or the whole R x R image where R is smaller")
+        None, type=integer, help="resize the short side to R before cropping (Mehta et al.: "
+        "384); without --crop, the model's input side is cropped, or the whole R x R image "
+        "where R is smaller")
     crop: int | None = option(None, type=integer,
                               help="center-crop to S x S (Mehta et al.: 256); ViTs adapt their "
                               "position embeddings")
