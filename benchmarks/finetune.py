@@ -51,6 +51,9 @@ MODELS = {  # name: (finetune model, image side, channels, physical batch)
     "vit": ("vit_tiny_patch16_224", 32, 3, 64),
     "convnext": ("convnext_atto", 32, 3, 32),  # not in the default --models
     "bit": ("resnetv2_50x1_bit", 32, 3, 32),  # not in the default --models
+    "lite0": ("tf_efficientnet_lite0", 64, 3, 64),  # not in the default --models
+    "resnet": ("resnet18", 32, 3, 32),  # not in the default --models
+    "beit": ("beit_base_patch16_224", 32, 3, 32),  # not in the default --models
 }
 CLASSES = 10
 
@@ -177,7 +180,8 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
 
     def private_rate(mode):
         model = _torch_model(name, side, channels).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        frozen[0] = _freeze_batchnorm(model)
+        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.1)
         loader = torch.utils.data.DataLoader(dataset, batch_size=p)
         private = PrivacyEngine(accountant="prv").make_private(
             module=model, optimizer=opt, criterion=torch.nn.CrossEntropyLoss(),
@@ -205,7 +209,7 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
 
         return timed(dp)
 
-    rates = {}
+    rates, frozen = {}, [False]
     for mode in ("ghost", "hooks", "functorch"):  # functorch: layers hooks do not know
         try:
             rates[mode] = private_rate(mode)
@@ -214,10 +218,26 @@ def opacus_and_torch(name, side, channels, p, steps, repeats):
                   f"{str(err).splitlines()[0][:120]}", flush=True)
         if mode == "hooks" and rates:
             break  # functorch only when neither ghost nor hooks run
+    if not rates:
+        return None, "refuses", torch_rate
     mode = max(rates, key=rates.get)
-    print(f"  Opacus {name}: " + ", ".join(f"{m} {r:.0f} img/s" for m, r in rates.items()),
+    print(f"  Opacus {name}: " + ", ".join(f"{m} {r:.0f} img/s" for m, r in rates.items())
+          + (" (BatchNorm frozen: Opacus refuses trainable BatchNorm)" if frozen[0] else ""),
           flush=True)
-    return rates[mode], mode, torch_rate
+    return rates[mode], mode + ("+BNf" if frozen[0] else ""), torch_rate
+
+
+def _freeze_batchnorm(model) -> bool:
+    """Puts every BatchNorm of a torch model in eval mode with its scale and offset frozen:
+    Opacus refuses a BatchNorm that trains (its batch statistics mix examples), and frozen at
+    its running statistics it is what our finetune runs, less the scales and offsets we train.
+    True when the model has one."""
+    import torch
+
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.eval().requires_grad_(False)
+    return bool(norms)
 
 
 def _print_devices(skip_torch, k):
@@ -267,7 +287,7 @@ def main():
     modes = args.train.split(",")
     _print_devices(args.skip_opacus, args.batches_per_step)
     header = (f"{'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} {'DP/np':>6} "
-              f"{'Opacus':>8} {'mode':>9} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
+              f"{'Opacus':>8} {'mode':>10} {'torch':>8} {'ours/Opacus':>11} {'Opacus/torch':>12}")
     print(header, flush=True)
     for key in args.models.split(",") if "all" in modes else ():  # each row once measured
         name, side, channels, p = MODELS[key]
@@ -280,7 +300,7 @@ def main():
         opacus_text = f"{opacus:8.0f}" if opacus else f"{'-':>8}"
         torch_text = f"{torch_rate:8.0f}" if torch_rate else f"{'-':>8}"
         print(f"{key:9} {side:3d} {p:4d} {_rate(dp)} {_rate(plain)} {dp / plain:6.2f} "
-              f"{opacus_text} {mode:>9} {torch_text} {ratio} {own}", flush=True)
+              f"{opacus_text} {mode:>10} {torch_text} {ratio} {own}", flush=True)
     partial = [m for m in modes if m != "all"]
     if partial:
         print(f"\n{'mode':9} {'model':9} {'px':>3} {'p':>4} {'DP img/s':>9} {'non-priv':>9} "

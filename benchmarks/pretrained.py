@@ -104,7 +104,7 @@ def main() -> None:
                 rows.append((f"probe on Lite0 features, {init}", accuracies,
                              time.perf_counter() - start, f"extract {extracted:.0f} s"))
                 _print(rows[-1])
-        for mode in args.modes.split(","):
+        for mode in filter(None, args.modes.split(",")):  # --modes "": the probes alone
             accuracies, start, note = [], time.perf_counter(), ""
             for index in range(args.finetune_runs):
                 results = dpprobe.finetune(

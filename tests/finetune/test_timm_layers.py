@@ -52,6 +52,33 @@ def test_convolution_and_batchnorm_match_torch(cin, cout, k, stride, groups, sam
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels,multiplier,k,stride,pads", [
+    (5, 1, 3, 1, ((1, 1), (1, 1))), (5, 1, 5, 2, ((1, 2), (1, 2))), (4, 2, 3, 2, ((0, 1), (0, 1))),
+    (3, 1, 7, 1, ((3, 3), (3, 3)))])
+def test_depthwise_by_shifted_windows_equals_xla_grouped_convolution(channels, multiplier, k,
+                                                                     stride, pads):
+    """`layers.depthwise` (the depthwise layers' forward) against XLA's grouped convolution:
+    the outputs and both gradients (input and kernel) through `jax.vjp`."""
+    from dpprobe.finetune.models.layers import depthwise
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 9, 10, channels)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(k, k, 1, channels * multiplier)), jnp.float32)
+
+    def xla(x, kernel):
+        return jax.lax.conv_general_dilated(x, kernel, (stride, stride), pads,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            feature_group_count=channels,
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    ours, ours_vjp = jax.vjp(lambda a, b: depthwise(a, b, stride, pads), x, kernel)
+    theirs, theirs_vjp = jax.vjp(xla, x, kernel)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    g = jnp.asarray(rng.normal(size=theirs.shape), jnp.float32)
+    for a, b in zip(ours_vjp(g), theirs_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
 class _Small(nnx.Module):
     def __init__(self):
         convs = [_torch_conv(3, 4, 3, 1, 1, seed=1), _torch_conv(4, 6, 3, 2, 2, seed=2),
