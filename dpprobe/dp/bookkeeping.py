@@ -249,14 +249,15 @@ def _clip_and_sum(state, extra, off_grads, outs, inputs, names, modules, clip_no
         module = modules[path]
         rule = rule_for(module)
         x, b = promote_float32(inputs[name], outs[name])
-        if rule.example_grads is not None:  # A (patches) formed late, not all at once
+        if rule.takes_input:  # A (patches) formed late, not all at once
             x = after(x, outs[first])  # after this layer's b too: the backward's last
             x = x if previous is None else after(x, previous)
-        a = x if rule.example_grads is None else jax.vmap(  # (an unused A: XLA drops it)
+        a = x if not rule.takes_input else jax.vmap(  # (an unused A: XLA drops it)
             lambda xi, m=module, r=rule: r.inputs(m, xi))(x)
         a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
-        if rule.row_grads is not None:
-            grads = rule.row_grads(module, a, b)
+        if rule.row_grads is not None or rule.input_grads is not None:
+            grads = (rule.row_grads(module, a, b) if rule.input_grads is None
+                     else rule.input_grads(module, x, b))
             parts[name] = ("inst", grads)
             norms += [scaled_norm(as_canaries((*path, p), v)) for p, v in grads.items()]
             continue

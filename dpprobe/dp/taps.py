@@ -60,6 +60,10 @@ class Rule(NamedTuple):
       (n, ...) as the layer received it and b (n, T, p), where the rule has a faster way than
       forming A (None: form A); the tap then records x, and A = inputs(module, x) is formed
       only where it is used.
+    input_grads(module, x, b) -> {name: (n, ...) gradients}: as row_grads, from the input x
+      (n, ...) as the layer received it instead of its rows (a depthwise convolution's kernel
+      taps: windows of x times b, never the k^2-wide patches); it takes precedence over
+      row_grads, and the tap records x.
     """
 
     inputs: Callable[[Any, jax.Array], jax.Array]
@@ -68,6 +72,12 @@ class Rule(NamedTuple):
     row_grads: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]] | None = None
     ghost: Any = None
     example_grads: Callable[[Any, jax.Array, jax.Array], jax.Array | None] | None = None
+    input_grads: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]] | None = None
+
+    @property
+    def takes_input(self) -> bool:
+        """Whether the tap records the layer's input x as it came (not its rows A)."""
+        return self.example_grads is not None or self.input_grads is not None
 
 
 _RULES: dict[type, Rule | Callable[[Any], Rule | None]] = {}
@@ -173,7 +183,7 @@ class Taps:
                              f"{name} is called more than once; use "
                              f"FinetuneFlags(clipping='per_example') for this model")
         rule = rule_for(module)
-        if rule.example_grads is not None:  # A is formed later, where it is used
+        if rule.takes_input:  # A is formed later, where it is used (if at all)
             self.inputs[name] = x
         else:
             rows = rule.inputs(module, x)

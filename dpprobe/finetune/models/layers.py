@@ -28,9 +28,9 @@ from flax import nnx
 from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
-           "arrays_into_timm",
-           "batchnorm_from_torch", "conv_from_torch", "conv_patches", "depthwise", "is_identity",
-           "linear_from_torch", "same_padding", "timm_builder", "timm_head", "torch_array"]
+           "arrays_into_timm", "batchnorm_from_torch", "conv_from_torch", "conv_pads",
+           "conv_patches", "depthwise", "is_identity", "linear_from_torch", "same_padding",
+           "timm_builder", "timm_head", "torch_array"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -71,7 +71,7 @@ def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def _pads(padding, shape, kernel: tuple[int, int], stride: int):
+def conv_pads(padding, shape, kernel: tuple[int, int], stride: int):
     """((top, bottom), (left, right)) of an NHWC input `shape`."""
     if padding == "same":
         return tuple(same_padding(shape[-3 + i], kernel[i], stride) for i in range(2))
@@ -83,7 +83,7 @@ def conv_patches(module: Conv2d, x: jax.Array) -> jax.Array:
     (..., OH, OW, kh kw C), features ordered (kh, kw, c) as an HWIO kernel flattens."""
     kh, kw = module.kernel.shape[:2]
     stride = module.stride
-    (top, bottom), (left, right) = _pads(module.padding, x.shape, (kh, kw), stride)
+    (top, bottom), (left, right) = conv_pads(module.padding, x.shape, (kh, kw), stride)
     lead = [(0, 0)] * (x.ndim - 3)
     x = jnp.pad(x, [*lead, (top, bottom), (left, right), (0, 0)])
     oh = (x.shape[-3] - kh) // stride + 1
@@ -109,7 +109,7 @@ class Conv2d(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel))
-        pads = _pads(self.padding, x.shape, kernel.shape[:2], self.stride)
+        pads = conv_pads(self.padding, x.shape, kernel.shape[:2], self.stride)
         y = jax.lax.conv_general_dilated(
             x, kernel, (self.stride, self.stride), pads,
             dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=self.groups)
@@ -138,7 +138,7 @@ class GroupedConv2d(Conv2d):
         if kernel.shape[2] != 1:  # several input channels per group: XLA's convolution
             return super().__call__(x)
         x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel))
-        pads = _pads(self.padding, x.shape, kernel.shape[:2], self.stride)
+        pads = conv_pads(self.padding, x.shape, kernel.shape[:2], self.stride)
         y = depthwise(x, kernel, self.stride, pads)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
