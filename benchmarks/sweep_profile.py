@@ -115,7 +115,7 @@ CACHE_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 def profile_once(store: Path, out: Path, cache: Path, extra: list[str] | None = None) -> dict:
     """One CLI sweep in a child process: its phases as {name: (wall, cpu)}."""
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache), HF_HUB_OFFLINE="1")
+    env = _path.load_benchmark("probe_sweep").cli_env(cache)  # its caches, bytecode's too
     child = subprocess.run([sys.executable, "-c", CHILD, "probe", str(store), *SWEEP,
                             "--out", str(out), *(extra or [])],
                            check=True, env=env, capture_output=True, text=True)
