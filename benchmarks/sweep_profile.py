@@ -92,6 +92,8 @@ def start_job(inner=jobs.probe_job):
     return job
 jobs.probe_job = start_job()
 os.environ.setdefault("DPPROBE_STORED_PROGRAMS", "1")  # as the console script (cli.entry)
+import gc
+gc.set_threshold(100_000, *gc.get_threshold()[1:])  # as the console script (cli.entry)
 code = cli.main(sys.argv[1:])
 sys.stdout.flush()
 end_wall, end_cpu = time.perf_counter(), cpu()
