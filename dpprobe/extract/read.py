@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpprobe.extract.read_local import load_local_split
 from dpprobe.extract.store import open_split
 from dpprobe.extract.verify import check_chunk_sums
 from dpprobe.extract.zarr_io import DamagedStoreError, StorePath, first_line
@@ -33,17 +34,25 @@ def load_split(store: StorePath, split: str,
     `dtype=None` keeps the stored dtype (a float16 cache stays half the size). Every chunk's
     sha256 is checked against the one recorded when it was written. The features start on a
     64-byte boundary, so that JAX's CPU client can use them without a copy.
+
+    A complete local split in the writer's layout is read without importing Zarr
+    (`extract.read_local`); any other, or one whose files that read cannot use, through Zarr.
     """
-    group = open_split(store, split)
-    stored = group["features"]
-    features = _aligned_empty(stored.shape, stored.dtype)
-    labels = np.empty(stored.shape[:1], np.int32)
-    _read_into(store, group, features, labels)
+    local = load_local_split(store, split, _aligned_empty)
+    if local is not None:
+        features, labels, attrs = local
+    else:
+        group = open_split(store, split)
+        stored = group["features"]
+        features = _aligned_empty(stored.shape, stored.dtype)
+        labels = np.empty(stored.shape[:1], np.int32)
+        _read_into(store, group, features, labels)
+        attrs = dict(group.attrs)
     if dtype is not None and np.dtype(dtype) != features.dtype:
         converted = _aligned_empty(features.shape, dtype)
         converted[...] = features
         features = converted
-    return features, labels, dict(group.attrs)
+    return features, labels, attrs
 
 
 def _read_into(store: StorePath, group: zarr.Group, features: np.ndarray,

@@ -106,3 +106,61 @@ def test_a_chunk_of_the_wrong_size_is_read_by_zarr_and_named(tmp_path, rng):
                                                                                  3, 1))
     with pytest.raises(extract.DamagedStoreError, match=r"train/features: chunk 1 \(rows 64:128\)"):
         extract.load_split(str(store), "train")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_local_split_is_read_without_zarr_bit_for_bit(tmp_path, rng, monkeypatch, dtype):
+    # The writer's layout on local disk: read from its files (`extract.read_local`), every
+    # chunk's sha256 checked, the padded last chunk cut; Zarr is never opened.
+    from dpprobe.extract import read
+
+    store = str(tmp_path / "s.zarr")
+    complete_store(store, rng, dtype=dtype)
+    group = zarr.open_group(store, mode="r")["train"]
+    expected, expected_labels = group["features"][:], group["labels"][:]
+    attrs = dict(group.attrs)
+
+    def no_zarr(*args, **kwargs):
+        raise AssertionError("the local split was opened through Zarr")
+
+    monkeypatch.setattr(read, "open_split", no_zarr)
+    loaded, labels, loaded_attrs = extract.load_split(store, "train", dtype=None)
+    assert loaded.dtype == np.dtype(dtype) and loaded.ctypes.data % 64 == 0
+    unsigned = f"u{loaded.dtype.itemsize}"
+    np.testing.assert_array_equal(loaded.view(unsigned), expected.view(unsigned))
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels, expected_labels)
+    assert loaded_attrs == attrs
+    # A changed label is refused too: the sha256 covers the chunk's labels.
+    zarr.open_group(store, mode="a")["train/labels"][299] = (expected_labels[299] + 1) % 4
+    with pytest.raises(extract.DamagedStoreError,
+                       match=r"train/features: chunk 4 \(rows 256:300\) differs from the sha256"):
+        extract.load_split(store, "train")
+
+
+@pytest.mark.parametrize("damage", ["labels chunk", "sha256 chunk", "not done", "metadata"])
+def test_a_split_the_local_read_cannot_use_is_read_by_zarr(tmp_path, rng, damage):
+    # Anything outside the writer's layout or invariants: the local read declines (None), and
+    # Zarr's read names what is wrong.
+    from dpprobe.extract import read_local
+
+    store = tmp_path / "s.zarr"
+    complete_store(str(store), rng)
+    train = store / "train"
+    if damage == "labels chunk":
+        (train / "labels" / "c" / "2").write_bytes(b"garbage")
+        match = r"train/labels: chunk 2 \(rows 128:192\) is unreadable"
+    elif damage == "sha256 chunk":
+        (train / "chunk_sha256" / "c" / "3" / "0").unlink()
+        match = r"chunk_sha256: chunk 3 \(file c/3/0\) is missing"
+    elif damage == "not done":
+        # 0 is the fill value: Zarr removes the chunk's file, and the split refuses it.
+        zarr.open_group(str(store), mode="a")["train/chunks_done"][1] = 0
+        match = r"chunks_done: chunk 1 \(file c/1\) is missing"
+    else:
+        meta = (train / "labels" / "zarr.json").read_text()
+        (train / "labels" / "zarr.json").write_text(meta.replace('"int32"', '"int64"'))
+        match = r"train/labels/zarr.json says int64"
+    assert read_local.load_local_split(str(store), "train", np.empty) is None
+    with pytest.raises(extract.DamagedStoreError, match=match):
+        extract.load_split(str(store), "train")

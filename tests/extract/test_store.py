@@ -61,3 +61,17 @@ def test_store_paths_may_be_path_objects(tmp_path, rng):
     assert extract.local_split_attrs(store, "train")["num_examples"] == 300
     np.testing.assert_array_equal(extract.load_split(store, "train")[0], features)
     assert extract.store_summary(store)["splits"]["train"]["chunks_done"] == 5
+
+
+def test_the_chunk_checksum_is_the_sha256_of_the_recorded_bytes(rng):
+    # The format of every store ever written: sha256 over dtype, shape and C-order bytes of the
+    # features, then of the int32 labels. Hashing the buffer in place (no `tobytes` copy) must
+    # give the same digest, also for a strided view.
+    import hashlib
+
+    features = rng.normal(size=(64, 2, 7)).astype(np.float16)[:, 1, :]  # not contiguous
+    labels = rng.integers(0, 4, size=64)  # int64: hashed as int32
+    expected = hashlib.sha256()
+    for array in (np.ascontiguousarray(features), labels.astype(np.int32)):
+        expected.update(f"{array.dtype.str}{array.shape}".encode() + array.tobytes())
+    assert extract.chunk_checksum(features, labels) == expected.digest()
