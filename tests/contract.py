@@ -352,6 +352,13 @@ class ModelFamilyContract:
     timm_kwargs: dict = {}  # more `timm.create_model` arguments (a tiny config of the family)
     perturb_std = 0.0  # Gaussian noise added to every timm parameter (zero-initialized tables)
 
+    @classmethod
+    def timm_model(cls, timm):
+        """The timm model under test, its classifier `NUM_CLASSES` wide; a subclass may build
+        a smaller member of the family through timm's own generator."""
+        return timm.create_model(cls.timm_name, pretrained=False, num_classes=NUM_CLASSES,
+                                 **cls.timm_kwargs)
+
     @pytest.fixture(scope="class")
     @classmethod
     def family(cls):
@@ -362,8 +369,7 @@ class ModelFamilyContract:
         from dpprobe.finetune.models import model_from_timm
 
         torch.manual_seed(0)
-        timm_model = timm.create_model(cls.timm_name, pretrained=False,
-                                       num_classes=NUM_CLASSES, **cls.timm_kwargs).eval()
+        timm_model = cls.timm_model(timm).eval()
         randomize_batchnorm(timm_model, 1)
         with torch.no_grad():
             for param in timm_model.parameters():
