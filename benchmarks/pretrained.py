@@ -7,7 +7,8 @@ The first `--train` images of the training split and the first `--test` of the t
 (public choices, by index) are written as npz files; every job resizes them to 64 px (bicubic)
 and makes them RGB. The probe runs with its defaults (`dpprobe probe --epsilons 3 --delta 1e-5`),
 `--runs` times on each store (each run its own noise: medians); the finetune runs `--finetune-runs`
-times per mode with `--steps` steps of the recipe's batch (default: the recipe's steps). Prints a
+times per mode with `--steps` steps of the recipe's batch (default: the recipe's steps;
+`--modes ""`: the probes alone). Prints a
 table (medians, the runs, seconds) and the load average.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/pretrained.py [--train 3000] [--test 2000]
