@@ -131,7 +131,7 @@ def _torch_model(name, side, channels):
     if name == "wrn16_4":
         return torch_models.TorchWRN(CLASSES, depth=16, width=4, in_channels=channels)
     # "vit" rows are timm ViT names (gpu.py's ViT-B/16 too); a ConvNeXt takes any size
-    size = {"img_size": side} if name.startswith(("vit", "deit")) else {}
+    size = {"img_size": side} if name.startswith(("vit", "deit", "beit")) else {}
     return timm.create_model(name, pretrained=False, num_classes=CLASSES, in_chans=channels,
                              **size)
 
