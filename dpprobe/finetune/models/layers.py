@@ -29,8 +29,8 @@ from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
            "arrays_into_timm", "batchnorm_from_torch", "conv_from_torch", "conv_pads",
-           "conv_patches", "depthwise", "is_identity", "linear_from_torch", "same_padding",
-           "timm_builder", "timm_head", "torch_array"]
+           "conv_patches", "depthwise", "is_identity", "linear_from_torch", "padded_windows",
+           "same_padding", "timm_builder", "timm_head", "torch_array"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -78,19 +78,25 @@ def conv_pads(padding, shape, kernel: tuple[int, int], stride: int):
     return tuple(padding)
 
 
+def padded_windows(x: jax.Array, kernel: tuple[int, int], stride: int, pads) -> list[jax.Array]:
+    """The windows of NHWC `x` (leading axes kept), padded by `pads` ((top, bottom), (left,
+    right)), that a kernel's offsets (i, j) see at `stride`: kh kw arrays (..., OH, OW, C) in
+    (kh, kw) order, the columns of the im2col patches."""
+    kh, kw = kernel
+    lead = [(0, 0)] * (x.ndim - 3)
+    x = jnp.pad(x, [*lead, *pads, (0, 0)])
+    oh = (x.shape[-3] - kh) // stride + 1
+    ow = (x.shape[-2] - kw) // stride + 1
+    return [x[..., i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
+            for i in range(kh) for j in range(kw)]
+
+
 def conv_patches(module: Conv2d, x: jax.Array) -> jax.Array:
     """The im2col patches of `x` (..., H, W, C) under `module`'s kernel and padding:
     (..., OH, OW, kh kw C), features ordered (kh, kw, c) as an HWIO kernel flattens."""
-    kh, kw = module.kernel.shape[:2]
-    stride = module.stride
-    (top, bottom), (left, right) = conv_pads(module.padding, x.shape, (kh, kw), stride)
-    lead = [(0, 0)] * (x.ndim - 3)
-    x = jnp.pad(x, [*lead, (top, bottom), (left, right), (0, 0)])
-    oh = (x.shape[-3] - kh) // stride + 1
-    ow = (x.shape[-2] - kw) // stride + 1
-    windows = [x[..., i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
-               for i in range(kh) for j in range(kw)]
-    return jnp.concatenate(windows, axis=-1)
+    kernel = module.kernel.shape[:2]
+    pads = conv_pads(module.padding, x.shape, kernel, module.stride)
+    return jnp.concatenate(padded_windows(x, kernel, module.stride, pads), axis=-1)
 
 
 class Conv2d(nnx.Module):
@@ -151,16 +157,10 @@ def depthwise(x: jax.Array, kernel: jax.Array, stride: int, pads) -> jax.Array:
     kh, kw, _, out = kernel.shape
     if out != x.shape[-1]:
         x = jnp.repeat(x, out // x.shape[-1], axis=-1)
-    lead = [(0, 0)] * (x.ndim - 3)
-    x = jnp.pad(x, [*lead, *pads, (0, 0)])
-    oh = (x.shape[-3] - kh) // stride + 1
-    ow = (x.shape[-2] - kw) // stride + 1
-    y = None
-    for i in range(kh):
-        for j in range(kw):
-            term = (x[..., i:i + stride * (oh - 1) + 1:stride,
-                      j:j + stride * (ow - 1) + 1:stride, :] * kernel[i, j, 0])
-            y = term if y is None else y + term
+    windows = padded_windows(x, (kh, kw), stride, pads)
+    y = windows[0] * kernel[0, 0, 0]
+    for index, window in enumerate(windows[1:], start=1):
+        y = y + window * kernel[index // kw, index % kw, 0]
     return y
 
 

@@ -157,13 +157,9 @@ def _depthwise_input_grads(module, x, b):
     if out != images.shape[-1]:  # channel multiplier m: output o reads input o // m
         images = jnp.repeat(images, out // images.shape[-1], axis=-1)
     pads = layers.conv_pads(module.padding, images.shape, (kh, kw), module.stride)
-    images = jnp.pad(images, [(0, 0), *pads, (0, 0)])
-    s = module.stride
-    oh = (images.shape[1] - kh) // s + 1
-    ow = (images.shape[2] - kw) // s + 1
-    g = b.reshape(images.shape[0], oh, ow, out)
-    taps = [(images[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] * g).reshape(
-        n, -1, out).sum(axis=1) for i in range(kh) for j in range(kw)]
+    windows = layers.padded_windows(images, (kh, kw), module.stride, pads)
+    g = b.reshape(*windows[0].shape[:3], out)
+    taps = [(window * g).reshape(n, -1, out).sum(axis=1) for window in windows]
     return {"kernel": jnp.stack(taps, axis=1).reshape(n, kh, kw, 1, out)}
 
 
