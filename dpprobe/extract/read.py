@@ -7,10 +7,7 @@ Every read checks each chunk against the sha256 recorded when it was written
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import os
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -68,8 +65,7 @@ def _read_into(store: StorePath, group: zarr.Group, features: np.ndarray,
                                 f"their attributes say {features.dtype} {features.shape}")
     rows = stored.chunks[0]
     try:
-        if not _decode_local_chunks(stored, features):
-            stored.get_basic_selection(Ellipsis, out=NDBuffer.from_numpy_array(features))
+        stored.get_basic_selection(Ellipsis, out=NDBuffer.from_numpy_array(features))
         labels[...] = group["labels"][:]
     except Exception:  # noqa: BLE001 - find the chunk that fails, and name it
         for name, array in (("features", stored), ("labels", group["labels"])):
@@ -81,66 +77,6 @@ def _read_into(store: StorePath, group: zarr.Group, features: np.ndarray,
                                       err) from err
         raise
     check_chunk_sums(where, np.asarray(group["chunk_sha256"][:]), features, labels, rows)
-
-
-def _decode_local_chunks(stored: zarr.Array, features: np.ndarray) -> bool:
-    """Decode a local array's chunk files straight into `features`, each file read whole and
-    decompressed in place: Zarr decodes every chunk into a buffer of its own, then copies it,
-    and on this project's 2-core VM, where first touching fresh memory cost 1-3.5 ms per MB,
-    that second 77 MB took a cold read of the 40-run sweep's 50,000 x 768 float16 split
-    (sha256 check included) from 0.32-0.35 s to 0.40-0.53 s.
-
-    Only the layout `SplitWriter` writes: a local Zarr v3 array, row chunks spanning the
-    trailing axes, codecs (bytes in this machine's byte order, blosc); every chunk must decode
-    to exactly its size. False for anything else: Zarr then reads the whole array (and names a
-    chunk it cannot read). The sha256 check after the read is the same either way.
-
-    Args:
-      stored: the split's features array.
-      features: the destination (C-contiguous, the array's shape and dtype).
-
-    Returns:
-      Whether every chunk was decoded here.
-    """
-    from zarr.codecs import BloscCodec, BytesCodec
-    from zarr.storage import LocalStore
-
-    codecs = getattr(stored.metadata, "codecs", ())
-    rows = stored.chunks[0]
-    if not (isinstance(stored.store, LocalStore) and stored.shards is None
-            and tuple(stored.chunks[1:]) == features.shape[1:] and features.flags.c_contiguous
-            and len(codecs) == 2 and isinstance(codecs[0], BytesCodec)
-            and isinstance(codecs[1], BloscCodec)
-            and (features.dtype.itemsize == 1 or codecs[0].endian is not None
-                 and codecs[0].endian.value == sys.byteorder)):
-        return False
-    from numcodecs import blosc
-
-    row_bytes = features[:1].nbytes
-    root = os.path.join(str(stored.store.root), stored.path)
-
-    def decode(start: int) -> bool:
-        key = stored.metadata.encode_chunk_key((start // rows,) + (0,) * (features.ndim - 1))
-        with open(os.path.join(root, key), "rb") as file:
-            data = file.read()
-        # Blosc's header: the decoded size at bytes 4-8, the frame's own size at 12-16.
-        if (len(data) < 16 or int.from_bytes(data[4:8], "little") != rows * row_bytes
-                or int.from_bytes(data[12:16], "little") != len(data)):
-            return False
-        if start + rows <= len(features):
-            blosc.decompress(data, features[start:start + rows])
-        else:  # the last chunk is stored whole, padded past the split's end
-            whole = np.empty((rows, *features.shape[1:]), features.dtype)
-            blosc.decompress(data, whole)
-            features[start:] = whole[:len(features) - start]
-        return True
-
-    starts = range(0, len(features), rows)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            return all(pool.map(decode, starts))  # blosc releases the GIL while it decodes
-    except Exception:  # noqa: BLE001 - Zarr reads it instead and names what is wrong
-        return False
 
 
 def iter_split_chunks(
