@@ -32,20 +32,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions", "shifted_windows"]
+__all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions", "padded_windows",
+           "shifted_windows"]
 
 _IM2COL = contextvars.ContextVar("im2col_convolutions", default=False)
 
 
+def padded_windows(x: jax.Array, kernel: tuple[int, int], stride: int,
+                   pads) -> list[jax.Array]:
+    """The windows of NHWC `x` (leading axes kept), padded by `pads` ((top, bottom), (left,
+    right)), that a kernel's offsets (i, j) see at `stride`: kh kw arrays (..., OH, OW, C) in
+    (kh, kw) order, the columns of the im2col patches."""
+    kh, kw = kernel
+    lead = [(0, 0)] * (x.ndim - 3)
+    x = jnp.pad(x, [*lead, *pads, (0, 0)])
+    oh = (x.shape[-3] - kh) // stride + 1
+    ow = (x.shape[-2] - kw) // stride + 1
+    return [x[..., i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
+            for i in range(kh) for j in range(kw)]
+
+
 def shifted_windows(x: jax.Array, size: int, stride: int, padding: int) -> list[jax.Array]:
-    """The inputs that a `size` x `size` kernel's offsets (i, j) see in NHWC `x`, padded:
-    size^2 arrays (N, OH, OW, C) in (kh, kw) order, the columns of `im2col`."""
-    _, h, w, _ = x.shape
-    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    oh = (h + 2 * padding - size) // stride + 1
-    ow = (w + 2 * padding - size) // stride + 1
-    return [x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
-            for i in range(size) for j in range(size)]
+    """The inputs that a `size` x `size` kernel's offsets (i, j) see in NHWC `x`, padded by
+    `padding` on every side: size^2 arrays (N, OH, OW, C) in (kh, kw) order, the columns of
+    `im2col`."""
+    return padded_windows(x, (size, size), stride, ((padding, padding), (padding, padding)))
 
 
 def im2col(x: jax.Array, size: int, stride: int, padding: int) -> jax.Array:

@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpprobe.finetune.models._conv import padded_windows
 from dpprobe.finetune.models.common import zero_head
 
 __all__ = ["ACTIVATIONS", "Conv2d", "FrozenBatchNorm", "GroupedConv2d", "activation_name",
            "arrays_into_timm", "batchnorm_from_torch", "conv_from_torch", "conv_pads",
-           "conv_patches", "depthwise", "is_identity", "linear_from_torch", "padded_windows",
-           "same_padding", "timm_builder", "timm_head", "torch_array"]
+           "conv_patches", "depthwise", "is_identity", "linear_from_torch", "same_padding",
+           "timm_builder", "timm_head", "torch_array"]
 
 ACTIVATIONS = {
     "identity": lambda x: x,
@@ -76,19 +77,6 @@ def conv_pads(padding, shape, kernel: tuple[int, int], stride: int):
     if padding == "same":
         return tuple(same_padding(shape[-3 + i], kernel[i], stride) for i in range(2))
     return tuple(padding)
-
-
-def padded_windows(x: jax.Array, kernel: tuple[int, int], stride: int, pads) -> list[jax.Array]:
-    """The windows of NHWC `x` (leading axes kept), padded by `pads` ((top, bottom), (left,
-    right)), that a kernel's offsets (i, j) see at `stride`: kh kw arrays (..., OH, OW, C) in
-    (kh, kw) order, the columns of the im2col patches."""
-    kh, kw = kernel
-    lead = [(0, 0)] * (x.ndim - 3)
-    x = jnp.pad(x, [*lead, *pads, (0, 0)])
-    oh = (x.shape[-3] - kh) // stride + 1
-    ow = (x.shape[-2] - kw) // stride + 1
-    return [x[..., i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
-            for i in range(kh) for j in range(kw)]
 
 
 def conv_patches(module: Conv2d, x: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from dpprobe.dp.flax_rules import grouped_kernel_grads
 from dpprobe.dp.norm_bounds import HIGHEST
 from dpprobe.dp.taps import Rule, register_offset_layer, register_rule
 from dpprobe.finetune.models import beit, convnext, layers
-from dpprobe.finetune.models._conv import Conv, im2col, shifted_windows
+from dpprobe.finetune.models._conv import Conv, im2col, padded_windows, shifted_windows
 from dpprobe.finetune.models.bit import StdConv, standardize_std
 from dpprobe.finetune.models.layers import Conv2d, FrozenBatchNorm, GroupedConv2d, conv_patches
 from dpprobe.finetune.models.vit import Block, PatchEmbed, VisionTransformer
@@ -157,7 +157,7 @@ def _depthwise_input_grads(module, x, b):
     if out != images.shape[-1]:  # channel multiplier m: output o reads input o // m
         images = jnp.repeat(images, out // images.shape[-1], axis=-1)
     pads = layers.conv_pads(module.padding, images.shape, (kh, kw), module.stride)
-    windows = layers.padded_windows(images, (kh, kw), module.stride, pads)
+    windows = padded_windows(images, (kh, kw), module.stride, pads)
     g = b.reshape(*windows[0].shape[:3], out)
     taps = [(window * g).reshape(n, -1, out).sum(axis=1) for window in windows]
     return {"kernel": jnp.stack(taps, axis=1).reshape(n, kh, kw, 1, out)}
