@@ -309,6 +309,29 @@ def test_gaussian_noise_reaches_past_the_float32_support():
     assert abs(extremes[2]) < 1e-12 and abs(extremes[3]) < 1e-12
 
 
+def test_the_unrolled_threefry_is_the_librarys():
+    """`dp.noise._threefry_2x32` (one fusion on CPU) gives the library's threefry-2x32 bits for
+    any key and counters, so the noise is the same stream as before: the hash is the library's,
+    only its lowering differs."""
+    from jax.extend.random import threefry_2x32
+
+    from dpprobe.dp.noise import _normal_from_words, _threefry_2x32
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        key_data = jnp.asarray(rng.integers(0, 2**32, 2, dtype=np.uint32))
+        x0, x1 = (jnp.asarray(rng.integers(0, 2**32, 1000, dtype=np.uint32)) for _ in range(2))
+        ours = jax.jit(_threefry_2x32)(key_data, x0, x1)
+        library = threefry_2x32(key_data, jnp.concatenate([x0, x1])).reshape(2, -1)
+        np.testing.assert_array_equal(np.stack(ours), library)
+    key = dp.make_keys(1)[0]  # gaussian_noise hashes the counters (i, size + i)
+    with jax.enable_x64(True):
+        bits = threefry_2x32(jax.random.key_data(key), jnp.arange(2 * 999, dtype=jnp.uint32))
+        words = (bits[:999].astype(jnp.uint64) << 32) | bits[999:].astype(jnp.uint64)
+        np.testing.assert_array_equal(dp.gaussian_noise(key, 999, jnp.float64),
+                                      _normal_from_words(words))
+
+
 def test_gaussian_noise_from_any_key_kind():
     """Threefry keys (`dp.make_keys`) take one block per 64-bit word; other key kinds go through
     `jax.random.bits`: both give standard normal draws, different for different keys. The

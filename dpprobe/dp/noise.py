@@ -9,6 +9,12 @@ far above delta for a probe of 1280 x 1000 weights. `gaussian_noise` inverts a 5
 in float64 instead (support about +-8.3, endpoint mass 2^-53), then rounds to float32, or
 keeps float64 for a sum held in float64 (`add_noise`).
 
+The threefry-2x32 hash is written out here too (`_threefry_2x32`, bit-identical to
+`jax.extend.random.threefry_2x32`, which a test checks): XLA:CPU runs the library's as a rolled
+loop of five fusions, each writing its whole arrays, on one thread; unrolled, the hash, the
+words and the inverse normal cdf are one elementwise fusion. ResNet-18's 11.7M draws: 0.24 ->
+0.15 s, the hash alone 0.16 -> 0.04 s (one process, load ~1.7).
+
 Formal guarantee:
   Noise keys come from the operating system's entropy (`os.urandom`), never from
   a seed, so nobody can replay the noise; in a multi-host job process 0 draws them and
@@ -23,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.random import threefry_2x32
 
 __all__ = ["add_noise", "gaussian_noise", "make_keys", "noise_stddev"]
 
@@ -55,13 +60,32 @@ def gaussian_noise(key: jax.Array, size: int, dtype: Any = jnp.float32) -> jax.A
     if size >= 2**31:
         raise ValueError(f"one noise draw holds at most 2^31 - 1 coordinates, asked {size}")
     if str(jax.random.key_impl(key)) == "threefry2x32":  # `make_keys`: no wasted word
-        bits = threefry_2x32(jax.random.key_data(key),
-                             jnp.arange(2 * size, dtype=jnp.uint32)).reshape(2, size)
+        counters = jnp.arange(size, dtype=jnp.uint32)
+        bits = _threefry_2x32(jax.random.key_data(key), counters, counters + jnp.uint32(size))
     else:  # (jax.random.bits of uint32 spends a whole block on each 32-bit word)
         bits = jax.random.bits(key, (2, size), jnp.uint32)
     with jax.enable_x64(True):
         words = (bits[0].astype(jnp.uint64) << 32) | bits[1].astype(jnp.uint64)
         return _normal_from_words(words).astype(dtype)
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Salmon et al. 2011, Threefry-2x32
+
+
+def _threefry_2x32(key_data: jax.Array, x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, ...]:
+    """Threefry-2x32 (20 rounds) of the blocks (x0[i], x1[i]) under the key's two words, as
+    `jax.extend.random.threefry_2x32(key_data, concatenate([x0, x1]))` computes it, but
+    unrolled into elementwise operations (module docstring)."""
+    k0, k1 = key_data[0], key_data[1]
+    schedule = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = x0 + schedule[0], x1 + schedule[1]
+    for injection in range(1, 6):  # five groups of four rounds, each followed by a key injection
+        for rotation in _ROTATIONS[(injection - 1) % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << jnp.uint32(rotation)) | (x1 >> jnp.uint32(32 - rotation))) ^ x0
+        x0 = x0 + schedule[injection % 3]
+        x1 = x1 + schedule[(injection + 1) % 3] + jnp.uint32(injection)
+    return x0, x1
 
 
 def _normal_from_words(words: jax.Array) -> jax.Array:
