@@ -110,6 +110,7 @@ def _leaf_path(key_path) -> tuple:
 
 _SMALL = 2**20
 _LARGE = 2**26
+_GHOST_TIME = 3  # ghost when T^2 (d + p) < 3 d p (`layer_plan`: measured)
 
 
 def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
@@ -118,18 +119,28 @@ def layer_plan(examples: int, tokens: int, in_dim: int, out_dim: int) -> str:
     Time, multiply-adds per example (Bu et al. 2023, Table 2): the ghost norm's Gram forms cost
     T^2 (d + p) and its clipped sum (one einsum of A and the c-scaled B) T d p; instantiation
     forms g for T d p, then its norm and the c-weighted sum read g (2 d p). Both pay T d p,
-    so ghost saves time when T^2 (d + p) < d p. Space: instantiation holds n d p floats,
-    ghost 2 n T^2 (ghost saves space when 2 T^2 < p d). Ghost when it saves space and either
-    time too (few tokens: a ViT at 32 px, T = 5, measured 216 ms per batch against 1,211 with
-    every layer instantiated) or the gradients would exceed 2^26 floats; instantiation when
-    they are small (n d p <= 2^20) or time favours it (a ViT at 224 px, T = 197; the small
-    CNN's second convolution, T = 25, d = 256, p = 32: its clipped sum 22.2 -> 20.5 ms per
-    batch of 256). (The rule before compared T (d + p) with d p, charging the Gram forms
-    against forming g and forgetting the ghost's own einsum.)"""
+    which that count then cancels; but they do not pay it alike: instantiation forms g as n
+    small matmuls with T-long contractions and writes n d p floats that two passes read again,
+    where the ghost's clipped sum is one matmul over all n T rows. So ghost saves time when
+    T^2 (d + p) < 3 d p, a factor measured on the layers near it (one physical batch's clipped
+    sum over the plain gradient, plans alternated in one process, medians of 7): ResNet-18's
+    stage-2 3 x 3 convolutions at 32 px (T = 16, ratio 2.2 and 2.4) 1.33 -> 1.13 of the plain
+    gradient with ghost; Lite0's 1 x 1 convolutions at 64 px (T = 16, ratio 2.7-2.8) 0.96 ->
+    0.87; but ConvNeXt-atto's stage-2 MLP layers at 32 px (ratio 4.0-4.8) 1.49 -> 1.58 and
+    ResNet-18's 1 x 1 shortcut (ratio 6) no better, so they stay instantiated. Space:
+    instantiation holds n d p floats, ghost 2 n T^2 (ghost saves space when 2 T^2 < p d).
+    Ghost when it saves space and either time too (few tokens: a ViT at 32 px, T = 5,
+    measured 216 ms per batch against 1,211 with every layer instantiated) or the gradients
+    would exceed 2^26 floats; instantiation when they are small (n d p <= 2^20) or time
+    favours it (a ViT at 224 px, T = 197; the small CNN's second convolution, T = 25,
+    d = 256, p = 32, ratio 22: its clipped sum 22.2 -> 20.5 ms per batch of 256). (The rule
+    before compared T (d + p) with d p, charging the Gram forms against forming g and
+    forgetting the ghost's own einsum.)"""
     gradients = examples * in_dim * out_dim
     if gradients <= _SMALL or 2 * tokens * tokens >= in_dim * out_dim:
         return "instantiate"
-    if tokens * tokens * (in_dim + out_dim) < in_dim * out_dim or gradients > _LARGE:
+    if (tokens * tokens * (in_dim + out_dim) < _GHOST_TIME * in_dim * out_dim
+            or gradients > _LARGE):
         return "ghost"
     return "instantiate"
 

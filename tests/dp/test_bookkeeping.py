@@ -235,8 +235,14 @@ def test_patches_wait_for_the_output_gradient():
     (4, 1, 512, 32, "instantiate"),  # small gradients (n d p <= 2^20)
     (64, 40, 2048, 2048, "ghost"),  # time favours instantiation, but n d p > 2^26 floats
     (1024, 64, 64, 64, "instantiate"),  # 2 T^2 >= d p: the Grams would outgrow the gradients
+    (256, 16, 1152, 128, "ghost"),  # ResNet-18's stage 2 at 32 px: T^2 (d + p) = 2.2 d p
+    (64, 16, 672, 112, "ghost"),  # Lite0's 1 x 1 at 64 px: 2.7 d p
+    (256, 16, 80, 320, "instantiate"),  # ConvNeXt-atto's stage-2 MLP at 32 px: 4.0 d p
+    (256, 16, 64, 128, "instantiate"),  # ResNet-18's 1 x 1 shortcut: 6 d p
 ])
 def test_layer_plan_charges_both_forms_their_whole_cost(n, tokens, d, p, plan):
-    """Ghost iff it saves space and either time, T^2 (d + p) < d p (its Gram forms against
-    the norm and sum of formed gradients; both pay T d p), or 2^26 floats of gradients."""
+    """Ghost iff it saves space and either time, T^2 (d + p) < 3 d p (its Gram forms against
+    the norm and sum of formed gradients, which both pay T d p but instantiation in n small
+    matmuls and n d p floats written and read: the factor is measured), or 2^26 floats of
+    gradients."""
     assert dp.bookkeeping.layer_plan(n, tokens, d, p) == plan
