@@ -339,6 +339,19 @@ def randomize_batchnorm(timm_model, seed: int) -> None:
                 module.bias.copy_(0.1 * torch.randn(c, generator=gen))
 
 
+def perturb_layer_scales(timm_model, seed: int) -> None:
+    """A ConvNeXt's layer scales (`gamma`) drawn in [0.5, 1.5]: timm's init of 1e-6 scales
+    each block's output, and so every gradient inside the block, by 1e-6, far below the
+    contract's 1e-5 relative tolerance (a wrong rule inside a block would pass)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in timm_model.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+
+
 class ModelFamilyContract:
     """Subclass and set `timm_name` (a timm model of a family `finetune.models` converts) and
     `image_size`: the family's NNX model (`model_from_timm`, timm's random init with random

@@ -10,6 +10,7 @@ from tests.contract import (
     ClipperContract,
     ModelFamilyContract,
     TrainerContract,
+    perturb_layer_scales,
     probe_loss,
 )
 
@@ -182,7 +183,14 @@ class TestBeitSharedTable(ModelFamilyContract):
 
 class TestConvNeXtAtto(ModelFamilyContract):
     """timm's convnext_atto, every block, at 2/5 of its width: depthwise 7 x 7, LayerNorm,
-    1 x 1-convolution MLP, layer scale."""
+    1 x 1-convolution MLP, layer scales drawn near 1 (so every block's parameters carry
+    gradient). The dense-MLP form is tests/finetune/test_convnext.py's TestSmallConvNeXt."""
 
     timm_name = "convnext_atto"
     timm_kwargs = {"dims": (16, 32, 64, 128)}  # convnext_atto's own argument: (40, 80, 160, 320)
+
+    @classmethod
+    def timm_model(cls, timm):
+        model = super().timm_model(timm)
+        perturb_layer_scales(model, 5)
+        return model

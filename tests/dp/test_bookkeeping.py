@@ -64,13 +64,15 @@ def _flat(grads) -> np.ndarray:
                                         ("vit", None), ("vit", True), ("scatter", None),
                                         ("scatter_linear", None)])
 def test_equals_per_example_clipping_with_views_and_padding(name, ghost):
-    """K = 2 views, two padding rows: the clipped sums agree within 1e-5 relative unclipped;
-    clipped, the book-keeping norms are upper bounds within 1e-5 (instantiated) or 1e-3
-    (ghost: the Gram form's float32 rounding bound, `dp.bookkeeping`) of the exact ones, and
-    the sums agree within that much."""
+    """K = 2 views, five padding rows: the clipped sums agree within 1e-5 relative
+    unclipped; clipped, the book-keeping norms are upper bounds within 1e-5 (instantiated) or
+    1e-3 (ghost: the Gram form's float32 rounding bound, `dp.bookkeeping`) of the exact ones,
+    and the sums agree within that much. The batch has the 11 rows of the leave-one-out test
+    below (`_adversarial`): its book-keeping programs, of the same shapes, are then loaded
+    from the tests' compilation cache, not compiled again."""
     params, ours, reference, shape = _clippers(name, ghost)
     rng = np.random.default_rng(0)
-    n = 8
+    n = 11
     x = jnp.asarray(rng.normal(size=(n, 2, *shape)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, CLASSES, n))
     mask = jnp.asarray((np.arange(n) < 6).astype(np.float32))

@@ -250,13 +250,15 @@ CNN = dict(data="digits", model="cnn", resize=16, epsilon=2.0, delta=DELTA, batc
 @pytest.mark.slow
 @pytest.mark.usefixtures("recompiled")
 def test_the_cnn_on_digits_job_without_noise_on_its_coordinates_is_refuted(monkeypatch):
-    """The real job (the CNN on digits at 16 px, epsilon 2, 5,000 canaries, 60 steps to be
+    """The real job (the CNN on digits at 16 px, epsilon 2, 5,000 canaries, 20 steps to be
     quick; correct runs' numbers: benchmarks/finetune_audit.py) with the noise dropped on the
     model's coordinates (kept on any leaf that is not the model's: the separate canary block
     the audit once read, which passed it): refuted, and the model says it is an audit
-    artefact."""
+    artefact. The lower bound (claim 2): 3.06 in each of two runs at 20 steps (75 guesses),
+    2.64 at 60 steps (50 guesses); a correct run (noise kept) at 20 steps: 0.42, not
+    refuted."""
     monkeypatch.setattr(dp.optimizers, "add_noise", _noise_off_the_model(dp.optimizers.add_noise))
-    results = run_finetune(**CNN, steps=60)
+    results = run_finetune(**CNN, steps=20)
     assert results["audit"]["refuted"], results["audit"]
     assert results["model"]["audit_artefact"] is True
     assert results["audit"]["model_is_audit_artefact"]
