@@ -36,6 +36,7 @@ chunk by chunk, and `extract.verify` checks a whole store (`dpprobe verify`).
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import math
 import os
@@ -141,12 +142,32 @@ def check_out_path(store: StorePath) -> bool:
     entries = [name for name in os.listdir(path) if not name.startswith(".dpprobe-")]
     if not entries:
         return False
-    root = read_json(os.path.join(path, "zarr.json"))
+    root = _root_metadata(path)
     if root is None or (root.get("attributes") or {}).get("format") != FORMAT:
         what = "a Zarr store not written by dpprobe" if root is not None else "a folder"
         raise ValueError(f"`out` {path} is {what} (not a dpprobe feature store); dpprobe only "
                          "writes into a new path or its own store: give another `out`")
     return True
+
+
+CREATE_LOCK = ".dpprobe-create.lock"  # `extract.SplitWriter` creates a store's root under it
+
+
+def _root_metadata(path: str) -> dict | None:
+    """A local store's root zarr.json, read again under the writers' creation lock when it
+    does not look like ours yet: a shard started beside another may find the root that the
+    other has written but not yet given its attributes (two writes, under that lock)."""
+    root = read_json(os.path.join(path, "zarr.json"))
+    lock = os.path.join(path, CREATE_LOCK)
+    if (root is not None and (root.get("attributes") or {}).get("format") == FORMAT) or (
+            not os.path.isfile(lock)):
+        return root
+    with open(lock) as handle:  # only read: never a file in a folder dpprobe did not make
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            return read_json(os.path.join(path, "zarr.json"))
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def store_identity(attrs: dict) -> dict:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpprobe.extract.store import (
+    CREATE_LOCK,
     FEATURE_DTYPES,
     FORMAT,
     FORMAT_VERSION,
@@ -124,12 +125,9 @@ def _creation_lock(store: StorePath) -> Iterator[None]:
     if not is_local(store):
         yield  # object stores: create the split before launching shards (as --ray does)
         return
-    with open(os.path.join(store, ".dpprobe-create.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with open(os.path.join(store, CREATE_LOCK), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+        yield
 
 
 class SplitWriter:

@@ -75,3 +75,34 @@ def test_the_chunk_checksum_is_the_sha256_of_the_recorded_bytes(rng):
     for array in (np.ascontiguousarray(features), labels.astype(np.int32)):
         expected.update(f"{array.dtype.str}{array.shape}".encode() + array.tobytes())
     assert extract.chunk_checksum(features, labels) == expected.digest()
+
+
+def test_a_shard_waits_for_a_root_another_shard_is_creating(tmp_path):
+    """`SplitWriter` writes a new store's root zarr.json, then its attributes, under the
+    creation lock; a shard started beside it (`check_out_path`) must not take the root without
+    dpprobe's attributes for a foreign store (three shards started together failed so)."""
+    import fcntl
+    import json
+    import threading
+
+    from dpprobe.extract.store import CREATE_LOCK, FORMAT
+
+    store = tmp_path / "s.zarr"
+    store.mkdir()
+    root = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+    (store / "zarr.json").write_text(json.dumps(root))
+    results = []
+    with open(store / CREATE_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # the creating shard, between its two writes
+        checker = threading.Thread(target=lambda: results.append(extract.check_out_path(store)))
+        checker.start()
+        checker.join(0.5)
+        assert checker.is_alive() and not results  # it waits for the creator
+        root["attributes"] = {"format": FORMAT}
+        (store / "zarr.json").write_text(json.dumps(root))
+    checker.join(10)
+    assert results == [True]
+    (store / CREATE_LOCK).unlink()  # no creation under way: a foreign root is refused at once
+    (store / "zarr.json").write_text(json.dumps({**root, "attributes": {}}))
+    with pytest.raises(ValueError, match="not written by dpprobe"):
+        extract.check_out_path(store)
