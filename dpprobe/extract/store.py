@@ -143,7 +143,7 @@ def check_out_path(store: StorePath) -> bool:
     if not entries:
         return False
     root = _root_metadata(path)
-    if root is None or (root.get("attributes") or {}).get("format") != FORMAT:
+    if not _ours(root):
         what = "a Zarr store not written by dpprobe" if root is not None else "a folder"
         raise ValueError(f"`out` {path} is {what} (not a dpprobe feature store); dpprobe only "
                          "writes into a new path or its own store: give another `out`")
@@ -159,8 +159,7 @@ def _root_metadata(path: str) -> dict | None:
     other has written but not yet given its attributes (two writes, under that lock)."""
     root = read_json(os.path.join(path, "zarr.json"))
     lock = os.path.join(path, CREATE_LOCK)
-    if (root is not None and (root.get("attributes") or {}).get("format") == FORMAT) or (
-            not os.path.isfile(lock)):
+    if _ours(root) or not os.path.isfile(lock):
         return root
     with open(lock) as handle:  # only read: never a file in a folder dpprobe did not make
         fcntl.flock(handle, fcntl.LOCK_SH)
@@ -168,6 +167,11 @@ def _root_metadata(path: str) -> dict | None:
             return read_json(os.path.join(path, "zarr.json"))
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ours(root: dict | None) -> bool:
+    """Whether a root zarr.json's attributes name dpprobe's store format."""
+    return root is not None and (root.get("attributes") or {}).get("format") == FORMAT
 
 
 def store_identity(attrs: dict) -> dict:
