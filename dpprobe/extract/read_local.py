@@ -23,9 +23,9 @@ import sys
 
 import numpy as np
 
-from dpprobe.extract.store import FORMAT, chunk_checksum
+from dpprobe.extract.store import chunk_checksum, local_split_attrs
 from dpprobe.extract.verify import check_chunk_sums
-from dpprobe.extract.zarr_io import StorePath, is_local, read_json
+from dpprobe.extract.zarr_io import StorePath, read_json
 
 __all__ = ["load_local_split"]
 
@@ -48,17 +48,10 @@ def load_local_split(store: StorePath, split: str, aligned_empty
     Raises:
       DamagedStoreError: a chunk decodes but differs from the sha256 recorded for it.
     """
-    if not is_local(store):
+    attrs = local_split_attrs(store, split)  # None for a URL too
+    if attrs is None:
         return None
     base = os.path.join(os.fspath(store), split)
-    root = read_json(os.path.join(os.fspath(store), "zarr.json"))
-    group = read_json(os.path.join(base, "zarr.json"))
-    if root is None or group is None or group.get("node_type") != "group":
-        return None
-    attrs = group.get("attributes")
-    if (not isinstance(attrs, dict) or (root.get("attributes") or {}).get("format") != FORMAT
-            or attrs.get("complete") is not True):
-        return None
     try:
         num_rows = int(attrs["num_examples"])
         row_shape = tuple(int(v) for v in attrs["feature_shape"])

@@ -349,9 +349,9 @@ def local_split_attrs(store: StorePath, split: str) -> dict | None:
     group = read_json(os.path.join(store, split, "zarr.json"))
     if root is None or group is None:
         return None
-    attrs = group.get("attributes") or {}
-    if ((root.get("attributes") or {}).get("format") != FORMAT
-            or group.get("node_type") != "group" or attrs.get("complete") is not True):
+    attrs = group.get("attributes")
+    if (not _ours(root) or group.get("node_type") != "group" or not isinstance(attrs, dict)
+            or attrs.get("complete") is not True):
         return None
     return attrs
 
