@@ -52,6 +52,42 @@ def test_convolution_and_batchnorm_match_torch(cin, cout, k, stride, groups, sam
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("side,k,stride,same", [(1, 3, 1, False), (2, 3, 1, False),
+                                               (2, 3, 2, False), (2, 3, 2, True),
+                                               (4, 5, 1, True), (3, 3, 1, False)])
+def test_an_input_smaller_than_the_kernel_is_convolved_as_torch_does(side, k, stride, same):
+    """Inputs smaller than the kernel (1 x 1 and 2 x 2 under 3 x 3, 4 x 4 under 5 x 5) take
+    patches @ kernel (`_conv.smaller_than_kernel`), larger ones XLA's convolution: both give
+    torch's output, and `_conv.conv2d` gives `jax.lax.conv_general_dilated`'s output and
+    gradients."""
+    from dpprobe.finetune.models._conv import conv2d, smaller_than_kernel
+
+    assert smaller_than_kernel((2, side, side, 8), (k, k)) == (side < k)
+    conv = _torch_conv(8, 16, k, stride, 1, same)
+    x = torch.randn(3, 8, side, side)
+    with torch.no_grad():
+        expected = conv(x).numpy().transpose(0, 2, 3, 1)
+    ours = conv_from_torch(conv)(jnp.asarray(x.numpy().transpose(0, 2, 3, 1)))
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+
+    rng = np.random.default_rng(side)
+    x = jnp.asarray(rng.normal(size=(3, side, side, 8)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(k, k, 8, 16)), jnp.float32)
+    pad = k // 2
+
+    def xla(x, kernel):
+        return jax.lax.conv_general_dilated(x, kernel, (stride, stride), [(pad, pad)] * 2,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    ours, ours_vjp = jax.vjp(lambda a, b: conv2d(a, b, stride, pad), x, kernel)
+    theirs, theirs_vjp = jax.vjp(xla, x, kernel)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    g = jnp.asarray(rng.normal(size=theirs.shape), jnp.float32)
+    for a, b in zip(ours_vjp(g), theirs_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("channels,multiplier,k,stride,pads", [
     (5, 1, 3, 1, ((1, 1), (1, 1))), (5, 1, 5, 2, ((1, 2), (1, 2))), (4, 2, 3, 2, ((0, 1), (0, 1))),
     (3, 1, 7, 1, ((3, 3), (3, 3)))])

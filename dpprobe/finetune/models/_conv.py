@@ -20,6 +20,17 @@ the input gradients. Under `vmap(grad)` the per-example kernel gradient of
 `patches @ kernel` is a batched matmul, while JAX batches lax's as a grouped convolution with
 one group per example, which XLA:CPU runs slowly; `finetune.batch_sums.clipped_sum` therefore
 traces the per-example clipper inside `im2col_convolutions()`.
+
+An input smaller than the kernel on both sides (a ResNet's or BiT's last stages at 32 px:
+2 x 2 and 1 x 1 under 3 x 3 kernels) is always convolved as patches @ kernel
+(`smaller_than_kernel`): XLA:CPU's convolution of such inputs is slow (256 examples,
+jaxlib 0.10.2, -O3, ms, medians of 3 in one process; the gradient of a squared sum in both
+arguments):
+
+  input, kernel, channels          lax forward / gradient    patches forward / gradient
+  2 x 2, 3 x 3, 256 -> 256         167 / 355                 9.8 / 23
+  1 x 1, 3 x 3, 512 -> 512         78 / 176                  8.2 / 22
+  4 x 4, 3 x 3, 128 -> 256, s 2    3.7 / 77                  4.7 / 16   (lax kept: not smaller)
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["Conv", "conv2d", "im2col", "im2col_convolutions", "padded_windows",
-           "shifted_windows"]
+           "shifted_windows", "smaller_than_kernel"]
 
 _IM2COL = contextvars.ContextVar("im2col_convolutions", default=False)
 
@@ -75,13 +86,21 @@ def im2col_convolutions():
         _IM2COL.reset(token)
 
 
+def smaller_than_kernel(shape: tuple[int, ...], kernel: tuple[int, int]) -> bool:
+    """Whether an NHWC input of `shape` is smaller than a (kh, kw) `kernel` on both sides,
+    where patches @ kernel is the faster convolution (module docstring)."""
+    return shape[-3] < kernel[0] and shape[-2] < kernel[1]
+
+
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
     """Cross-correlation of NHWC `x` with HWIO `kernel`, `padding` zeros on each side.
 
     Output side (side + 2 padding - k) // stride + 1, as torch's Conv2d with symmetric padding.
-    `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()`.
+    `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()` and for an input
+    smaller than the kernel.
     """
-    return (_im2col_conv2d if _IM2COL.get() else _lax_conv2d)(x, kernel, stride, padding)
+    im2col_here = _IM2COL.get() or smaller_than_kernel(x.shape, kernel.shape[:2])
+    return (_im2col_conv2d if im2col_here else _lax_conv2d)(x, kernel, stride, padding)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))  # one dispatch when called eagerly
