@@ -52,17 +52,20 @@ def test_convolution_and_batchnorm_match_torch(cin, cout, k, stride, groups, sam
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("side,k,stride,same", [(1, 3, 1, False), (2, 3, 1, False),
-                                               (2, 3, 2, False), (2, 3, 2, True),
-                                               (4, 5, 1, True), (3, 3, 1, False)])
-def test_an_input_smaller_than_the_kernel_is_convolved_as_torch_does(side, k, stride, same):
-    """Inputs smaller than the kernel (1 x 1 and 2 x 2 under 3 x 3, 4 x 4 under 5 x 5) take
+@pytest.mark.parametrize("side,k,stride,same,small", [
+    (1, 3, 1, False, True), (2, 3, 1, False, True), (2, 3, 2, False, True),
+    (2, 3, 2, True, True), (4, 5, 1, True, True), (4, 3, 2, False, True), (5, 3, 2, True, False),
+    (3, 3, 1, False, False), (8, 3, 2, False, False)])
+def test_an_output_smaller_than_the_kernel_is_computed_as_torch_does(side, k, stride, same,
+                                                                      small):
+    """Outputs smaller than the kernel (1 x 1 and 2 x 2 under 3 x 3, 4 x 4 under 5 x 5) take
     patches @ kernel (`_conv.smaller_than_kernel`), larger ones XLA's convolution: both give
     torch's output, and `_conv.conv2d` gives `jax.lax.conv_general_dilated`'s output and
     gradients."""
     from dpprobe.finetune.models._conv import conv2d, smaller_than_kernel
 
-    assert smaller_than_kernel((2, side, side, 8), (k, k)) == (side < k)
+    pad = k // 2
+    assert smaller_than_kernel((2, side, side, 8), (k, k), stride, [(pad, pad)] * 2) == small
     conv = _torch_conv(8, 16, k, stride, 1, same)
     x = torch.randn(3, 8, side, side)
     with torch.no_grad():
@@ -73,7 +76,6 @@ def test_an_input_smaller_than_the_kernel_is_convolved_as_torch_does(side, k, st
     rng = np.random.default_rng(side)
     x = jnp.asarray(rng.normal(size=(3, side, side, 8)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(k, k, 8, 16)), jnp.float32)
-    pad = k // 2
 
     def xla(x, kernel):
         return jax.lax.conv_general_dilated(x, kernel, (stride, stride), [(pad, pad)] * 2,

@@ -21,16 +21,18 @@ the input gradients. Under `vmap(grad)` the per-example kernel gradient of
 one group per example, which XLA:CPU runs slowly; `finetune.batch_sums.clipped_sum` therefore
 traces the per-example clipper inside `im2col_convolutions()`.
 
-An input smaller than the kernel on both sides (a ResNet's or BiT's last stages at 32 px:
-2 x 2 and 1 x 1 under 3 x 3 kernels) is always convolved as patches @ kernel
-(`smaller_than_kernel`): XLA:CPU's convolution of such inputs is slow (256 examples,
+An output smaller than the kernel on both sides (a ResNet's or BiT's last stages at 32 px:
+2 x 2 and 1 x 1 under 3 x 3 kernels) is always computed as patches @ kernel
+(`smaller_than_kernel`): XLA:CPU's convolution is slow there (256 examples,
 jaxlib 0.10.2, -O3, ms, medians of 3 in one process; the gradient of a squared sum in both
 arguments):
 
   input, kernel, channels          lax forward / gradient    patches forward / gradient
   2 x 2, 3 x 3, 256 -> 256         167 / 355                 9.8 / 23
   1 x 1, 3 x 3, 512 -> 512         78 / 176                  8.2 / 22
-  4 x 4, 3 x 3, 128 -> 256, s 2    3.7 / 77                  4.7 / 16   (lax kept: not smaller)
+  4 x 4, 3 x 3, 128 -> 256, s 2    9.5 / 73                  4.8 / 12   (output 2 x 2)
+  3 x 3, 3 x 3, 128 -> 128         6.5 / 18                  14 / 15    (output 3 x 3: lax)
+  8 x 8, 3 x 3, 64 -> 128, s 2     6.2 / 18                  10 / 15    (output 4 x 4: lax)
 """
 
 from __future__ import annotations
@@ -86,10 +88,15 @@ def im2col_convolutions():
         _IM2COL.reset(token)
 
 
-def smaller_than_kernel(shape: tuple[int, ...], kernel: tuple[int, int]) -> bool:
-    """Whether an NHWC input of `shape` is smaller than a (kh, kw) `kernel` on both sides,
+def smaller_than_kernel(shape: tuple[int, ...], kernel: tuple[int, int], stride: int,
+                        pads) -> bool:
+    """Whether the output of a (kh, kw) `kernel` at `stride` on an NHWC input of `shape`
+    padded by `pads` ((top, bottom), (left, right)) is smaller than the kernel on both sides,
     where patches @ kernel is the faster convolution (module docstring)."""
-    return shape[-3] < kernel[0] and shape[-2] < kernel[1]
+    (top, bottom), (left, right) = pads
+    out_h = (shape[-3] + top + bottom - kernel[0]) // stride + 1
+    out_w = (shape[-2] + left + right - kernel[1]) // stride + 1
+    return out_h < kernel[0] and out_w < kernel[1]
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
@@ -99,7 +106,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Ar
     `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()` and for an input
     smaller than the kernel.
     """
-    im2col_here = _IM2COL.get() or smaller_than_kernel(x.shape, kernel.shape[:2])
+    im2col_here = _IM2COL.get() or smaller_than_kernel(x.shape, kernel.shape[:2], stride,
+                                                       [(padding, padding)] * 2)
     return (_im2col_conv2d if im2col_here else _lax_conv2d)(x, kernel, stride, padding)
 
 

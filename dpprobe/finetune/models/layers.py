@@ -91,7 +91,7 @@ class Conv2d(nnx.Module):
     """An NHWC convolution of one group: HWIO `kernel`, optional `bias`, `stride`, `padding`
     ((top, bottom), (left, right)) or "same" (TF's, from the input's size: timm's
     `Conv2dSame`). Book-keeping rule: patches times the kernel (`finetune.models.taps`).
-    An input smaller than the kernel is convolved as those patches times the kernel (faster
+    An output smaller than the kernel is computed as those patches times the kernel (faster
     on XLA:CPU, `finetune.models._conv`)."""
 
     groups = 1
@@ -105,10 +105,10 @@ class Conv2d(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel))
-        if self.groups == 1 and smaller_than_kernel(x.shape, kernel.shape[:2]):
+        pads = conv_pads(self.padding, x.shape, kernel.shape[:2], self.stride)
+        if self.groups == 1 and smaller_than_kernel(x.shape, kernel.shape[:2], self.stride, pads):
             y = conv_patches(self, x) @ kernel.reshape(-1, kernel.shape[-1])
             return y if self.bias is None else y + self.bias[...].astype(y.dtype)
-        pads = conv_pads(self.padding, x.shape, kernel.shape[:2], self.stride)
         y = jax.lax.conv_general_dilated(
             x, kernel, (self.stride, self.stride), pads,
             dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=self.groups)
