@@ -52,6 +52,17 @@ def test_convolution_and_batchnorm_match_torch(cin, cout, k, stride, groups, sam
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
 
 
+def _assert_equal_outputs_and_gradients(ours, xla, x, kernel, rng):
+    """`ours(x, kernel)` equals `xla(x, kernel)`, and so do both gradients (`jax.vjp` of a
+    random output gradient)."""
+    ours, ours_vjp = jax.vjp(ours, x, kernel)
+    theirs, theirs_vjp = jax.vjp(xla, x, kernel)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    g = jnp.asarray(rng.normal(size=theirs.shape), jnp.float32)
+    for a, b in zip(ours_vjp(g), theirs_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("side,k,stride,same,small", [
     (1, 3, 1, False, True), (2, 3, 1, False, True), (2, 3, 2, False, True),
     (2, 3, 2, True, True), (4, 5, 1, True, True), (4, 3, 2, False, True), (5, 3, 2, True, False),
@@ -82,12 +93,8 @@ def test_an_output_smaller_than_the_kernel_is_computed_as_torch_does(side, k, st
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"),
                                             precision=jax.lax.Precision.HIGHEST)
 
-    ours, ours_vjp = jax.vjp(lambda a, b: conv2d(a, b, stride, pad), x, kernel)
-    theirs, theirs_vjp = jax.vjp(xla, x, kernel)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    g = jnp.asarray(rng.normal(size=theirs.shape), jnp.float32)
-    for a, b in zip(ours_vjp(g), theirs_vjp(g), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    _assert_equal_outputs_and_gradients(lambda a, b: conv2d(a, b, stride, pad), xla, x, kernel,
+                                        rng)
 
 
 @pytest.mark.parametrize("channels,multiplier,k,stride,pads", [
@@ -109,12 +116,8 @@ def test_depthwise_by_shifted_windows_equals_xla_grouped_convolution(channels, m
                                             feature_group_count=channels,
                                             precision=jax.lax.Precision.HIGHEST)
 
-    ours, ours_vjp = jax.vjp(lambda a, b: depthwise(a, b, stride, pads), x, kernel)
-    theirs, theirs_vjp = jax.vjp(xla, x, kernel)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    g = jnp.asarray(rng.normal(size=theirs.shape), jnp.float32)
-    for a, b in zip(ours_vjp(g), theirs_vjp(g), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    _assert_equal_outputs_and_gradients(lambda a, b: depthwise(a, b, stride, pads), xla, x,
+                                        kernel, rng)
 
 
 class _Small(nnx.Module):
