@@ -103,7 +103,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Ar
     """Cross-correlation of NHWC `x` with HWIO `kernel`, `padding` zeros on each side.
 
     Output side (side + 2 padding - k) // stride + 1, as torch's Conv2d with symmetric padding.
-    `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()` and for an input
+    `jax.lax.conv_general_dilated`, or im2col inside `im2col_convolutions()` and for an output
     smaller than the kernel.
     """
     im2col_here = _IM2COL.get() or smaller_than_kernel(x.shape, kernel.shape[:2], stride,

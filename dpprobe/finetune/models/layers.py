@@ -108,10 +108,10 @@ class Conv2d(nnx.Module):
         pads = conv_pads(self.padding, x.shape, kernel.shape[:2], self.stride)
         if self.groups == 1 and smaller_than_kernel(x.shape, kernel.shape[:2], self.stride, pads):
             y = conv_patches(self, x) @ kernel.reshape(-1, kernel.shape[-1])
-            return y if self.bias is None else y + self.bias[...].astype(y.dtype)
-        y = jax.lax.conv_general_dilated(
-            x, kernel, (self.stride, self.stride), pads,
-            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=self.groups)
+        else:
+            y = jax.lax.conv_general_dilated(
+                x, kernel, (self.stride, self.stride), pads,
+                dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=self.groups)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
