@@ -123,6 +123,7 @@ def test_bound_and_estimate_on_the_exact_mechanism():
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 def test_correct_runs_are_not_refuted():
     """Audited runs of the real trainer at epsilon 2: no bound above the claim (a 95% bound
     exceeds it in at most 5% of runs; the runs below sit far under it), the estimate near."""
@@ -167,6 +168,7 @@ def _noise_skipped_on(layer: str, original):
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 @pytest.mark.usefixtures("recompiled")
 @pytest.mark.parametrize("fault", ["noise off the model", "noise skipped on dense2"])
 def test_noise_missing_on_the_models_coordinates_is_refuted(monkeypatch, fault):
@@ -179,6 +181,7 @@ def test_noise_missing_on_the_models_coordinates_is_refuted(monkeypatch, fault):
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 @pytest.mark.usefixtures("recompiled")
 @pytest.mark.parametrize("fault", ["dense1's sum unclipped", "dense2's norm left out"])
 def test_clipping_skipped_on_one_layer_is_refuted(monkeypatch, fault):
@@ -198,6 +201,7 @@ def test_clipping_skipped_on_one_layer_is_refuted(monkeypatch, fault):
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 @pytest.mark.usefixtures("recompiled")
 def test_halved_noise_is_refuted(monkeypatch):
     original = dp.noise.gaussian_noise
@@ -208,6 +212,7 @@ def test_halved_noise_is_refuted(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 def test_a_misreported_sampling_rate_is_refuted():
     """sigma calibrated (and epsilon 2 claimed) for q / 20 while the sampler draws at q.
 
@@ -248,6 +253,7 @@ CNN = dict(data="digits", model="cnn", resize=16, epsilon=2.0, delta=DELTA, batc
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 @pytest.mark.usefixtures("recompiled")
 def test_the_cnn_on_digits_job_without_noise_on_its_coordinates_is_refuted(monkeypatch):
     """The real job (the CNN on digits at 16 px, epsilon 2, 5,000 canaries, 20 steps to be

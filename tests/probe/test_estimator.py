@@ -81,6 +81,7 @@ def digits64_store(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.runtime_bound
 def test_on_64px_digits_it_scores_within_a_point_of_dpprobe_probe(digits64_store, tmp_path,
                                                                    monkeypatch):
     # One pair of runs with the same keys: the same program gives the same model (a median over
