@@ -11,7 +11,6 @@ from dpprobe.pipelines import DemoConfig, cli
 
 
 @pytest.mark.slow
-@pytest.mark.runtime_bound
 def test_demo_on_digits_shows_the_trade_off_and_reuses_its_features(tmp_path, capsys):
     argv = ["demo", "--data", "digits", "--out", str(tmp_path), "--seeds", "2"]
     assert cli.main([*argv, "--quiet"]) == 0
