@@ -282,7 +282,8 @@ def _timm_convnext():
     from timm.models.convnext import ConvNeXt
 
     torch.manual_seed(0)
-    model = ConvNeXt(num_classes=4, depths=(1, 1, 1, 1), dims=(8, 8, 8, 8), ls_init_value=1.0)
+    model = ConvNeXt(num_classes=4, depths=(1, 1, 1, 1), dims=(8, 8, 8, 8), ls_init_value=1.0,
+                     kernel_sizes=3)
     return model.eval()
 
 
