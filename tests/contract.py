@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from scipy import stats
 
 from dpprobe import accounting, dp, probe
@@ -377,7 +378,6 @@ class ModelFamilyContract:
     def family(cls):
         import timm
         import torch
-        from flax import nnx
 
         from dpprobe.finetune.models import model_from_timm
 
@@ -396,21 +396,28 @@ class ModelFamilyContract:
     def nhwc(images):
         return jnp.asarray(images.transpose(0, 2, 3, 1))
 
+    @staticmethod
+    @nnx.jit
+    def logits(model, x):
+        """The model's logits in one compiled program (run op by op, the narrow
+        EfficientNet-B0's first forward compiled hundreds of small programs: 5.8 s, jitted
+        1.3 s here)."""
+        return model(x)
+
     def test_logits_match_timm(self, family):
         import torch
 
         timm_model, model, images = family
         with torch.no_grad():
             expected = timm_model(torch.from_numpy(images)).numpy()
-        np.testing.assert_allclose(np.asarray(model(self.nhwc(images))), expected, rtol=0,
-                                   atol=1e-4)
+        np.testing.assert_allclose(np.asarray(self.logits(model, self.nhwc(images))), expected,
+                                   rtol=0, atol=1e-4)
 
     def clippers(self, model, ghost=None):
         """(trained params, the book-keeping clipper in an x64 program, the jitted per-example
         gradients `jax.vmap(jax.grad)`) of `model`; `ghost` as `dp.bookkeeping_clipper`'s.
         Built once per class and `ghost` (each compile of a whole EfficientNet costs tens of
         seconds here)."""
-        from flax import nnx
 
         cache = type(self).__dict__.get("_compiled")
         if cache is None:
@@ -436,23 +443,6 @@ class ModelFamilyContract:
         cache[ghost] = params, clipper, grads
         return cache[ghost]
 
-    def test_no_example_touches_another(self, family):
-        """Changing one example changes no other example's logits, nor (in the DP step's own
-        forward and backward pass) its gradient norm: BatchNorm is frozen."""
-        _, model, images = family
-        changed = images.copy()
-        changed[0] = 5.0 * changed[0] + 1.0
-        before, after = model(self.nhwc(images)), model(self.nhwc(changed))
-        assert not np.allclose(before[0], after[0])
-        np.testing.assert_array_equal(np.asarray(before[1:]), np.asarray(after[1:]))
-        params, clipper, _ = self.clippers(model)
-        labels = jnp.arange(self.examples) % NUM_CLASSES
-        mask = jnp.ones(self.examples, jnp.float32)
-        norms = [np.asarray(clipper(params, (self.nhwc(x), labels), jnp.float32(1.0),
-                                    mask).norms) for x in (images, changed)]
-        assert norms[0][0] != norms[1][0]
-        np.testing.assert_allclose(norms[0][1:], norms[1][1:], rtol=1e-6)
-
     def per_example(self, family, ghost):
         """(x, labels, params, the clipper, per-example gradients as float64 rows)."""
         _, model, images = family
@@ -467,39 +457,102 @@ class ModelFamilyContract:
     def flat(grads) -> np.ndarray:
         return np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
 
-    def test_clipped_sum_is_per_example_clipping(self, family):
+    @staticmethod
+    def changed(images):
+        """`images` with example 0 changed (scaled and shifted), the others as they were."""
+        changed = images.copy()
+        changed[0] = 5.0 * changed[0] + 1.0
+        return changed
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sums(cls, family):
+        """What the clipper tests check, each program compiled once for the class: the
+        per-example gradients `rows` of `jax.vmap(jax.grad)`; the clipper as the trainer runs
+        it (ghost=None) unclipped (C = inf) and at C = the median norm on the images, there on
+        `changed` ones too, and there with each example masked out in turn (`left_out`); the
+        clipper with every gradient instantiated (ghost=False) at the median and unclipped,
+        each as (norms, flattened clipped sum).
+
+        Where the two clippers lower to the same program (a family whose layers the cost
+        choice all instantiates), that one program answers both. Computed in the tests, the
+        programs were compiled 2-3 times per class: the suite drops a worker's programs
+        between tests once its memory grew 3 GiB (tests/conftest.py), and a family's
+        programs did, so the next test traced and loaded them again (ConvNeXt-Atto: 15 s). The
+        four timm classes of tests/test_contract.py: 165 -> 107 s here, one process."""
+        self = cls()
+        _, model, images = family
+        x, labels, params, _, rows = self.per_example(family, ghost=None)
+        ones = np.ones(self.examples, np.float32)
+        args = (params, (x, labels), jnp.float32(1.0), jnp.asarray(ones))
+        programs = {}
+        for ghost in (None, False):
+            lowered = self.clippers(model, ghost)[1].lower(*args)
+            text = lowered.as_text()
+            same = [p for other, p in programs.values() if other == text]
+            programs[ghost] = text, same[0] if same else lowered.compile()
+
+        def run(ghost, clip, x=x, mask=ones):
+            with jax.enable_x64(True):
+                result = programs[ghost][1](params, (x, labels), jnp.float32(clip),
+                                            jnp.asarray(mask))
+            return np.asarray(result.norms, np.float64), self.flat(result.grads)
+
+        median = float(np.median(np.linalg.norm(rows, axis=1)))
+        masks = [np.where(np.arange(self.examples) == row, 0, ones).astype(np.float32)
+                 for row in range(self.examples)]
+        return {
+            "rows": rows,
+            "median": median,
+            "trainer": {clip: run(None, clip) for clip in (np.inf, median)},
+            "changed": run(None, median, x=self.nhwc(self.changed(images))),
+            "left_out": [run(None, median, mask=mask)[1] for mask in masks],
+            "instantiated": {clip: run(False, clip) for clip in (median, np.inf)},
+        }
+
+    def test_no_example_touches_another(self, family, sums):
+        """Changing one example changes no other example's logits, nor (in the DP step's own
+        forward and backward pass) its gradient norm: BatchNorm is frozen."""
+        _, model, images = family
+        changed = self.changed(images)
+        before, after = (self.logits(model, self.nhwc(x)) for x in (images, changed))
+        assert not np.allclose(before[0], after[0])
+        np.testing.assert_array_equal(np.asarray(before[1:]), np.asarray(after[1:]))
+        norms = [sums["trainer"][sums["median"]][0], sums["changed"][0]]
+        assert norms[0][0] != norms[1][0]
+        np.testing.assert_allclose(norms[0][1:], norms[1][1:], rtol=1e-6)
+
+    def test_clipped_sum_is_per_example_clipping(self, sums):
         """Every gradient instantiated (no ghost norm): the clipped sum within 1e-5 relative of
         sum_i min(1, C / |g_i|) g_i with g_i from `jax.vmap(jax.grad)` and C the median norm
         (half the examples clipped), and at C = inf of the plain sum."""
-        x, labels, params, clipper, rows = self.per_example(family, ghost=False)
+        rows = sums["rows"]
         norms = np.linalg.norm(rows, axis=1)
-        mask = jnp.ones(self.examples, jnp.float32)
-        for clip in (float(np.median(norms)), np.inf):
+        for clip in (sums["median"], np.inf):
             expected = (np.minimum(1.0, clip / norms)[:, None] * rows).sum(0)
-            result = clipper(params, (x, labels), jnp.float32(clip), mask)
-            np.testing.assert_allclose(np.asarray(result.norms, np.float64), norms, rtol=1e-5)
-            assert (np.linalg.norm(self.flat(result.grads) - expected)
-                    <= 1e-5 * np.linalg.norm(expected))
+            ours, clipped_sum = sums["instantiated"][clip]
+            np.testing.assert_allclose(ours, norms, rtol=1e-5)
+            assert np.linalg.norm(clipped_sum - expected) <= 1e-5 * np.linalg.norm(expected)
 
-    def test_leave_one_out_moves_the_sum_by_at_most_c(self, family):
+    @staticmethod
+    def check_leave_one_out(rows, plain, full, left_out, clip):
+        """The clipper's unclipped result `plain` (norms, sum): norms are upper bounds of the
+        rows' within 1e-3 (the ghost norm's float32 rounding bound), the sum is the rows' within
+        1e-5; each of `left_out` (the sum at `clip` without one example) is within
+        C (1 + 1e-6) of `full` (the sum at `clip` of all)."""
+        norms = np.linalg.norm(rows, axis=1)
+        bounds, plain_sum = plain
+        assert np.linalg.norm(plain_sum - rows.sum(0)) <= 1e-5 * np.linalg.norm(rows.sum(0))
+        assert (bounds >= norms * (1 - 1e-6)).all() and (bounds <= norms * (1 + 1e-3)).all()
+        for row, other in enumerate(left_out):
+            moved = np.linalg.norm(full - other)
+            assert moved <= clip * (1 + 1e-6), (row, moved / clip)
+
+    def test_leave_one_out_moves_the_sum_by_at_most_c(self, sums):
         """The clipper as the trainer runs it (ghost norm or instantiation per layer by cost):
         its norms are upper bounds of `jax.vmap(jax.grad)`'s within 1e-3 (the ghost norm's
         float32 rounding bound), its unclipped sum is the plain sum within 1e-5, and removing
         any one example moves the clipped sum by at most C (1 + 1e-6)."""
-        x, labels, params, clipper, rows = self.per_example(family, ghost=None)
-        norms = np.linalg.norm(rows, axis=1)
-        full_mask = np.ones(self.examples, np.float32)
-        plain = clipper(params, (x, labels), jnp.float32(np.inf), jnp.asarray(full_mask))
-        assert (np.linalg.norm(self.flat(plain.grads) - rows.sum(0))
-                <= 1e-5 * np.linalg.norm(rows.sum(0)))
-        bounds = np.asarray(plain.norms, np.float64)
-        assert (bounds >= norms * (1 - 1e-6)).all() and (bounds <= norms * (1 + 1e-3)).all()
-        clip = float(np.median(norms))
-        full = self.flat(clipper(params, (x, labels), jnp.float32(clip),
-                                 jnp.asarray(full_mask)).grads)
-        for row in range(self.examples):
-            mask = full_mask.copy()
-            mask[row] = 0
-            moved = np.linalg.norm(full - self.flat(clipper(
-                params, (x, labels), jnp.float32(clip), jnp.asarray(mask)).grads))
-            assert moved <= clip * (1 + 1e-6), (row, moved / clip)
+        median = sums["median"]
+        self.check_leave_one_out(sums["rows"], sums["trainer"][np.inf],
+                                 sums["trainer"][median][1], sums["left_out"], median)
