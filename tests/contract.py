@@ -499,14 +499,12 @@ class ModelFamilyContract:
             return np.asarray(result.norms, np.float64), self.flat(result.grads)
 
         median = float(np.median(np.linalg.norm(rows, axis=1)))
-        masks = [np.where(np.arange(self.examples) == row, 0, ones).astype(np.float32)
-                 for row in range(self.examples)]
         return {
             "rows": rows,
             "median": median,
             "trainer": {clip: run(None, clip) for clip in (np.inf, median)},
             "changed": run(None, median, x=self.nhwc(self.changed(images))),
-            "left_out": [run(None, median, mask=mask)[1] for mask in masks],
+            "left_out": [run(None, median, mask=mask)[1] for mask in self.masks_leaving_out()],
             "instantiated": {clip: run(False, clip) for clip in (median, np.inf)},
         }
 
@@ -533,6 +531,11 @@ class ModelFamilyContract:
             ours, clipped_sum = sums["instantiated"][clip]
             np.testing.assert_allclose(ours, norms, rtol=1e-5)
             assert np.linalg.norm(clipped_sum - expected) <= 1e-5 * np.linalg.norm(expected)
+
+    def masks_leaving_out(self) -> list[np.ndarray]:
+        """One float32 mask per example: every example but that one."""
+        return [(np.arange(self.examples) != row).astype(np.float32)
+                for row in range(self.examples)]
 
     @staticmethod
     def check_leave_one_out(rows, plain, full, left_out, clip):

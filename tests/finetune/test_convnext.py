@@ -6,7 +6,6 @@ are far from timm's 1e-6 init (so every block's parameters carry gradient)."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -37,7 +36,7 @@ def _images(n: int, side: int, seed: int = 2) -> np.ndarray:
 
 def _logits(model, images):
     """The model's logits in one jitted program (op by op: hundreds of small compilations)."""
-    return np.asarray(ModelFamilyContract.logits(model, jnp.asarray(images.transpose(0, 2, 3, 1))))
+    return np.asarray(ModelFamilyContract.logits(model, ModelFamilyContract.nhwc(images)))
 
 
 @pytest.mark.parametrize("conv_mlp,head_norm_first", [(False, False), (True, False),
