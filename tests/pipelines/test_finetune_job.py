@@ -4,12 +4,7 @@ weights (a ViT, a ResNet), unconverted families refused."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -144,54 +139,6 @@ def non_dp_leaves(a: dict, b: dict, allowed) -> list[str]:
             if not any(re.fullmatch(a, p) for a in allowed)]
 
 
-def _saved_steps(folder):
-    """The steps of the complete checkpoints (orbax writes `STEP.orbax-checkpoint-tmp` first,
-    then renames it)."""
-    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
-
-
-def test_a_sigkilled_finetune_resumes_where_its_checkpoint_left(rng, tmp_path, monkeypatch,
-                                                             capsys):
-    """Killed (SIGKILL) after a few checkpoints, the same command resumes from the latest one,
-    runs only the remaining steps, and finishes. The killed run is a process of its own (what
-    is tested is a process that dies mid-run); the refused and the resumed run are the same
-    command in this process. 30 steps, killed once 4 are saved: the 26 left take ~2 s on a
-    quiet machine (a step costs ~0.07 s; 0.4 s at load 8), twenty times the 0.1 s between
-    looks at the checkpoints, and the resumed run (this test's cost) trains only those."""
-    _write(tmp_path, _images(rng, 120), _images(rng, 40))
-    options = ["finetune", "--data", "npz:train.npz", "--test-data", "npz:test.npz", "--model",
-               "cnn", "--batch-size", "40", "--steps", "30", "--physical-batch-size", "32",
-               "--checkpoint-every", "2", "--out", "run"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    child = subprocess.Popen([sys.executable, "-m", "dpprobe.pipelines.cli", *options],
-                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    checkpoints = tmp_path / "run" / "checkpoint"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and child.poll() is None:
-        saved = _saved_steps(checkpoints)
-        if saved and max(saved) >= 4:
-            break
-        time.sleep(0.1)
-    assert child.poll() is None, "the run ended before it could be killed"
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    saved = max(_saved_steps(checkpoints))
-    assert saved < 30 and not (tmp_path / "run" / "results.json").exists()
-    monkeypatch.chdir(tmp_path)
-    steps = options.index("30")
-    assert cli.main([*options[:steps], "32", *options[steps + 1:]]) != 0  # other options
-    assert "another run" in capsys.readouterr().err  # refused
-    assert cli.main(options) == 0
-    err = capsys.readouterr().err
-    assert "resuming from" in err and f"at step {saved}" in err
-    # The first step this run takes is the one after the checkpoint (from scratch: step 1).
-    assert f"step {saved + 1}/30 took" in err, err
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["privacy"]["plan"]["steps"] == 30
-    assert not checkpoints.exists()
-
-
 def test_unconverted_timm_families_are_refused(rng, tmp_path, monkeypatch, capsys):
     """A timm family with no NNX converter (MobileNetV3), and a ResNet variant the converter
     does not reproduce (resnet10t's deep stem), are refused in one line before training."""
@@ -213,7 +160,7 @@ def test_a_resnet_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypatch
     import timm
     import torch
 
-    from tests.contract import randomize_batchnorm
+    from tests.family_contract import randomize_batchnorm
 
     torch.manual_seed(0)
     source = timm.create_model("resnet18", pretrained=False)

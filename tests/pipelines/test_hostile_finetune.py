@@ -254,12 +254,14 @@ def _model_arrays(path: Path) -> dict:
     return read_model_file(path)[0]
 
 
-def test_sigkill_mid_finetune_then_the_rerun_equals_an_uninterrupted_run(world, monkeypatch):
+def test_sigkill_mid_finetune_then_the_rerun_equals_an_uninterrupted_run(world, monkeypatch,
+                                                                         capsys):
     """Killed after step 7's update (its last checkpoint: step 6), the same command resumes
     from step 6 and ends with the model an uninterrupted run makes, bit for bit, given the
-    same test keys and sampler (the product draws both from OS entropy). The killed run is a
-    process of its own (what is tested is a process that dies); the resumed and the
-    uninterrupted run are the same command in this process."""
+    same test keys and sampler (the product draws both from OS entropy); the checkpoint with
+    other options (--steps) is refused as another run's, in one line. The killed run is a
+    process of its own (what is tested is a process that dies); the refused, the resumed and
+    the uninterrupted run are the same command in this process."""
     import jax
 
     from dpprobe import finetune
@@ -277,9 +279,14 @@ def test_sigkill_mid_finetune_then_the_rerun_equals_an_uninterrupted_run(world, 
     due, asked = checkpoint.Checkpointer.due, set()  # the steps this process trains
     monkeypatch.setattr(checkpoint.Checkpointer, "due",
                         lambda self, step: asked.add(step) or due(self, step))
+    steps = argv.index("12")
+    assert cli.main([*argv[:steps], "13", *argv[steps + 1:], "--out", "run"]) == 2
+    one_line(capsys.readouterr().err, r"holds a checkpoint of another run \(differs in: [^)]*steps")
+    assert not asked  # refused before any step
     assert cli.main([*argv, "--out", "run"]) == 0
     assert sorted(asked) == list(range(7, 13))  # resumed after step 6: steps 7 to 12 only
     assert not (world / "run/checkpoint").exists()
+    assert json.loads((world / "run/results.json").read_text())["privacy"]["plan"]["steps"] == 12
     asked.clear()
     assert cli.main([*argv, "--out", "whole"]) == 0
     assert sorted(asked) == list(range(1, 13))
