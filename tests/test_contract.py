@@ -5,14 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpprobe import dp, probe
-from tests.contract import (
-    NUM_CLASSES,
-    ClipperContract,
-    ModelFamilyContract,
-    TrainerContract,
-    perturb_layer_scales,
-    probe_loss,
-)
+from tests.contract import NUM_CLASSES, ClipperContract, TrainerContract, probe_loss
+from tests.family_contract import ModelFamilyContract, perturb_layer_scales
 
 
 class TestClosedFormClipper(ClipperContract):
@@ -118,12 +112,14 @@ class TestResNet18(ModelFamilyContract):
 
 
 # The EfficientNets under test are their families' generators at a quarter of the width
-# (channels rounded to multiples of 8), every block of the full network kept: the same layer
-# kinds, strides, kernels, skips and squeeze-excite, so every layer the clipper handles is
-# checked at the full depth; the full widths only cost XLA time (B0's class took 126 s, Lite0's
-# 104 s, on this 2-core machine). The narrow B0's 5 x 5 depthwise kernels carry 1.3% of the
-# summed gradient's norm (the full B0's 1.0%), so a 1e-3 error in their rule still moves the
-# sum by more than the 1e-5 the test allows (checked with such a wrong rule: it fails).
+# (channels rounded to multiples of 8): the same layer kinds, strides, kernels, skips and
+# squeeze-excite, so every layer the clipper handles is checked; the full widths only cost XLA
+# time (B0's class took 126 s, Lite0's 104 s, on this 2-core machine). B0 keeps every block: a
+# 1e-3 error in its 5 x 5 depthwise kernels' rule moves the sum by more than the 1e-5 the test
+# allows (checked with such a wrong rule: it fails), and at half the depth it no longer did.
+# Lite0 runs at half the depth (each stage's repeats halved, rounded up: 10 blocks of 16,
+# every stage and a stride-1 residual block of each kernel size kept; 38 -> 25 s here), where
+# the same wrong rule still fails it.
 _NARROWER = {"channel_multiplier": 0.25}
 
 
@@ -142,8 +138,8 @@ class TestEfficientNetB0(ModelFamilyContract):
 
 
 class TestEfficientNetLite0(ModelFamilyContract):
-    """timm's tf_efficientnet_lite0 (its generator, narrower): TF "same" padding, ReLU6, no
-    squeeze-excite."""
+    """timm's tf_efficientnet_lite0 (its generator, narrower, half the depth): TF "same"
+    padding, ReLU6, no squeeze-excite."""
 
     timm_name = "tf_efficientnet_lite0"
     image_size = 33  # odd: the asymmetric "same" padding of its strided convolutions
@@ -154,7 +150,8 @@ class TestEfficientNetLite0(ModelFamilyContract):
 
         # tf_efficientnet_lite0's own settings: TF's BatchNorm epsilon and "same" padding.
         return _gen_efficientnet_lite(cls.timm_name, pretrained=False, num_classes=NUM_CLASSES,
-                                      bn_eps=BN_EPS_TF_DEFAULT, pad_type="same", **_NARROWER)
+                                      bn_eps=BN_EPS_TF_DEFAULT, pad_type="same",
+                                      depth_multiplier=0.5, **_NARROWER)
 
 
 # A tiny BEiT through timm's Beit class (the registry name's constructor, its size overridden).
@@ -182,12 +179,17 @@ class TestBeitSharedTable(ModelFamilyContract):
 
 
 class TestConvNeXtAtto(ModelFamilyContract):
-    """timm's convnext_atto, every block, at 2/5 of its width: depthwise 7 x 7, LayerNorm,
-    1 x 1-convolution MLP, layer scales drawn near 1 (so every block's parameters carry
-    gradient). The dense-MLP form is tests/finetune/test_convnext.py's TestSmallConvNeXt."""
+    """timm's convnext_atto at 2/5 of its width, its four stages of 1, 1, 2, 1 blocks (its own:
+    2, 2, 6, 2; each block the same code, and the 7 x 7 depthwise layers' 49 shifted windows
+    are most of XLA's compile time: the class took 70 s at full depth, 31 s at this one;
+    a 1e-3 error in the 7 x 7 rule still fails it):
+    depthwise 7 x 7, LayerNorm, 1 x 1-convolution MLP, the downsampling between stages, layer
+    scales drawn near 1 (so every block's parameters carry gradient). The dense-MLP form is
+    tests/finetune/test_convnext.py's TestSmallConvNeXt."""
 
     timm_name = "convnext_atto"
-    timm_kwargs = {"dims": (16, 32, 64, 128)}  # convnext_atto's own argument: (40, 80, 160, 320)
+    # convnext_atto's own arguments: dims (40, 80, 160, 320), depths (2, 2, 6, 2).
+    timm_kwargs = {"dims": (16, 32, 64, 128), "depths": (1, 1, 2, 1)}
 
     @classmethod
     def timm_model(cls, timm):

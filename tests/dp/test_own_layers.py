@@ -1,7 +1,7 @@
 """A user's own Flax NNX model through book-keeping clipping: Flax's own `nnx.Conv` (plain,
 strided, grouped, depthwise) has rules (`dp.flax_rules`); a layer no rule knows (a dilated
 convolution, a custom layer) is clipped exactly through per-example gradients and named in one
-notice. The model-family contract (tests/contract.py) runs on it."""
+notice. The model-family contract (tests/family_contract.py) runs on it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from flax import nnx
 
 from dpprobe import dp
 from dpprobe.dp.taps import tappable_layers
-from tests.contract import NUM_CLASSES, ModelFamilyContract
+from tests.contract import NUM_CLASSES
+from tests.family_contract import ModelFamilyContract
 
 
 class Gain(nnx.Module):

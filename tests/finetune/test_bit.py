@@ -20,7 +20,8 @@ from dpprobe import accounting, finetune
 from dpprobe.finetune.models import ResNetV2, model_from_timm
 from dpprobe.finetune.models.timm_names import load_into_timm
 from tests.conftest import fixed_keys
-from tests.contract import NUM_CLASSES, ModelFamilyContract
+from tests.contract import NUM_CLASSES
+from tests.family_contract import ModelFamilyContract
 from tests.model_helpers import check_weights_file
 
 

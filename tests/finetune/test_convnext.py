@@ -13,7 +13,8 @@ from flax import nnx
 
 from dpprobe.finetune.models import ConvNeXt, model_from_timm
 from dpprobe.finetune.models.timm_names import load_into_timm
-from tests.contract import NUM_CLASSES, ModelFamilyContract, perturb_layer_scales
+from tests.contract import NUM_CLASSES
+from tests.family_contract import ModelFamilyContract, perturb_layer_scales
 from tests.model_helpers import check_weights_file
 
 
@@ -87,11 +88,11 @@ class TestSmallConvNeXt(ModelFamilyContract):
     """The family contract (clipped sum = per-example clipping within 1e-5, leave-one-out
     <= C (1 + 1e-6), no example touches another) on a small ConvNeXt with layer scales near 1
     and the dense (non-convolutional) MLP, its depthwise kernels 3 x 3: the MLP's form is what
-    this class adds to tests/test_contract.py's TestConvNeXtAtto (every block of convnext_atto,
-    7 x 7 depthwise, layer scales near 1, 1 x 1-convolution MLP); the depthwise layer and its
-    rule are the same code at either size. At 7 x 7 its 49 shifted windows per layer made
-    XLA's compilation of the vmapped gradient and the clipper ~5x slower (24.6 -> 4.6 s and
-    30 -> 8 s here)."""
+    this class adds to tests/test_contract.py's TestConvNeXtAtto (convnext_atto's stages at
+    depths 1, 1, 2, 1, 7 x 7 depthwise, layer scales near 1, 1 x 1-convolution MLP); the
+    depthwise layer and its rule are the same code at either size. At 7 x 7 its 49 shifted
+    windows per layer made XLA's compilation of the vmapped gradient and the clipper ~5x
+    slower (24.6 -> 4.6 s and 30 -> 8 s here)."""
 
     @pytest.fixture(scope="class")
     @classmethod

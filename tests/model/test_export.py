@@ -181,7 +181,7 @@ def test_finetuned_timm_cnn_round_trips_through_the_model_file_and_timm(name, tm
     import safetensors.torch
     import timm
 
-    from tests.contract import randomize_batchnorm
+    from tests.family_contract import randomize_batchnorm
 
     torch.manual_seed(0)
     source = timm.create_model(name, pretrained=False, num_classes=len(CLASSES)).eval()
@@ -217,7 +217,7 @@ def test_finetuned_timm_cnn_exports_to_onnx(name, tmp_path):
     constants of the exported graph."""
     import timm
 
-    from tests.contract import randomize_batchnorm
+    from tests.family_contract import randomize_batchnorm
 
     torch.manual_seed(1)
     source = timm.create_model(name, pretrained=False, num_classes=len(CLASSES)).eval()
