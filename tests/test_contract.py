@@ -1,4 +1,5 @@
-"""Every clipper and every trainer meets the DP contract (tests/contract.py)."""
+"""Every clipper and every trainer meets the DP contract (tests/contract.py); every timm family
+the finetuner converts meets the model-family contract (tests/family_contract.py)."""
 
 import jax
 import jax.numpy as jnp
