@@ -101,14 +101,19 @@ class ModelFamilyContract:
         1.3 s here)."""
         return model(x)
 
+    @classmethod
+    def image_logits(cls, model, images) -> np.ndarray:
+        """`model`'s logits on NCHW `images`, as NumPy (one jitted program, `logits`)."""
+        return np.asarray(cls.logits(model, cls.nhwc(images)))
+
     def test_logits_match_timm(self, family):
         import torch
 
         timm_model, model, images = family
         with torch.no_grad():
             expected = timm_model(torch.from_numpy(images)).numpy()
-        np.testing.assert_allclose(np.asarray(self.logits(model, self.nhwc(images))), expected,
-                                   rtol=0, atol=1e-4)
+        np.testing.assert_allclose(self.image_logits(model, images), expected, rtol=0,
+                                   atol=1e-4)
 
     def clippers(self, model, ghost=None):
         """(trained params, the book-keeping clipper in an x64 program, the jitted per-example

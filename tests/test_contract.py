@@ -180,13 +180,13 @@ class TestBeitSharedTable(ModelFamilyContract):
 
 
 class TestConvNeXtAtto(ModelFamilyContract):
-    """timm's convnext_atto at 2/5 of its width, its four stages of 1, 1, 2, 1 blocks (its own:
-    2, 2, 6, 2; each block the same code, and the 7 x 7 depthwise layers' 49 shifted windows
-    are most of XLA's compile time: the class took 70 s at full depth, 31 s at this one;
-    a 1e-3 error in the 7 x 7 rule still fails it):
+    """timm's convnext_atto at 2/5 of its width, its four stages of 1, 1, 2, 1 blocks:
     depthwise 7 x 7, LayerNorm, 1 x 1-convolution MLP, the downsampling between stages, layer
-    scales drawn near 1 (so every block's parameters carry gradient). The dense-MLP form is
-    tests/finetune/test_convnext.py's TestSmallConvNeXt."""
+    scales drawn near 1 (so every block's parameters carry gradient). Its own depths 2, 2, 6, 2
+    repeat the same block code, and the 7 x 7 layers' 49 shifted windows are most of XLA's
+    compile time: the class took 70 s at full depth, 31 s at this one, where a 1e-3 error in
+    the 7 x 7 rule still fails it. The dense-MLP form is tests/finetune/test_convnext.py's
+    TestSmallConvNeXt."""
 
     timm_name = "convnext_atto"
     # convnext_atto's own arguments: dims (40, 80, 160, 320), depths (2, 2, 6, 2).

@@ -54,11 +54,6 @@ def _images(n: int, side: int, seed: int = 2) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, 3, side, side)).astype(np.float32)
 
 
-def _logits(model, images):
-    """The model's logits in one jitted program (op by op: hundreds of small compilations)."""
-    return np.asarray(ModelFamilyContract.logits(model, ModelFamilyContract.nhwc(images)))
-
-
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed_stem", "plain_stem"])
 def test_logits_match_timm_and_the_way_back_is_strict(fixed):
     timm_model = _small(fixed)
@@ -68,7 +63,8 @@ def test_logits_match_timm_and_the_way_back_is_strict(fixed):
     with torch.no_grad():
         expected = timm_model(torch.from_numpy(images)).numpy()
     assert np.abs(expected).max() > 0.1  # the blocks and head carry signal
-    np.testing.assert_allclose(_logits(model, images), expected, rtol=0, atol=1e-4)
+    ours = ModelFamilyContract.image_logits(model, images)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
     back = _small(fixed, seed=5)
     load_into_timm(model, back)  # every tensor written, load_state_dict(strict=True)
     for key, value in timm_model.state_dict().items():

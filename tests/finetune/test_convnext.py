@@ -35,11 +35,6 @@ def _images(n: int, side: int, seed: int = 2) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, 3, side, side)).astype(np.float32)
 
 
-def _logits(model, images):
-    """The model's logits in one jitted program (op by op: hundreds of small compilations)."""
-    return np.asarray(ModelFamilyContract.logits(model, ModelFamilyContract.nhwc(images)))
-
-
 @pytest.mark.parametrize("conv_mlp,head_norm_first", [(False, False), (True, False),
                                                       (False, True)])
 def test_logits_match_timm_and_the_way_back_is_strict(conv_mlp, head_norm_first):
@@ -50,7 +45,8 @@ def test_logits_match_timm_and_the_way_back_is_strict(conv_mlp, head_norm_first)
     with torch.no_grad():
         expected = timm_model(torch.from_numpy(images)).numpy()
     assert np.abs(expected).max() > 0.1  # the blocks and head carry signal
-    np.testing.assert_allclose(_logits(model, images), expected, rtol=0, atol=1e-4)
+    ours = ModelFamilyContract.image_logits(model, images)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
     back = _small(conv_mlp, head_norm_first)
     with torch.no_grad():
         for p in back.parameters():
