@@ -248,8 +248,8 @@ def test_a_lora_vit_run_releases_a_plain_vit_that_reproduces_its_accuracy(rng, t
                                                                           monkeypatch):
     from tests.model.test_predict import _accuracy, _predict
 
-    # timm's test_vit (6 blocks of width 64, 2 heads; a VisionTransformer as vit_tiny is, at
-    # half its XLA compile time): the LoRA path is the same for every timm ViT.
+    # timm's test_vit: a VisionTransformer like vit_tiny (6 blocks of width 64, 2 heads, not 12
+    # of 192) at half its XLA compile time; the LoRA path is the same for every timm ViT.
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 40, 32, 3))
     monkeypatch.chdir(tmp_path)
     assert _finetune("--model", "test_vit", "--random-init", "--steps", "2",

@@ -37,7 +37,8 @@ FAST = ["--model", "cnn", "--batch-size", "40", "--steps", "4", "--augmult", "2"
 # takes the path of every timm ViT, at half vit_tiny's XLA compile time) at 32 px on 24 images
 # (40 test images). A tiny learning rate and no EMA: the released parameters are the step's,
 # within 1e-3 of the initial ones.
-VIT_STEP = ["--model", "test_vit", "--steps", "1", "--batch-size", "8",
+VIT = "test_vit"
+VIT_STEP = ["--model", VIT, "--steps", "1", "--batch-size", "8",
             "--physical-batch-size", "8", "--augmult", "1", "--lr", "1e-5", "--ema-decay", "0"]
 
 
@@ -223,7 +224,7 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
     from tests.model.test_predict import _accuracy, _predict
 
     torch.manual_seed(0)
-    source = timm.create_model("test_vit", pretrained=False)  # at 160 px: pos_embed resampled
+    source = timm.create_model(VIT, pretrained=False)  # at 160 px: pos_embed resampled
     torch.save(source.state_dict(), tmp_path / "vit.pth")
     _write(tmp_path, _images(rng, 24, 32, 3), _images(rng, 40, 32, 3))
     monkeypatch.chdir(tmp_path)
@@ -242,4 +243,4 @@ def test_a_timm_vit_finetunes_from_a_local_weights_file(rng, tmp_path, monkeypat
     assert len(rows) == 40 and _accuracy(rows) == results["test_accuracy"]
     model = dpmodel.load_model("run/model.safetensors")
     assert model.document["parameters"]["released"] == "final iterate"
-    assert model.document["architecture"]["timm_architecture"] == "test_vit"
+    assert model.document["architecture"]["timm_architecture"] == VIT
