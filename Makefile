@@ -72,4 +72,4 @@ bench-load: install
 	$(BIN)/python benchmarks/probe_load.py
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .pytest_cache .ruff_cache .cache
