@@ -37,6 +37,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 __all__ = ["ENV", "enabled", "stored"]
 
@@ -139,6 +140,24 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _compile_afresh(lowered):
+    """`lowered.compile()`, never taken from JAX's persistent cache: XLA:CPU (jaxlib 0.10)
+    re-serializes an executable it loaded from that cache without its kernels, and the stored
+    copy then failed when it ran ("Function wrapped_is-finite not found", on the second
+    `dpprobe probe` after any change to the package's sources: the first found its programs in
+    JAX's cache and stored them). JAX decides once per process whether its cache is used, so
+    turning it off only for this compile takes a reset before (the decision is made again, off)
+    and after (on again for later compiles)."""
+    was = jax.config.jax_enable_compilation_cache
+    jax_compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        jax_compilation_cache.reset_cache()
+
+
 def _load_or_compile(key: str, jitted: Callable, args, static: dict):
     path = Path(jax.config.jax_compilation_cache_dir) / "dpprobe-programs" / key
     try:
@@ -146,16 +165,7 @@ def _load_or_compile(key: str, jitted: Callable, args, static: dict):
             return serialize_executable.deserialize_and_load(*pickle.load(file))
     except Exception:  # noqa: BLE001 - missing, cut short or stale: compile it again
         pass
-    lowered = jitted.lower(*args, **static)
-    # Compiled afresh, not taken from JAX's cache: XLA:CPU (jaxlib 0.10) re-serializes an
-    # executable it loaded from that cache without its kernels ("Function ... not found" when
-    # the stored copy runs).
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        compiled = lowered.compile()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was)
+    compiled = _compile_afresh(jitted.lower(*args, **static))
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -111,3 +111,29 @@ def test_nothing_is_stored_unless_turned_on_with_a_cache_folder(rng, store, monk
     jax.config.update("jax_compilation_cache_dir", None)
     _train_and_evaluate(*problem)
     assert not store.exists()
+
+
+
+def test_programs_found_in_jax_cache_are_compiled_afresh_before_they_are_stored(digits_store,
+                                                                                 tmp_path):
+    """After a change to the package's sources (an upgrade) the stored programs' keys are new,
+    but JAX's persistent cache still holds their executables (here: the stored ones removed).
+    They are compiled again, not re-serialized from JAX's cache: XLA:CPU drops their kernels
+    then, and the next `dpprobe probe` failed ("Function wrapped_is-finite not found"). Three
+    processes of the command, with its own cache folder and code generation."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", programs.ENV)}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    command = [sys.executable, "-c", "from dpprobe.pipelines.cli import entry; entry()",
+               "probe", digits_store, "--epsilons", "3", "--seeds", "1", "--steps", "3",
+               "--out", str(tmp_path / "r.json"), "--quiet"]
+    for run in range(3):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (run, done.stderr[-2000:])
+        if run == 0:
+            shutil.rmtree(tmp_path / "cache" / "dpprobe" / "jax" / "dpprobe-programs")
