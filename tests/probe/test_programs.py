@@ -2,6 +2,10 @@
 what the traced program computes, and is used only where it is turned on."""
 
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -113,7 +117,6 @@ def test_nothing_is_stored_unless_turned_on_with_a_cache_folder(rng, store, monk
     assert not store.exists()
 
 
-
 def test_programs_found_in_jax_cache_are_compiled_afresh_before_they_are_stored(digits_store,
                                                                                  tmp_path):
     """After a change to the package's sources (an upgrade) the stored programs' keys are new,
@@ -121,11 +124,6 @@ def test_programs_found_in_jax_cache_are_compiled_afresh_before_they_are_stored(
     They are compiled again, not re-serialized from JAX's cache: XLA:CPU drops their kernels
     then, and the next `dpprobe probe` failed ("Function wrapped_is-finite not found"). Three
     processes of the command, with its own cache folder and code generation."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", programs.ENV)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
