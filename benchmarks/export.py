@@ -1,13 +1,13 @@
-"""`dpprobe export --format onnx` of a ScatterNet model: export time, file size and
-onnxruntime throughput, kymatio's filter-by-filter module against `extract.scattering`'s
-batched one with matrix DFTs (what the export uses), side by side in one process; and the
-`torch` export (kymatio's module, unchanged) for reference.
+"""`dpprobe export --format onnx` and `--format torch` of a ScatterNet model: export time, file
+size, load time and throughput, kymatio's filter-by-filter module against `extract.scattering`'s
+batched one (what the exports use: matrix DFTs for ONNX, batched FFTs for torch), side by side
+in one process.
 
 The model is a random-init `scatternet_cnn_linear` (a benchmark input, not a trained model)
 written as the finetune job writes it; throughput is the median of `--repeats` calls on
-`--batch` random images.
+`--batch` random images, and on `--small-batch` (a serving-sized call).
 
-    python benchmarks/export.py [--side 28] [--batch 256] [--repeats 5]
+    python benchmarks/export.py [--side 28] [--batch 256] [--small-batch 16] [--repeats 5]
 """
 
 import argparse
@@ -56,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", type=int, default=28)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--small-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
@@ -70,37 +71,56 @@ def main() -> None:
     from dpprobe import model as dpmodel
     from dpprobe.model import torch_export
 
-    images = np.random.default_rng(0).random((args.batch, 1, args.side, args.side),
-                                             dtype=np.float32)
+    rng = np.random.default_rng(0)
+    images = rng.random((args.batch, 1, args.side, args.side), dtype=np.float32)
+    small = images[:args.small_batch]
     batched = extract.scattering.batch_scatterings
+    kymatio = lambda module, dft: module  # noqa: E731 - the exports without the swap
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model = dpmodel.load_model(model_file(folder, args.side))
-        for label, swap in (("onnx, kymatio's module", lambda module, dft: module),
+        for label, swap in (("onnx, kymatio's module", kymatio),
                             ("onnx, batched + matrix DFTs", batched)):
             extract.scattering.batch_scatterings = swap
             start = time.perf_counter()
             data, _ = torch_export.export_onnx(model)
             seconds = time.perf_counter() - start
+            start = time.perf_counter()
             session = onnxruntime.InferenceSession(data)
+            load = time.perf_counter() - start
             name = session.get_inputs()[0].name
-            rate = throughput(lambda x, s=session, n=name: s.run(None, {n: x}), images,
-                              args.repeats)
-            rows.append((label, seconds, len(data), rate))
+            run = lambda x, s=session, n=name: s.run(None, {n: x})  # noqa: E731
+            rows.append((label, seconds, len(data), load,
+                         throughput(run, images, args.repeats),
+                         throughput(run, small, args.repeats)))
+        for label, swap in (("torch, kymatio's module", kymatio),
+                            ("torch, batched FFTs", batched)):
+            extract.scattering.batch_scatterings = swap
+            start = time.perf_counter()
+            data, _ = torch_export.export_torch(model)
+            seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            program = torch.export.load(io.BytesIO(data)).module()
+            load = time.perf_counter() - start
+            with torch.no_grad():
+                run = lambda x, p=program: p(torch.from_numpy(x))  # noqa: E731
+                rows.append((label, seconds, len(data), load,
+                             throughput(run, images, args.repeats),
+                             throughput(run, small, args.repeats)))
         extract.scattering.batch_scatterings = batched
-        start = time.perf_counter()
-        data, _ = torch_export.export_torch(model)
-        seconds = time.perf_counter() - start
-        program = torch.export.load(io.BytesIO(data)).module()
-        rate = throughput(lambda x: program(torch.from_numpy(x)), images, args.repeats)
-        rows.append(("torch (torch.export), kymatio's module", seconds, len(data), rate))
-    print(f"scatternet_cnn_linear, {args.side} px, {args.batch} images per call, "
-          f"medians of {args.repeats}, {os.cpu_count()} CPUs")
-    print(f"{'export':40s} {'export s':>9s} {'MB':>6s} {'img/s':>8s}")
-    for label, seconds, size, rate in rows:
-        print(f"{label:40s} {seconds:9.1f} {size / 1e6:6.1f} {rate:8.0f}")
-    print(f"onnxruntime, batched / kymatio's: {rows[1][3] / rows[0][3]:.1f}x images per second, "
-          f"{rows[0][1] / rows[1][1]:.1f}x faster export")
+    print(f"scatternet_cnn_linear, {args.side} px, medians of {args.repeats} calls, "
+          f"{os.cpu_count()} CPUs")
+    batch, small_batch = f"img/s @{args.batch}", f"img/s @{args.small_batch}"
+    print(f"{'export':32s} {'export s':>9s} {'MB':>6s} {'load s':>7s} {batch:>11s} "
+          f"{small_batch:>11s}")
+    for label, seconds, size, load, rate, small_rate in rows:
+        print(f"{label:32s} {seconds:9.1f} {size / 1e6:6.1f} {load:7.2f} {rate:11.0f} "
+              f"{small_rate:11.0f}")
+    for fmt, (before, after) in (("onnxruntime", rows[:2]), ("torch", rows[2:])):
+        print(f"{fmt}, batched / kymatio's: {after[4] / before[4]:.2f}x images per second at "
+              f"{args.batch}, {after[5] / before[5]:.2f}x at {args.small_batch}, "
+              f"{before[1] / after[1]:.1f}x faster export, {before[3] / after[3]:.1f}x faster "
+              "load")
 
 
 if __name__ == "__main__":
