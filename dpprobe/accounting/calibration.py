@@ -14,6 +14,17 @@ and widened (by factors of 2) in the rare case it misses:
     the exact full-batch sigma (RDP is an upper bound on the exact epsilon).
 Evaluations cost most at small sigma (PLD), so the bracket never goes below the floor.
 
+With PLD and Poisson sampling, each evaluation builds a discretized privacy loss distribution:
+1-3 s near the answer at the accountant's value discretization (1e-4, dp_accounting's default,
+which every epsilon dpprobe reports uses), and a search took 7-12 of them. So the search runs
+on a coarser discretization first (1e-3: 7-15x faster, its epsilon within about 1e-5
+relative of the default's), then steps from that sigma onto the accountant's own curve by
+Newton's method, the slope taken from the coarse curve: two or three evaluations at the
+default discretization instead of 7-12, the same sigma within the search's tolerance (five
+jobs' calibrations: 9.3-18.7 -> 3.5-6.4 s, 2.3-3.9x, `benchmarks/calibration.py`). The answer
+is checked on the accountant's own curve either way, and a search on that curve takes over if
+the steps do not settle.
+
 References:
   Panda et al. 2023: https://arxiv.org/abs/2212.04486
   Dong, Roth & Su 2019, Gaussian Differential Privacy: https://arxiv.org/abs/1905.02383
@@ -24,6 +35,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 
@@ -87,8 +99,11 @@ def calibrate_noise_multiplier(
     with _quiet_rdp_orders():
         if accountant == "pld":
             _refuse_below_floor(epsilon, delta, steps, sampling_probability)
-        sigma = _search(epsilon, delta, steps, sampling_probability, accountant,
-                        full_batch_sigma)
+        if accountant == "pld":
+            sigma = _search_pld(epsilon, delta, steps, sampling_probability, full_batch_sigma)
+        else:
+            sigma = _search(epsilon, delta, steps, sampling_probability, accountant,
+                            full_batch_sigma)
         return _on_the_private_side(epsilon, delta, steps, sampling_probability, accountant,
                                     sigma)
 
@@ -182,9 +197,11 @@ def _bracket(epsilon, delta, steps, q, accountant, full_batch_sigma) -> tuple[fl
     return max(low, floor), high
 
 
-def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
+def _search(epsilon, delta, steps, q, accountant, full_batch_sigma,
+            event_epsilon=event_epsilon) -> float:
     """dp_accounting's calibration of sigma in log space, on `_bracket`; the bracket widens (by
-    factors of 2, within the floor and `MAX_NOISE_MULTIPLIER`) while it misses the target."""
+    factors of 2, within the floor and `MAX_NOISE_MULTIPLIER`) while it misses the target.
+    `event_epsilon(event, delta, accountant)` is the curve searched (`plan.event_epsilon`)."""
     import dp_accounting
 
     class CachedAccountant(dp_accounting.PrivacyAccountant):
@@ -202,7 +219,7 @@ def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
             return event_epsilon(self.ledger, target_delta, accountant)
 
     def excess(sigma: float) -> float:
-        return DpPlan(sigma, steps, q).epsilon(delta, accountant) - epsilon
+        return event_epsilon(DpPlan(sigma, steps, q).dp_event(), delta, accountant) - epsilon
 
     floor = MIN_SAMPLED_PLD_NOISE_MULTIPLIER if accountant == "pld" else _MIN_RDP_NOISE_MULTIPLIER
     low, high = _bracket(epsilon, delta, steps, q, accountant, full_batch_sigma)
@@ -231,6 +248,48 @@ def _search(epsilon, delta, steps, q, accountant, full_batch_sigma) -> float:
                 low, high = max(low / 2.0, floor), low
             else:
                 raise
+
+
+# The coarse PLD's value discretization (the accountant's own is dp_accounting's default, 1e-4).
+_COARSE_PLD_DISCRETIZATION = 1e-3
+
+
+@functools.lru_cache(maxsize=256)
+def _coarse_pld_epsilon(event, delta: float, accountant: Accountant) -> float:
+    """Epsilon of a Poisson-sampled Gaussian `event` on the coarse PLD (zero-out neighbours);
+    `accountant` is "pld" (the signature of `plan.event_epsilon`)."""
+    import dp_accounting
+
+    pld = dp_accounting.pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
+        value_discretization_interval=_COARSE_PLD_DISCRETIZATION)
+    pld.compose(event)
+    return float(pld.get_epsilon(delta))
+
+
+def _search_pld(epsilon, delta, steps, q, full_batch_sigma) -> float:
+    """PLD with Poisson sampling: `_search` on the coarse PLD, then Newton steps onto the
+    accountant's own curve (the module docstring); `_search` on that curve if they do not
+    settle within a few steps."""
+    coarse_sigma = _search(epsilon, delta, steps, q, "pld", full_batch_sigma,
+                           _coarse_pld_epsilon)
+
+    def coarse(sigma):
+        return _coarse_pld_epsilon(DpPlan(sigma, steps, q).dp_event(), delta, "pld")
+
+    step = 1e-3 * coarse_sigma
+    slope = (coarse(coarse_sigma + step) - coarse(coarse_sigma)) / step  # d epsilon / d sigma
+    sigma = coarse_sigma
+    if slope < 0:  # epsilon falls as sigma grows; anything else: search the accountant's curve
+        for _ in range(4):
+            excess = DpPlan(sigma, steps, q).epsilon(delta) - epsilon
+            newton = -excess / slope  # the step to the root, by the coarse curve's slope
+            if excess <= 0 and -newton <= _SEARCH_RTOL * sigma:
+                return sigma  # met, and the root is within the tolerance below
+            sigma += newton + 0.5 * _SEARCH_RTOL * sigma  # to just above the root
+            if not MIN_SAMPLED_PLD_NOISE_MULTIPLIER <= sigma <= full_batch_sigma:
+                break  # outside the bracket: the coarse curve misled
+    return _search(epsilon, delta, steps, q, "pld", full_batch_sigma)
 
 
 def _on_the_private_side(epsilon, delta, steps, q, accountant, sigma) -> float:

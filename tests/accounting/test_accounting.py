@@ -56,6 +56,26 @@ def test_poisson_calibration_meets_the_target_tightly(q, steps):
     assert sigma < accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps)
 
 
+def test_the_coarse_pld_only_locates_sigma(monkeypatch):
+    """The search on the coarse PLD and the Newton steps from it give what a search on the
+    accountant's own curve gives (within its tolerance); with the coarse curve made wrong (its
+    epsilon shifted by 5% either way), the answer still meets the target and stays tight."""
+    from dpprobe.accounting import calibration
+
+    epsilon, delta, steps, q = 1.0, 1e-5, 10, 0.1
+    full = accounting.gaussian_noise_multiplier(epsilon, delta, steps)
+    alone = calibration._search(epsilon, delta, steps, q, "pld", full)
+    coarse = calibration._coarse_pld_epsilon.__wrapped__
+    for shift in (0.0, 0.05, -0.05):
+        monkeypatch.setattr(calibration, "_coarse_pld_epsilon",
+                            lambda event, d, a, shift=shift: coarse(event, d, a) * (1 + shift))
+        sigma = accounting.calibrate_noise_multiplier(epsilon, delta, steps=steps,
+                                                      sampling_probability=q)
+        assert accounting.DpPlan(sigma, steps, q).epsilon(delta) <= epsilon
+        assert accounting.DpPlan(sigma * (1 - 3e-6), steps, q).epsilon(delta) > epsilon
+        assert sigma == pytest.approx(alone, rel=3e-6), shift
+
+
 def test_rdp_calibration_round_trips_and_is_looser_than_pld():
     sigma = accounting.calibrate_noise_multiplier(2.0, 1e-5, steps=20, accountant="rdp")
     acc = rdp.RdpAccountant()
