@@ -33,6 +33,7 @@ from dpprobe.accounting.plan import (
     Accountant,
     DpPlan,
     compute_epsilon,
+    event_epsilon,
     event_to_dict,
     gaussian_mu,
 )
@@ -101,8 +102,16 @@ class PrivacyLedger:
         delta = check_delta(delta)
         if not self.entries:
             return 0.0
-        return max(compute_epsilon(self.composed_event(role, part), delta, accountant)
-                   for part in (self.parts() or [None]))
+        epsilons = []
+        for part in self.parts() or [None]:
+            event = self.composed_event(role, part)
+            # A composition of one event has that event's epsilon (dp_accounting composes it
+            # with nothing; bit-equal): the value its calibration already computed
+            # (`plan.event_epsilon`, cached), not a second PLD of the same mechanism (1-3 s).
+            epsilons.append(event_epsilon(event.events[0], delta, accountant)
+                            if len(event.events) == 1 else
+                            compute_epsilon(event, delta, accountant))  # unhashable: a list
+        return max(epsilons)
 
     def basic_composition(self, delta: float) -> tuple[float, float]:
         """(max over parts of sum_i epsilon_i(delta / k), delta): the naive sum over the k

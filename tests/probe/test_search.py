@@ -30,6 +30,21 @@ def test_ledger_composition_equals_dp_accounting(accountant):
     assert ledger.gdp_mu() is None  # a Poisson entry: no exact Gaussian DP
 
 
+def test_a_one_entry_ledger_reuses_its_plans_epsilon(monkeypatch):
+    """A ledger of one Poisson entry has that entry's epsilon, bit for bit, and does not build
+    a second PLD of it (the job's calibration computed it; dp_accounting on the same event)."""
+    plan = accounting.DpPlan(1.1, 40, 0.05)
+    spent = plan.epsilon(1e-5)
+    ledger = accounting.PrivacyLedger()
+    ledger.record("run", plan)
+    built = []
+    monkeypatch.setattr(accounting.plan, "make_accountant", lambda *a: built.append(a))
+    assert ledger.epsilon(1e-5) == spent and not built
+    acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    acc.compose(dp_accounting.ComposedDpEvent([plan.dp_event()]))
+    assert acc.get_epsilon(1e-5) == spent
+
+
 def test_full_batch_ledger_gdp_closed_form_equals_pld():
     """Panda et al. Cor. 2.2: composition of full-batch runs is sqrt(sum T_i / sigma_i^2)-GDP."""
     ledger = accounting.PrivacyLedger()
