@@ -17,13 +17,26 @@ import zarr
 from dpprobe import extract
 from dpprobe.pipelines import cli
 
-# A timm ViT at 32 px over digits' 1438 training images: ~5 s of extraction in 23 chunks.
-VIT = ["--backbone", "test_vit", "--random-init", "--crop", "32", "--data", "digits",
-       "--split", "train", "--rows-per-chunk", "64", "--batch-size", "16", "--quiet"]
+# A timm ViT at 32 px over digits' first 480 training images (an npz this module writes):
+# ~2 s of extraction in 30 chunks.
+ROWS, ROWS_PER_CHUNK = 480, 16
+CHUNKS = ROWS // ROWS_PER_CHUNK
+VIT = ["--backbone", "test_vit", "--random-init", "--crop", "32", "--split", "train",
+       "--rows-per-chunk", str(ROWS_PER_CHUNK), "--batch-size", "16", "--quiet"]
 
 
-def _extract_cmd(store, *extra):
-    return [sys.executable, "-m", "dpprobe.pipelines.cli", "extract", *VIT, "--out", str(store),
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    """The extract command's options, its data included."""
+    split = extract.open_source("digits")["train"]
+    path = tmp_path_factory.mktemp("data") / "digits480.npz"
+    np.savez(path, images=split.array[:ROWS], labels=split.labels[:ROWS],
+             class_names=np.array(split.class_names))
+    return [*VIT, "--data", f"npz:{path}"]
+
+
+def _extract_cmd(vit, store, *extra):
+    return [sys.executable, "-m", "dpprobe.pipelines.cli", "extract", *vit, "--out", str(store),
             *extra]
 
 
@@ -33,11 +46,11 @@ def _arrays(store, split="train"):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, vit):
     """One uninterrupted run, in this process: the killed, sharded and Ray runs (the processes
     under test) must equal it bit for bit."""
     store = tmp_path_factory.mktemp("ref") / "ref.zarr"
-    assert cli.main(["extract", *VIT, "--out", str(store)]) == 0
+    assert cli.main(["extract", *vit, "--out", str(store)]) == 0
     return _arrays(store)
 
 
@@ -48,12 +61,12 @@ def _done(store) -> int:
         return 0
 
 
-def test_sigkill_at_random_points_then_resume_gives_identical_arrays(tmp_path, reference):
+def test_sigkill_at_random_points_then_resume_gives_identical_arrays(tmp_path, reference, vit):
     store = tmp_path / "killed.zarr"
     rng = random.Random(0)
     kills = 0
     for target in sorted(rng.sample(range(1, 21), 3)):
-        child = subprocess.Popen(_extract_cmd(store), start_new_session=True)
+        child = subprocess.Popen(_extract_cmd(vit, store), start_new_session=True)
         deadline = time.time() + 300
         while _done(store) < target and child.poll() is None and time.time() < deadline:
             time.sleep(0.02)
@@ -62,19 +75,19 @@ def test_sigkill_at_random_points_then_resume_gives_identical_arrays(tmp_path, r
             os.killpg(child.pid, signal.SIGKILL)
             kills += 1
         child.wait()
-        if kills and _done(store) < 23:
+        if kills and _done(store) < CHUNKS:
             assert extract.split_attrs(str(store), "train")["complete"] is False
     assert kills >= 2
-    assert cli.main(["extract", *VIT, "--out", str(store)]) == 0  # the resume, in this process
+    assert cli.main(["extract", *vit, "--out", str(store)]) == 0  # the resume, in this process
     features, labels = _arrays(store)
     np.testing.assert_array_equal(features, reference[0])
     np.testing.assert_array_equal(labels, reference[1])
     assert extract.verify_store(str(store), splits=("train",)).ok
 
 
-def test_three_shards_in_separate_processes_equal_one_run(tmp_path, reference):
+def test_three_shards_in_separate_processes_equal_one_run(tmp_path, reference, vit):
     store = tmp_path / "sharded.zarr"
-    children = [subprocess.Popen(_extract_cmd(store, "--shard", f"{k}/3")) for k in range(3)]
+    children = [subprocess.Popen(_extract_cmd(vit, store, "--shard", f"{k}/3")) for k in range(3)]
     assert [c.wait(timeout=600) for c in children] == [0, 0, 0]
     attrs = extract.split_attrs(str(store), "train")
     assert attrs["complete"] is True
@@ -91,14 +104,14 @@ def test_shards_own_disjoint_chunk_ranges():
         extract.shard_chunks(23, (3, 3))
 
 
-def test_ray_extraction_on_a_local_cluster_equals_one_run(tmp_path, reference):
+def test_ray_extraction_on_a_local_cluster_equals_one_run(tmp_path, reference, vit):
     pytest.importorskip("ray")
     store = tmp_path / "ray.zarr"
     script = textwrap.dedent(f"""
         import ray
         from dpprobe.pipelines import cli
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        code = cli.main({json.dumps(['extract', *VIT, '--out', str(store), '--ray',
+        code = cli.main({json.dumps(['extract', *vit, '--out', str(store), '--ray',
                                      '--ray-shards', '3'])})
         ray.shutdown()
         raise SystemExit(code)
