@@ -99,7 +99,6 @@ def calibrate_noise_multiplier(
     with _quiet_rdp_orders():
         if accountant == "pld":
             _refuse_below_floor(epsilon, delta, steps, sampling_probability)
-        if accountant == "pld":
             sigma = _search_pld(epsilon, delta, steps, sampling_probability, full_batch_sigma)
         else:
             sigma = _search(epsilon, delta, steps, sampling_probability, accountant,

@@ -266,7 +266,7 @@ def export_torch(model) -> tuple[bytes, str]:
     A ScatterNet is exported a scale at a time with batched FFTs
     (`extract.scattering.batch_scatterings`, dft "fft": kymatio's arithmetic in 229 graph
     operations, where kymatio's filter-by-filter module traces 3,039; the same logits, 1.8e-6
-    from dpprobe's either way): on a 28 px model, 13x faster to export and 11x faster to
+    from dpprobe's either way): at 28 px, 7-13x faster to export and 9-11x faster to
     `torch.export.load`, faster on small batches and slower on large ones
     (`extract.scattering`, `benchmarks/export.py`). `to_torch` keeps kymatio's module."""
     import io
