@@ -3,7 +3,8 @@ accountant's own curve alone (before) against the coarse search and Newton steps
 (`accounting.calibration`, now), side by side in one process, alternating, medians.
 
 Each case is a (epsilon, T, q) a job calibrates (delta 1e-5): a short finetune on digits, a
-finetune on Fashion-MNIST, a long one at small q, and the probe's Poisson mode. The caches
+finetune on Fashion-MNIST, a long one at small q, the probe's Poisson mode, and a small
+epsilon over many steps (where the coarse PLD is furthest from the accountant's own). The caches
 of epsilon are cleared before every calibration; the PLD evaluations at the accountant's own
 discretization are counted.
 
@@ -24,7 +25,7 @@ from dpprobe.accounting.gaussian import gaussian_noise_multiplier
 
 DELTA = 1e-5
 CASES = [(8.0, 2, 64 / 1438), (3.0, 100, 0.01), (1.0, 500, 256 / 60000), (8.0, 50, 0.05),
-         (2.0, 300, 0.01)]
+         (2.0, 300, 0.01), (0.1, 1000, 0.01)]
 
 
 def _before(epsilon, steps, q):

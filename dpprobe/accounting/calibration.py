@@ -17,13 +17,15 @@ Evaluations cost most at small sigma (PLD), so the bracket never goes below the 
 With PLD and Poisson sampling, each evaluation builds a discretized privacy loss distribution:
 1-3 s near the answer at the accountant's value discretization (1e-4, dp_accounting's default,
 which every epsilon dpprobe reports uses), and a search took 7-12 of them. So the search runs
-on a coarser discretization first (1e-3: 7-15x faster, its epsilon within about 1e-5
-relative of the default's), then steps from that sigma onto the accountant's own curve by
-Newton's method, the slope taken from the coarse curve: two or three evaluations at the
-default discretization instead of 7-12, the same sigma within the search's tolerance (five
-jobs' calibrations: 9.3-18.7 -> 3.5-6.4 s, 2.3-3.9x, `benchmarks/calibration.py`). The answer
-is checked on the accountant's own curve either way, and a search on that curve takes over if
-the steps do not settle.
+on a coarser discretization first (1e-3: 7-15x faster; its epsilon within about 1e-5
+relative of the default's where sigma is small and evaluations are dear, further off at small
+epsilon and many steps: 9e-3 at epsilon 0.1, T = 1,000), then steps from that sigma onto the
+accountant's own curve: Newton's with the coarse curve's slope, then secant steps on the
+accountant's curve. Two or three evaluations at the default discretization instead of 7-12,
+the same sigma within the search's tolerance (five jobs' calibrations: 9.2-21.5 -> 3.6-6.3 s,
+2.3-3.6x; at epsilon 0.1, T = 1,000, where evaluations are cheap, 0.24 -> 0.56 s;
+`benchmarks/calibration.py`). The answer is checked on the accountant's own curve
+either way, and a search on that curve takes over if the steps do not settle.
 
 References:
   Panda et al. 2023: https://arxiv.org/abs/2212.04486
@@ -267,8 +269,9 @@ def _coarse_pld_epsilon(event, delta: float, accountant: Accountant) -> float:
 
 
 def _search_pld(epsilon, delta, steps, q, full_batch_sigma) -> float:
-    """PLD with Poisson sampling: `_search` on the coarse PLD, then Newton steps onto the
-    accountant's own curve (the module docstring); `_search` on that curve if they do not
+    """PLD with Poisson sampling: `_search` on the coarse PLD, then steps onto the
+    accountant's own curve (the module docstring): Newton's by the coarse curve's slope first,
+    secant steps on the accountant's curve after; `_search` on that curve if they do not
     settle within a few steps."""
     coarse_sigma = _search(epsilon, delta, steps, q, "pld", full_batch_sigma,
                            _coarse_pld_epsilon)
@@ -276,18 +279,24 @@ def _search_pld(epsilon, delta, steps, q, full_batch_sigma) -> float:
     def coarse(sigma):
         return _coarse_pld_epsilon(DpPlan(sigma, steps, q).dp_event(), delta, "pld")
 
+    def excess(sigma):
+        return DpPlan(sigma, steps, q).epsilon(delta) - epsilon
+
     step = 1e-3 * coarse_sigma
     slope = (coarse(coarse_sigma + step) - coarse(coarse_sigma)) / step  # d epsilon / d sigma
-    sigma = coarse_sigma
-    if slope < 0:  # epsilon falls as sigma grows; anything else: search the accountant's curve
-        for _ in range(4):
-            excess = DpPlan(sigma, steps, q).epsilon(delta) - epsilon
-            newton = -excess / slope  # the step to the root, by the coarse curve's slope
-            if excess <= 0 and -newton <= _SEARCH_RTOL * sigma:
-                return sigma  # met, and the root is within the tolerance below
-            sigma += newton + 0.5 * _SEARCH_RTOL * sigma  # to just above the root
-            if not MIN_SAMPLED_PLD_NOISE_MULTIPLIER <= sigma <= full_batch_sigma:
-                break  # outside the bracket: the coarse curve misled
+    sigma, previous = coarse_sigma, None
+    for _ in range(6):
+        if not (slope < 0 and MIN_SAMPLED_PLD_NOISE_MULTIPLIER <= sigma <= full_batch_sigma):
+            break  # not falling, or outside the bracket: the coarse curve misled
+        here = excess(sigma)
+        if previous is not None and abs(sigma - previous[0]) > 1e-5 * sigma:
+            secant = (here - previous[1]) / (sigma - previous[0])
+            slope = secant if secant < 0 else slope  # the accountant's own, where it falls
+        newton = -here / slope  # the step to the root
+        if here <= 0 and -newton <= _SEARCH_RTOL * sigma:
+            return sigma  # met, and the root is within the tolerance below
+        previous = sigma, here
+        sigma += newton + 0.5 * _SEARCH_RTOL * sigma  # to just above the root
     return _search(epsilon, delta, steps, q, "pld", full_batch_sigma)
 
 
