@@ -76,37 +76,37 @@ def main() -> None:
     small = images[:args.small_batch]
     batched = extract.scattering.batch_scatterings
     kymatio = lambda module, dft: module  # noqa: E731 - the exports without the swap
+
+    def onnx_runner(data):
+        session = onnxruntime.InferenceSession(data)
+        name = session.get_inputs()[0].name
+        return lambda x: session.run(None, {name: x})
+
+    def torch_runner(data):
+        program = torch.export.load(io.BytesIO(data)).module()
+
+        def run(x):
+            with torch.no_grad():
+                return program(torch.from_numpy(x))
+        return run
+
+    exports = [("onnx, kymatio's module", kymatio, torch_export.export_onnx, onnx_runner),
+               ("onnx, batched + matrix DFTs", batched, torch_export.export_onnx, onnx_runner),
+               ("torch, kymatio's module", kymatio, torch_export.export_torch, torch_runner),
+               ("torch, batched FFTs", batched, torch_export.export_torch, torch_runner)]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model = dpmodel.load_model(model_file(folder, args.side))
-        for label, swap in (("onnx, kymatio's module", kymatio),
-                            ("onnx, batched + matrix DFTs", batched)):
+        for label, swap, export, runner in exports:
             extract.scattering.batch_scatterings = swap
             start = time.perf_counter()
-            data, _ = torch_export.export_onnx(model)
+            data, _ = export(model)
             seconds = time.perf_counter() - start
             start = time.perf_counter()
-            session = onnxruntime.InferenceSession(data)
+            run = runner(data)
             load = time.perf_counter() - start
-            name = session.get_inputs()[0].name
-            run = lambda x, s=session, n=name: s.run(None, {n: x})  # noqa: E731
-            rows.append((label, seconds, len(data), load,
-                         throughput(run, images, args.repeats),
+            rows.append((label, seconds, len(data), load, throughput(run, images, args.repeats),
                          throughput(run, small, args.repeats)))
-        for label, swap in (("torch, kymatio's module", kymatio),
-                            ("torch, batched FFTs", batched)):
-            extract.scattering.batch_scatterings = swap
-            start = time.perf_counter()
-            data, _ = torch_export.export_torch(model)
-            seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            program = torch.export.load(io.BytesIO(data)).module()
-            load = time.perf_counter() - start
-            with torch.no_grad():
-                run = lambda x, p=program: p(torch.from_numpy(x))  # noqa: E731
-                rows.append((label, seconds, len(data), load,
-                             throughput(run, images, args.repeats),
-                             throughput(run, small, args.repeats)))
         extract.scattering.batch_scatterings = batched
     print(f"scatternet_cnn_linear, {args.side} px, medians of {args.repeats} calls, "
           f"{os.cpu_count()} CPUs")

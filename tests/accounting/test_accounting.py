@@ -57,7 +57,7 @@ def test_poisson_calibration_meets_the_target_tightly(q, steps):
 
 
 def test_the_coarse_pld_only_locates_sigma(monkeypatch):
-    """The search on the coarse PLD and the Newton steps from it give what a search on the
+    """The search on the coarse PLD and the steps from it give what a search on the
     accountant's own curve gives (within its tolerance); with the coarse curve made wrong (its
     epsilon shifted by 5% either way), the answer still meets the target and stays tight."""
     from dpprobe.accounting import calibration
