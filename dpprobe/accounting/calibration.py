@@ -42,7 +42,13 @@ import logging
 import math
 
 from dpprobe.accounting.gaussian import gaussian_noise_multiplier
-from dpprobe.accounting.plan import ACCOUNTANTS, Accountant, DpPlan, event_epsilon
+from dpprobe.accounting.plan import (
+    ACCOUNTANTS,
+    Accountant,
+    DpPlan,
+    event_epsilon,
+    make_accountant,
+)
 from dpprobe.accounting.validation import check_delta, check_epsilon
 
 __all__ = ["calibrate_noise_multiplier", "calibrate_plan", "check_tractable"]
@@ -259,11 +265,7 @@ _COARSE_PLD_DISCRETIZATION = 1e-3
 def _coarse_pld_epsilon(event, delta: float, accountant: Accountant) -> float:
     """Epsilon of a Poisson-sampled Gaussian `event` on the coarse PLD (zero-out neighbours);
     `accountant` is "pld" (the signature of `plan.event_epsilon`)."""
-    import dp_accounting
-
-    pld = dp_accounting.pld.PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
-        value_discretization_interval=_COARSE_PLD_DISCRETIZATION)
+    pld = make_accountant(accountant, pld_discretization=_COARSE_PLD_DISCRETIZATION)
     pld.compose(event)
     return float(pld.get_epsilon(delta))
 

@@ -118,13 +118,19 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accoun
     return compute_epsilon(event, delta, accountant)
 
 
-def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
-    """A fresh `dp_accounting` accountant for zero-out neighbours (`REPLACE_SPECIAL`)."""
+def make_accountant(accountant: Accountant = "pld", *,
+                    pld_discretization: float | None = None) -> dp_accounting.PrivacyAccountant:
+    """A fresh `dp_accounting` accountant for zero-out neighbours (`REPLACE_SPECIAL`); a PLD
+    one at dp_accounting's default value discretization unless `pld_discretization` is given
+    (only the calibration's coarse search does: reported epsilons use the default)."""
     import dp_accounting as dpa
 
     relation = dpa.NeighboringRelation.REPLACE_SPECIAL
     if accountant == "pld":
-        return dpa.pld.PLDAccountant(neighboring_relation=relation)
+        if pld_discretization is None:
+            return dpa.pld.PLDAccountant(neighboring_relation=relation)
+        return dpa.pld.PLDAccountant(neighboring_relation=relation,
+                                     value_discretization_interval=pld_discretization)
     if accountant == "rdp":
         return dpa.rdp.RdpAccountant(neighboring_relation=relation)
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
