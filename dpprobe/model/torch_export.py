@@ -25,8 +25,8 @@ import json
 import numpy as np
 import torch
 
-__all__ = ["FeatureHead", "Normalize", "example_input", "export_model", "export_onnx",
-           "export_torch", "export_timm", "timm_state_dict", "to_torch"]
+__all__ = ["FeatureHead", "Normalize", "example_input", "export_model", "export_torch",
+           "export_timm", "timm_state_dict", "to_torch"]
 
 
 class Normalize(torch.nn.Module):
@@ -282,70 +282,6 @@ def export_torch(model) -> tuple[bytes, str]:
     return buffer.getvalue(), _input_text(model)
 
 
-class _ConcatPad(torch.nn.Module):
-    """A `ConstantPad2d` as concatenation: the same values, but onnxruntime's graph optimizer
-    cannot fuse it into the next MaxPool (it fused a Pad of zeros into MaxPool's own padding,
-    which is -inf: BiT's "fixed" stem then gave a resnetv2_50x1_bit's logits 0.12 off)."""
-
-    def __init__(self, pad: torch.nn.ConstantPad2d):
-        super().__init__()
-        self.left, self.right, self.top, self.bottom = pad.padding
-        self.value = float(pad.value)
-
-    def forward(self, x):
-        n, c, h, w = x.shape
-        rows = [x.new_full((n, c, k, w), self.value) for k in (self.top, self.bottom)]
-        x = torch.cat([rows[0], x, rows[1]], dim=2)
-        cols = [x.new_full((n, c, x.shape[2], k), self.value) for k in (self.left, self.right)]
-        return torch.cat([cols[0], x, cols[1]], dim=3)
-
-
-def _unfused_pads(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` with each `ConstantPad2d` replaced by `_ConcatPad` (for the ONNX export)."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.ConstantPad2d:
-                setattr(parent, name, _ConcatPad(child))
-    return module
-
-
-def export_onnx(model) -> tuple[bytes, str]:
-    """(bytes of an ONNX model, its input): input "images" (or "features"), output "logits",
-    a dynamic batch axis; the privacy claim and class names in its metadata. A ScatterNet is
-    exported a scale at a time, its Fourier transforms as products with the DFT's matrices
-    (`extract.scattering.batch_scatterings`; kymatio's loop of FFTs became ONNX DFT
-    operators, which onnxruntime ran 15x slower, in an 8x larger file:
-    `benchmarks/export.py`). torch's dynamo exporter (onnxscript), its graph optimizer off
-    (measured: it took 170 s of a 230 s ScatterNet export, and the logits match within 1e-4
-    without it)."""
-    import os
-    import tempfile
-    import warnings
-
-    import onnx
-
-    from dpprobe.extract.scattering import batch_scatterings
-
-    module = _unfused_pads(batch_scatterings(to_torch(model), dft="matrix"))
-    example = example_input(model)
-    name = "features" if model.kind == "linear" and not model.takes_images else "images"
-    batch = torch.export.Dim("batch", min=1)
-    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = os.path.join(folder, "model.onnx")
-        try:
-            torch.onnx.export(module, (example,), path, dynamo=True, external_data=False,
-                              input_names=[name], output_names=["logits"],
-                              dynamic_shapes=({0: batch},), optimize=False, verbose=False)
-        except OSError as err:  # a full temporary disk: named, with the way around it
-            raise OSError(err.errno, f"{err.strerror} (the ONNX export's temporary file; set "
-                          "TMPDIR to a folder with room)", folder) from err
-        proto = onnx.load(path)
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = "dpprobe_export", _export_note(model)
-    return proto.SerializeToString(), _input_text(model)
-
-
 def export_timm(model) -> tuple[bytes, str, dict]:
     """(bytes of timm's state dict as safetensors, its input, the `timm.create_model`
     arguments that load it); the source, class names and privacy claim in its metadata."""
@@ -366,7 +302,8 @@ def export_model(model, format: str, out: str) -> tuple[bytes, str, str]:
 
     Args:
       model: the loaded model file (`dpmodel.load_model`).
-      format: "torch" (`export_torch`), "onnx" (`export_onnx`) or "timm" (`export_timm`).
+      format: "torch" (`export_torch`), "onnx" (`onnx_export.export_onnx`) or "timm"
+        (`export_timm`).
       out: where the bytes will be written (named in the loading code).
 
     Returns:
@@ -376,6 +313,8 @@ def export_model(model, format: str, out: str) -> tuple[bytes, str, str]:
         data, inputs = export_torch(model)
         return data, inputs, f"torch.export.load({out!r}).module()"
     if format == "onnx":
+        from dpprobe.model.onnx_export import export_onnx  # it builds on this module
+
         data, inputs = export_onnx(model)
         return data, inputs, f"onnxruntime.InferenceSession({out!r})"
     data, inputs, kwargs = export_timm(model)

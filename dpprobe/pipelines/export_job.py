@@ -4,7 +4,8 @@
   * `timm`: a fine-tuned timm ViT, BEiT, ResNet, EfficientNet, ConvNeXt or BiT ResNetV2 as
     timm's state dict (safetensors), loaded by
     `timm.create_model(name, num_classes=K[, img_size=S])` and `load_state_dict(strict=True)`;
-  * `onnx`: an ONNX model (opset from torch's exporter), any model.
+  * `onnx`: an ONNX model (opset 20, torch's TorchScript exporter: `model.onnx_export`), any
+    model.
 
 The exported modules take float32 NCHW images in [0, 1] at the model's input size (a probe on
 precomputed embeddings: its features) and return the logits (`dpmodel.torch_export`).
@@ -73,9 +74,9 @@ def run_export(config: ExportConfig | str, /, **options) -> dict:
                                  "pip install 'dpprobe[onnx]' (onnx, onnxruntime, onnxscript)")
     model = dpmodel.load_model(config.model)
     model.weights = config.weights
-    if config.format != "timm":  # loading torch and the backbone, tracing: tens of seconds
-        log(f"export: tracing {config.model} as {config.format} (about a minute on a CPU)",
-            config.quiet)
+    if config.format != "timm":  # loading torch and the backbone, tracing: seconds to a minute
+        log(f"export: tracing {config.model} as {config.format} (seconds to a minute on a "
+            "CPU)", config.quiet)
     from dpprobe.model import torch_export  # torch: imported when a model is exported
 
     data, inputs, load = torch_export.export_model(model, config.format, config.out)
