@@ -31,7 +31,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from dpprobe.dp.accumulate import FLOAT64_SUMS, row_block_sum
+from dpprobe.dp.accumulate import FLOAT64_SUMS, row_block_sum, sum_block_rows
 from dpprobe.dp.clipping import ClippedSum, Clipper
 from dpprobe.dp.norms import dense_grad_norms, input_gram
 
@@ -190,11 +190,14 @@ def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows):
                                 preferred_element_type=acc),
                 "b": jnp.sum(weighted, axis=0, dtype=acc)}
 
+    # Rows per float64 block, from public shapes (`dp.accumulate.sum_block_rows`).
+    block_rows = sum_block_rows(8 * views * features.shape[2], 8 * weighted[0, 0].size *
+                                features.shape[2])
     if views == 1:  # the same sum without the views axis, which XLA:CPU laid out apart and
         # copied: two more float32 copies of the features (f32[N, 1, d] in layout {2, 0, 1})
-        sums = row_block_sum(single_view_sum, features[:, 0], weighted[:, 0])
+        sums = row_block_sum(single_view_sum, features[:, 0], weighted[:, 0], block_rows)
     else:
-        sums = row_block_sum(block_sum, features, weighted)
+        sums = row_block_sum(block_sum, features, weighted, block_rows)
     return sums, norms, num_clipped
 
 

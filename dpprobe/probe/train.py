@@ -56,8 +56,18 @@ def prepare_features(features, spec: ProbeSpec, feature_dtype: str | None = None
         raise ValueError(f"features must be (N, d) or (N, views, d), got shape {features.shape}")
     if not np.issubdtype(features.dtype, np.floating):
         raise ValueError(f"features must be floating point, got {features.dtype}")
-    features = np.asarray(normalize_features(features, spec.normalization, groups=spec.groups))
+    if spec.normalization != "none":  # "none" leaves the array as it is (float16 too)
+        features = np.asarray(_normalize(features, spec.normalization, groups=spec.groups))
+    else:
+        features = np.asarray(normalize_features(features, "none"))
     return features if feature_dtype is None else features.astype(feature_dtype)
+
+
+# The per-example normalization as one compiled program. Run eagerly, each of its operations
+# was a pass of its own over every feature, in a program of its own: GroupNorm on 60,000 x
+# 3,969 float16 features (Fashion-MNIST's ScatterNet store) took 6.5-7.5 s before every probe
+# job's first step, 2.0 s compiled (2-core CPU). It is a function of each example alone.
+_normalize = jax.jit(normalize_features, static_argnames=("method", "groups", "eps"))
 
 
 def prepare_inputs(features, labels, spec: ProbeSpec, feature_dtype: str | None = None):

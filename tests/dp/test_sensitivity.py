@@ -108,8 +108,20 @@ def in_memory_views(features, labels):
     return in_memory(np.stack([features, features], axis=1), labels)
 
 
+def in_memory_small_blocks(features, labels):
+    """Blocks of 64 rows: what `dp.accumulate.sum_block_rows` gives a small sum over wide rows
+    (one run on 3,969 features: 128), here on the aligned rows' 5 features."""
+    from unittest import mock
+
+    from dpprobe.dp import accumulate
+
+    with mock.patch.object(accumulate, "BLOCK_BYTES", 8 * features.shape[-1] * 64):
+        return in_memory(features, labels)
+
+
 TRAINERS = {
     "in_memory": (probe.train, "dp_update", 3, in_memory),
+    "in_memory_small_blocks": (probe.train, "dp_update", 3, in_memory_small_blocks),
     "in_memory_views": (probe.train, "dp_update", 3, in_memory_views),
     "sharded": (probe.train, "dp_update", 3, lambda x, y: in_memory(x, y, mesh=True)),
     "streamed": (probe.streaming, "dp_update_jit", 3, streamed),
@@ -220,3 +232,16 @@ def test_add_float64_returns_a_float64_first_part_as_it_is():
     total = add_float64(add_float64(None, part), {"a": np.full(2, 0.25, np.float32)})
     assert total["a"].dtype == np.float64
     np.testing.assert_array_equal(np.asarray(total["a"]), 0.75)
+
+
+def test_sum_block_rows_keeps_a_small_sums_blocks_in_cache():
+    """Rows per float64 block from public shapes: a power of two whose block fits
+    `BLOCK_BYTES` for a sum of at most `SMALL_SUM_BYTES`, else `SUM_BLOCK_ROWS`."""
+    from dpprobe.dp.accumulate import SUM_BLOCK_ROWS, sum_block_rows
+
+    assert sum_block_rows(8 * 3969, 8 * 10 * 3969) == 128  # one run, 10 classes, 3,969 features
+    assert sum_block_rows(8 * 3969, 8 * 30 * 3969) == 128  # three runs: 0.95 MB
+    assert sum_block_rows(8 * 3969, 8 * 150 * 3969) == SUM_BLOCK_ROWS  # fifteen: 4.8 MB
+    assert sum_block_rows(8 * 768, 8 * 10 * 768) == 512
+    assert sum_block_rows(8 * 5, 8 * 3 * 5) == SUM_BLOCK_ROWS  # narrow rows: at most 1,024
+    assert sum_block_rows(8 * 10**6, 8 * 10) == 32  # at least 32
