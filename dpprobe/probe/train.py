@@ -96,7 +96,7 @@ def _prepare_rows(features, onehot, mask):
     progress bar a sweep runs about 20 blocks, and each converted every feature again (the
     default sweep on 200,000 x 512, T = 39, loaded 2-core CPU: 125 -> 98 CPU seconds). The
     first step prepares them inside its own program. The sum's float64 operands are not
-    prepared here: each block of `dp.accumulate.SUM_BLOCK_ROWS` rows is widened inside the
+    prepared here: each block of rows (`dp.accumulate.sum_block_rows`) is widened inside the
     sum, in cache, where a float64 copy of every feature (and XLA's second copy of it for the
     loop over blocks: 2 x 307 MB at 50,000 x 768) cost the single-step sweep of 40 runs
     0.9 of its 1.2 s per step."""
