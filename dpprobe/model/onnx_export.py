@@ -2,9 +2,10 @@
 
 The module `torch_export.to_torch` builds (a ScatterNet a scale at a time, its Fourier
 transforms as products with the DFT's matrices) is exported by torch's TorchScript exporter:
-on this project's 2-core CPU it exported an EfficientNet-Lite0 in 1.1 s where torch's dynamo
-exporter (torch.export, then onnxscript's decompositions) took 17-19 s, for logits within 3e-6
-of torch's either way (`benchmarks/export.py`). torch 2.9 made the dynamo exporter its default
+on this project's 2-core CPU it exported an EfficientNet-Lite0 at 224 px in 1.9-2.8 s where
+torch's dynamo exporter (torch.export, then onnxscript's decompositions) took 18.6-22.9 s, a
+ScatterNet model in 1.7-2.5 s against 16.5-29.0 s, their logits within 2e-6 of each other
+(`benchmarks/export.py`). torch 2.9 made the dynamo exporter its default
 and marks the TorchScript one deprecated; where the TorchScript exporter is gone or refuses a
 module, the dynamo exporter (its graph optimizer off: it took 170 s of a 230 s ScatterNet
 export) writes the file instead. Both write opset 20 (`OPSET`).
@@ -98,28 +99,25 @@ def _write(module: torch.nn.Module, example: torch.Tensor, name: str, folder: st
     `exporter` is "dynamo" or it fails (the module docstring)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation, tracer notes
-        return _write_quietly(module, example, name, folder, exporter)
-
-
-def _write_quietly(module, example, name: str, folder: str, exporter: str) -> str:
-    if exporter == "torchscript":
-        path = os.path.join(folder, "torchscript.onnx")
-        try:
-            with _no_stdout():
-                torch.onnx.export(module, (example,), path, dynamo=False, input_names=[name],
-                                  output_names=["logits"], dynamic_axes={name: {0: "batch"}},
-                                  opset_version=OPSET, verbose=False)
-            return path
-        except OSError:
-            raise
-        except Exception:  # noqa: BLE001 - gone from torch, or an operator it cannot write
-            pass
-    path = os.path.join(folder, "dynamo.onnx")
-    torch.onnx.export(module, (example,), path, dynamo=True, external_data=False,
-                      input_names=[name], output_names=["logits"], opset_version=OPSET,
-                      dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), optimize=False,
-                      verbose=False)
-    return path
+        if exporter == "torchscript":
+            path = os.path.join(folder, "torchscript.onnx")
+            try:
+                with _no_stdout():
+                    torch.onnx.export(module, (example,), path, dynamo=False,
+                                      input_names=[name], output_names=["logits"],
+                                      dynamic_axes={name: {0: "batch"}}, opset_version=OPSET,
+                                      verbose=False)
+                return path
+            except OSError:
+                raise
+            except Exception:  # noqa: BLE001 - gone from torch, or an operator it cannot write
+                pass
+        path = os.path.join(folder, "dynamo.onnx")
+        torch.onnx.export(module, (example,), path, dynamo=True, external_data=False,
+                          input_names=[name], output_names=["logits"], opset_version=OPSET,
+                          dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+                          optimize=False, verbose=False)
+        return path
 
 
 @contextlib.contextmanager
