@@ -17,8 +17,10 @@ writes them; throughput is the median of `--repeats` calls on `--batch` random i
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import _path  # noqa: F401  (first: this folder off the import path)
 
@@ -28,9 +30,11 @@ def model_file(folder: str, side: int, name: str = "scatternet_cnn_linear") -> s
     architecture `name` on `side` px RGB images."""
     from flax import nnx
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import dpprobe.finetune.models as fm
     from dpprobe import model as dpmodel
     from dpprobe import model_files
+    from tests.model_helpers import perturb_nnx  # every parameter plus N(0, 0.01^2) noise
 
     classes = [str(c) for c in range(10)]
     gray = name == "scatternet_cnn_linear"
@@ -43,7 +47,7 @@ def model_file(folder: str, side: int, name: str = "scatternet_cnn_linear") -> s
         model = fm.model_from_timm(timm.create_model(name, pretrained=False,
                                                      num_classes=len(classes)).eval(),
                                    len(classes), rngs=nnx.Rngs(0))
-    perturb(model)
+    perturb_nnx(model, 0.01)  # the zero head too: logits that depend on every layer
     channels, stats = (1, (0.5,)) if gray else (3, (0.5, 0.5, 0.5))
     document = model_files.header("finetune", classes) | dpmodel.network_document(
         model, name=name, num_classes=len(classes), image_size=side, channels=channels,
@@ -56,20 +60,6 @@ def model_file(folder: str, side: int, name: str = "scatternet_cnn_linear") -> s
     path = os.path.join(folder, f"{name}.safetensors")
     model_files.write_model(path, dpmodel.network_arrays(model), document)
     return path
-
-
-def perturb(model, scale: float = 0.01) -> None:
-    """Every parameter plus N(0, scale^2) noise: the zero-initialized head too, so that the
-    logits depend on every layer (a comparison of two exports' logits is then not of zeros)."""
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    rng = np.random.default_rng(0)
-    for _, param in (p for p in nnx.iter_graph(model) if isinstance(p[1], nnx.Param)):
-        value = np.asarray(param[...])
-        param[...] = jnp.asarray(value + scale * rng.standard_normal(value.shape).astype(
-            value.dtype))
 
 
 def onnx_runner(data: bytes):
