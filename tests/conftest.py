@@ -8,9 +8,9 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # torch's OpenMP threads spin between operations by default, on cores another pytest-xdist worker
-# (or XLA's threads) could use: passive waiting made tests/model/test_export.py with
-# tests/dp/test_bookkeeping.py on 2 workers 150-159 -> 125-134 s (user CPU 259-276 -> 217-235 s,
-# runs interleaved). A value already set wins; libgomp reads it when torch first loads it.
+# (or XLA's threads) could use: waiting passively, two workers used 6-9% less CPU on average
+# over interleaved runs (docs/development.md, "Threads that wait without spinning"). A value
+# already set wins; libgomp reads it when torch first loads it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # What the CLI caches (Hugging Face, timm) goes to a fresh folder, never the user's ~/.cache or
 # $XDG_CACHE_HOME. The process that made it (pytest-xdist's controller, whose environment its
