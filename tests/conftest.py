@@ -1,4 +1,5 @@
 import atexit
+import contextlib
 import ctypes
 import gc
 import os
@@ -182,7 +183,19 @@ def _optimized_code_where_running_dominates(request):
     caches are cleared first, where an earlier test's -O0 programs would be found. A level in
     the user's XLA_FLAGS wins here too.
     """
-    if _LEVEL_CHOSEN_BY_USER or request.node.get_closest_marker("runtime_bound") is None:
+    if request.node.get_closest_marker("runtime_bound") is None:
+        yield
+        return
+    with optimized_compilation():
+        yield
+
+
+@contextlib.contextmanager
+def optimized_compilation():
+    """XLA's -O3 for what is compiled within (see `_optimized_code_where_running_dominates`),
+    for a module-scoped fixture that runs its programs more than it compiles them: it is set
+    up before any test's marker applies. A level in the user's XLA_FLAGS wins."""
+    if _LEVEL_CHOSEN_BY_USER:
         yield
         return
     import jax
