@@ -13,8 +13,8 @@ The report sums them over the run: the compile path per program (which programs 
 between tests, or to trace less often), the slowest tests with their compile path apart from
 the rest (the arithmetic, torch, subprocesses), and the slowest files.
 
-Run (the suite as `make test` runs it, the plugin in every worker; extra pytest arguments
-replace the default selection):
+Run (the suite as `make test` runs it on a 2-core machine, the plugin in every worker; pytest
+arguments after `--` replace the default ones):
   .venv/bin/python benchmarks/suite_profile.py run [--out DIR] [-- PYTEST_ARGS...]
   .venv/bin/python benchmarks/suite_profile.py report DIR [--top 25]
 """

@@ -71,37 +71,41 @@ SUM_BLOCK_ROWS = 2**10
 # the 2-core AMD EPYC it was measured on; its L3 is 32 MiB, shared).
 BLOCK_BYTES = 4 << 20
 SMALL_SUM_BYTES = 1 << 20
-# `sum_block_rows`: the sum's entries per row entry (runs x classes, per view) up to which its
-# blocks stay in cache whatever the sum's size (one run of up to 16 classes on wide rows).
+# `sum_block_rows`: the sum's entries per feature (runs x classes) up to which its blocks stay
+# in cache whatever the sum's size (one run of up to 16 classes on wide rows).
 SMALL_SUM_WIDTH = 16
 
 
-def sum_block_rows(row_bytes: int, sum_bytes: int) -> int:
+def sum_block_rows(row_bytes: int, sum_bytes: int, views: int = 1) -> int:
     """Rows per block of a float64 row reduction (`row_block_sum`), from public shapes.
 
     A small sum (at most `SMALL_SUM_BYTES`, e.g. a probe of 1-3 runs on 3,969 features), or a
-    narrow one (at most `SMALL_SUM_WIDTH` entries per row entry: one run of up to 16 classes,
+    narrow one (at most `SMALL_SUM_WIDTH` entries per feature: one run of up to 16 classes,
     e.g. on ScatterNet's 15,552 or 20,736 features), is reduced in blocks whose float64 rows fit
-    `BLOCK_BYTES`: a power of two of rows, 32 to `SUM_BLOCK_ROWS`. Any other keeps
+    `BLOCK_BYTES`: a power of two of rows, 32 to `SUM_BLOCK_ROWS` (a narrow sum of more than
+    `SMALL_SUM_BYTES` has rows of more than 64 KiB, so 32: its blocks' Neumaier steps cost
+    less the more views a row holds). Any other keeps
     `SUM_BLOCK_ROWS`, where each block's Neumaier step over the whole sum would cost more than
     the cache saves; so do devices other than the CPU.
     Measured (the probe's step on 60,000 x 3,969 float16 features, 10 classes, 2-core CPU,
     seconds per step at 1,024 / 256 / 128 / 64 rows): one run 1.03 / 0.78 / 0.44 / 0.43;
     three 1.60 / 1.97 / 1.09 / 1.08; fifteen 3.28 / 3.88 / 4.81 / - (so 1,024 from a sum of
-    4.8 MB). One run of 10 classes on wider rows, where a 1,024-row block holds 124-170 MB of
+    4.8 MB). One run of 10 classes on wider rows, where a 1,024-row block holds 127-170 MB of
     float64 operands, 1,024 -> 32 rows (`benchmarks/block_rows.py`, the trainer's step):
     8,192 x 15,552 features 0.40-0.74 -> 0.32-0.44 s, 1,437 x 20,736 0.10-0.14 -> 0.09-0.13 s.
     Only the speed changes: any block size of at most `MAX_BLOCK_ROWS` keeps the module
     docstring's bound.
 
     Args:
-      row_bytes: bytes of one row's float64 operands (8 x features per row).
+      row_bytes: bytes of one row's float64 operands (8 x features per row, all its views).
       sum_bytes: bytes of the float64 sum (8 x its entries).
+      views: the views each row holds (the sum's entries per feature are
+        `sum_bytes * views / row_bytes`).
 
     Returns:
       The rows per block.
     """
-    narrow = sum_bytes <= SMALL_SUM_WIDTH * row_bytes
+    narrow = sum_bytes * views <= SMALL_SUM_WIDTH * row_bytes
     if jax.default_backend() != "cpu" or (sum_bytes > SMALL_SUM_BYTES and not narrow):
         return SUM_BLOCK_ROWS
     rows = max(1, BLOCK_BYTES // max(1, row_bytes))

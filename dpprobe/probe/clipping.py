@@ -193,7 +193,7 @@ def _clip(params, features, onehot, clip_norm, loss, mask, gram, finite_rows):
 
     # Rows per float64 block, from public shapes (`dp.accumulate.sum_block_rows`).
     block_rows = sum_block_rows(8 * views * features.shape[2],
-                                8 * math.prod(weighted.shape[2:]) * features.shape[2])
+                                8 * math.prod(weighted.shape[2:]) * features.shape[2], views)
     if views == 1:  # the same sum without the views axis, which XLA:CPU laid out apart and
         # copied: two more float32 copies of the features (f32[N, 1, d] in layout {2, 0, 1})
         sums = row_block_sum(single_view_sum, features[:, 0], weighted[:, 0], block_rows)

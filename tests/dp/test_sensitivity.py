@@ -237,7 +237,7 @@ def test_add_float64_returns_a_float64_first_part_as_it_is():
 def test_sum_block_rows_keeps_a_small_sums_blocks_in_cache():
     """Rows per float64 block from public shapes: a power of two whose block fits
     `BLOCK_BYTES` for a sum of at most `SMALL_SUM_BYTES` or of at most `SMALL_SUM_WIDTH`
-    entries per row entry, else `SUM_BLOCK_ROWS`."""
+    entries per feature, else `SUM_BLOCK_ROWS`."""
     from dpprobe.dp.accumulate import SUM_BLOCK_ROWS, sum_block_rows
 
     assert sum_block_rows(8 * 3969, 8 * 10 * 3969) == 128  # one run, 10 classes, 3,969 features
@@ -250,6 +250,8 @@ def test_sum_block_rows_keeps_a_small_sums_blocks_in_cache():
     # narrow, so in cache, not in 1,024-row blocks of 170 / 127 MB.
     assert sum_block_rows(8 * 20736, 8 * 10 * 20736) == 32
     assert sum_block_rows(8 * 15552, 8 * 10 * 15552) == 32
-    assert sum_block_rows(8 * 3 * 15552, 8 * 10 * 15552) == 32  # three views of each example
+    assert sum_block_rows(8 * 3 * 15552, 8 * 10 * 15552, views=3) == 32  # three views each
+    # Three runs of 10 classes: not narrow, with one view or with three.
+    assert sum_block_rows(8 * 3 * 15552, 8 * 30 * 15552, views=3) == SUM_BLOCK_ROWS
     assert sum_block_rows(8 * 15552, 8 * 30 * 15552) == SUM_BLOCK_ROWS  # three runs: 3.7 MB
     assert sum_block_rows(8 * 2048, 8 * 100 * 2048) == SUM_BLOCK_ROWS  # 100 classes: 1.6 MB
