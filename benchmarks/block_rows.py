@@ -10,7 +10,7 @@ the probe with the rule as shipped and with other fixed rows per block, in turn,
 float32 features:
 
   * the clipped sum alone: `probe.clipped_grad_sum` in one `x64_jit` program (median of
-    --repeats calls after a warm-up);
+    --repeats calls after a warm-up, `probe_step.py`'s `_time`);
   * the trainer: `probe.train_probe`'s cost of one more step, (t(1 + K) - t(1)) / K, medians
     of interleaved calls (`probe_step.py`'s `_marginal`).
 
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import _path  # first: keeps this folder off the import path
 
@@ -35,6 +33,11 @@ os.environ["DPPROBE_STORED_PROGRAMS"] = "0"  # programs stored on disk would ski
 import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
+
+
+def _probe_step():
+    """`probe_step.py`, whose timers (`_time`, `_marginal`) this benchmark uses."""
+    return _path.load_benchmark("probe_step")
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
@@ -62,13 +65,8 @@ def clipped_sum_ms(features, onehot, runs, repeats) -> float:
     spec = probe.ProbeSpec(classes)
     fn = x64_jit(lambda p, x, y, c: probe.clipped_grad_sum(p, x, y, c, loss=spec.loss))
     clip = jnp.ones((runs,), jnp.float32)
-    jax.block_until_ready(fn(params, features, onehot, clip))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(params, features, onehot, clip))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    median, _ = _probe_step()._time(lambda: fn(params, features, onehot, clip), repeats)
+    return 1e3 * median
 
 
 def trainer_step_ms(features, labels, classes, runs, steps, repeats) -> float:
@@ -82,7 +80,7 @@ def trainer_step_ms(features, labels, classes, runs, steps, repeats) -> float:
         specs = [probe.RunSpec(accounting.DpPlan(2.0, total), 0.1) for _ in range(runs)]
         probe.train_probe(features, labels, specs, keys, spec)
 
-    per_step, _, _ = _path.load_benchmark("probe_step")._marginal(run, steps, repeats)
+    per_step, _, _ = _probe_step()._marginal(run, steps, repeats)
     return 1e3 * per_step
 
 

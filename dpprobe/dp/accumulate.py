@@ -84,9 +84,9 @@ def sum_block_rows(row_bytes: int, sum_bytes: int, views: int = 1) -> int:
     e.g. on ScatterNet's 15,552 or 20,736 features), is reduced in blocks whose float64 rows fit
     `BLOCK_BYTES`: a power of two of rows, 32 to `SUM_BLOCK_ROWS` (a narrow sum of more than
     `SMALL_SUM_BYTES` has rows of more than 64 KiB, so 32: its blocks' Neumaier steps cost
-    less the more views a row holds). Any other keeps
-    `SUM_BLOCK_ROWS`, where each block's Neumaier step over the whole sum would cost more than
-    the cache saves; so do devices other than the CPU.
+    less the more views a row holds). Any other keeps `SUM_BLOCK_ROWS`, where each block's
+    Neumaier step over the whole sum would cost more than the cache saves; so do devices other
+    than the CPU.
     Measured (the probe's step on 60,000 x 3,969 float16 features, 10 classes, 2-core CPU,
     seconds per step at 1,024 / 256 / 128 / 64 rows): one run 1.03 / 0.78 / 0.44 / 0.43;
     three 1.60 / 1.97 / 1.09 / 1.08; fifteen 3.28 / 3.88 / 4.81 / - (so 1,024 from a sum of
