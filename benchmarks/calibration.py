@@ -8,7 +8,12 @@ epsilon over many steps (where the coarse PLD is furthest from the accountant's 
 of epsilon are cleared before every calibration; the PLD evaluations at the accountant's own
 discretization are counted.
 
-    python benchmarks/calibration.py [--repeats 3]
+`--compare construction` times the calibration of today (`calibrate_noise_multiplier`) and
+one reported epsilon (`DpPlan.epsilon`) with dp_accounting's `PLDAccountant` building each
+subsampled Gaussian's PLD (before) against `accounting.sampled_pld`'s accountant, the same PLD
+built in one vectorized pass (now); the sigmas and epsilons must be equal.
+
+    python benchmarks/calibration.py [--repeats 3] [--compare search|construction]
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ def _now(epsilon, steps, q):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", choices=("search", "construction"), default="search",
+                        help="the coarse search (default) or the PLD's construction")
     args = parser.parse_args()
+    if args.compare == "construction":
+        _construction(args.repeats)
+        return
     counted = {"n": 0}
     accountant = plan.make_accountant
 
@@ -60,8 +70,7 @@ def main() -> None:
         times = {"before": [], "now": []}
         for _ in range(args.repeats):
             for name, calibrate in (("before", _before), ("now", _now)):
-                plan.event_epsilon.cache_clear()
-                calibration._coarse_pld_epsilon.cache_clear()
+                _clear_caches()
                 counted["n"] = 0
                 start = time.perf_counter()
                 sigma = calibrate(epsilon, steps, q)
@@ -71,6 +80,48 @@ def main() -> None:
         print(f"{epsilon:7g} {steps:5d} {q:7.4f} {before:9.2f} {times['before'][0][1]:5d} "
               f"{now:7.2f} {times['now'][0][1]:5d} {before / now:7.1f}x "
               f"{times['before'][0][2]:13.9f} {times['now'][0][2]:12.9f}", flush=True)
+
+
+def _clear_caches() -> None:
+    plan.event_epsilon.cache_clear()
+    calibration._coarse_pld_epsilon.cache_clear()
+
+
+def _construction(repeats: int) -> None:
+    """dp_accounting's PLDAccountant (before) vs `sampled_pld`'s (now), alternating."""
+    import dp_accounting
+
+    ours = plan.make_accountant
+
+    def theirs(accountant="pld", *, pld_discretization=None):
+        if accountant != "pld":
+            return ours(accountant)
+        return dp_accounting.pld.PLDAccountant(
+            dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
+            value_discretization_interval=pld_discretization or 1e-4)
+
+    print(f"PLD construction, Poisson sampling, delta {DELTA:g}; medians of {repeats}, "
+          f"alternating; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'epsilon':>7s} {'T':>5s} {'q':>7s} {'calibration before s':>21s} {'now s':>7s} "
+          f"{'speed-up':>8s} {'one epsilon before s':>21s} {'now s':>7s} {'speed-up':>8s}")
+    for epsilon, steps, q in CASES:
+        times = {"before": [], "now": []}
+        for _ in range(repeats):
+            for name, make in (("before", theirs), ("now", ours)):
+                plan.make_accountant = calibration.make_accountant = make
+                _clear_caches()
+                start = time.perf_counter()
+                sigma = _now(epsilon, steps, q)
+                middle = time.perf_counter()
+                spent = plan.DpPlan(sigma * 1.001, steps, q).epsilon(DELTA)  # not cached
+                times[name].append((middle - start, time.perf_counter() - middle, sigma, spent))
+        plan.make_accountant = calibration.make_accountant = ours
+        assert len({(s, e) for _, _, s, e in times["before"] + times["now"]}) == 1, times
+        calibrate = [statistics.median(t[0] for t in times[k]) for k in ("before", "now")]
+        one = [statistics.median(t[1] for t in times[k]) for k in ("before", "now")]
+        print(f"{epsilon:7g} {steps:5d} {q:7.4f} {calibrate[0]:21.2f} {calibrate[1]:7.2f} "
+              f"{calibrate[0] / calibrate[1]:7.1f}x {one[0]:21.2f} {one[1]:7.2f} "
+              f"{one[0] / one[1]:7.1f}x", flush=True)
 
 
 if __name__ == "__main__":
