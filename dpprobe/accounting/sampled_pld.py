@@ -14,23 +14,31 @@ vectorized form (dp_accounting's mixture-of-Gaussians loss, which is vectorized,
 
 What changes: only how the grid's inverse privacy losses are computed. Here they are the same
 formulas as dp_accounting's scalar `_inverse_privacy_loss_add` / `_remove` for the Gaussian,
-the same operations in the same order on float64 arrays (NumPy's ufuncs, which dp_accounting
-calls on scalars too). Everything else is dp_accounting's own code:
-`_create_pld_pmf_from_monotone_privacy_loss` (the connect-the-dots discretization, pessimistic),
-`_pld_for_subsampled_mechanism` (the remove and add distributions), `self_compose`, `compose`
-and `get_epsilon_for_delta`. The distributions are bit-identical to dp_accounting's
-(`tests/accounting/test_sampled_pld.py` compares every probability, lower loss and infinity
-mass over a grid of sigma, q and discretizations, and the epsilons of composed events), so the
-accountant's guarantee is dp_accounting's: the same pessimistic PLD for the same zero-out
-neighbouring relation. Every other event (full-batch Gaussians, q = 1, other relations) goes to
-dp_accounting's `PLDAccountant` unchanged.
+the same operations in the same order on float64 arrays. Everything else is dp_accounting's
+own code: `_create_pld_pmf_from_monotone_privacy_loss` (the connect-the-dots discretization,
+pessimistic), `_pld_for_subsampled_mechanism` (the remove and add distributions),
+`self_compose`, `compose` and `get_epsilon_for_delta`. Every other event (full-batch
+Gaussians, q = 1, other relations) goes to dp_accounting's `PLDAccountant` unchanged.
 
-The private dp_accounting functions it calls are pinned by the project's `dp-accounting==0.6.0`;
-the bit-identity test fails if a release changes them.
+Bit for bit, where it runs: the basic operations are correctly rounded on arrays as on
+scalars, and `exp` / `log1p`, which dp_accounting calls on NumPy scalars, are the same
+NumPy ufuncs here on arrays. NumPy builds whose array loop is their own SIMD code and whose
+scalar path is C's libm could differ in the last bit, so the vectorized path runs only where
+(1) `exp` and `log1p` give 2,048 test arrays the bits they give each element alone (checked
+once per process) and (2) each grid's vectorized inversion equals dp_accounting's scalar one
+at 65 points spread over it; elsewhere dp_accounting's own path builds the distribution.
+`tests/accounting/test_sampled_pld.py` compares every probability, lower loss and infinity
+mass with dp_accounting's over sigma, q and discretizations (the edge branch included), and
+the epsilons of composed events under each relation. So the accountant's guarantee is
+dp_accounting's: the same pessimistic PLD for the same zero-out neighbouring relation.
+
+The private dp_accounting functions it calls are pinned by the project's
+`dp-accounting==0.6.0`; a release that changed them would fail those tests or the spot check.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -44,6 +52,8 @@ _ADD = privacy_loss_mechanism.AdjacencyType.ADD
 _REMOVE = privacy_loss_mechanism.AdjacencyType.REMOVE
 # dp_accounting's `math.isclose` default, the tolerance of its edge test.
 _ISCLOSE_RTOL = 1e-9
+# Grid points whose vectorized inversion is compared with dp_accounting's scalar one.
+_SPOT_CHECKS = 65
 
 
 def _log_a_times_exp_b_plus_c(a: float, b: np.ndarray, c: float, skip: np.ndarray
@@ -58,6 +68,30 @@ def _log_a_times_exp_b_plus_c(a: float, b: np.ndarray, c: float, skip: np.ndarra
     with np.errstate(invalid="ignore", divide="ignore"):
         log_sub = d + np.log1p(-np.exp(log_minus_c - d))
     return np.where(b == 0, np.log(a + c), log_sub)
+
+
+@functools.cache
+def _array_ufuncs_match_scalar_ones() -> bool:
+    """Whether NumPy's float64 `exp` and `log1p` give an array the bits they give each of its
+    elements alone (dp_accounting calls them on scalars), on 4,096 arguments spanning the
+    ranges the inversion uses (10 ms, once per process). They do where both take the same
+    loop (C's libm on this project's machines); a NumPy build whose array loop is its own SIMD
+    code and whose scalar path is libm could differ in the last bit, and there
+    dp_accounting's path runs."""
+    rng = np.random.default_rng(0)  # public test points, no data
+    exp_args = np.concatenate([-np.exp(rng.uniform(-40, np.log(745), 2000)),
+                               np.linspace(-1e-12, 0, 48)])
+    log1p_args = -np.exp(exp_args)
+    with np.errstate(divide="ignore"):  # log1p(-1) = -inf, on both paths
+        pairs = [(np.exp, exp_args), (np.log1p, log1p_args)]
+        return all(_same_float(element, ufunc(x))
+                   for ufunc, args in pairs
+                   for element, x in zip(ufunc(args), args, strict=True))
+
+
+def _same_float(a, b) -> bool:
+    """Equal bits (NaNs equal)."""
+    return np.float64(a).tobytes() == np.float64(b).tobytes()
 
 
 def _isclose(values: np.ndarray, edge: float) -> np.ndarray:
@@ -89,10 +123,20 @@ class _GaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
         inverse = -0.5 * sensitivity - without * (std**2) / sensitivity
         return np.where(at_edge, np.inf, inverse)
 
+    def _inverse_agrees(self, losses: np.ndarray, inverse: np.ndarray) -> bool:
+        """Whether the vectorized inversion equals dp_accounting's scalar one at
+        `_SPOT_CHECKS` points spread over the grid."""
+        picks = np.unique(np.linspace(0, len(losses) - 1, _SPOT_CHECKS).round().astype(int))
+        return len(losses) == 0 or all(
+            _same_float(inverse[i], self.inverse_privacy_loss(losses[i])) for i in picks)
+
     def get_delta_for_epsilon(self, epsilon):
         """dp_accounting's `AdditiveNoisePrivacyLoss.get_delta_for_epsilon`, with the inverse
-        privacy losses of the grid computed at once."""
-        if self.sampling_prob == 1.0 or self.adjacency_type not in (_ADD, _REMOVE):
+        privacy losses of the grid computed at once; dp_accounting's own where NumPy's
+        array and scalar float64 `exp` / `log1p` differ here, or where a spot check of the
+        grid's inversion against dp_accounting's scalar one differs."""
+        if (self.sampling_prob == 1.0 or self.adjacency_type not in (_ADD, _REMOVE)
+                or not _array_ufuncs_match_scalar_ones()):
             return super().get_delta_for_epsilon(epsilon)
         is_scalar = isinstance(epsilon, numbers.Number)
         epsilons = np.array([epsilon]) if is_scalar else np.asarray(epsilon)
@@ -104,6 +148,8 @@ class _GaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
             others = np.logical_not(inverse_indices)
             deltas[others] = -np.expm1(epsilons[others])
         x_cutoffs = self._inverse_privacy_losses(epsilons[inverse_indices])
+        if not self._inverse_agrees(epsilons[inverse_indices], x_cutoffs):
+            return super().get_delta_for_epsilon(epsilon)
         deltas[inverse_indices] = (
             self.mu_upper_cdf(x_cutoffs)
             - np.exp(epsilons[inverse_indices] + self.mu_lower_log_cdf(x_cutoffs)))

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from scipy import special
 
 from dpprobe.accounting import DpPlan
 from dpprobe.dp.auditing import OneRunAudit, one_run_epsilon_bound
@@ -268,13 +269,20 @@ def fit_subsampled_gaussian(projections: np.ndarray, included: np.ndarray, *,
     if first <= 0 or second <= 0:
         return noise, 0.0, 0.0
     signal, rate = second / first, min(1.0, first * first / second)
+    weight = np.empty_like(inside)
     for _ in range(iterations):
-        log_in = math.log(max(rate, 1e-300)) - np.square(inside - signal) / (2 * noise**2)
-        log_out = math.log1p(-min(rate, 1 - 1e-12)) - np.square(inside) / (2 * noise**2)
-        weight = 1.0 / (1.0 + np.exp(np.clip(log_out - log_in, -700, 700)))
+        # The posterior of "sampled", q N(x; a, s^2) / (its sum with (1 - q) N(x; 0, s^2)),
+        # is the logistic function of log(q / (1 - q)) + (a x - a^2 / 2) / s^2: one pass.
+        slope = signal / noise**2
+        offset = (math.log(max(rate, 1e-300)) - math.log1p(-min(rate, 1 - 1e-12))
+                  - 0.5 * signal * slope)
+        np.multiply(inside, slope, out=weight)
+        weight += offset
+        special.expit(weight, out=weight)
         previous = (rate, signal)
-        rate = float(np.clip(weight.mean(), 1e-12, 1.0))
-        signal = float((weight * inside).sum() / max(weight.sum(), 1e-300))
+        total = float(weight.sum())
+        rate = float(np.clip(total / weight.size, 1e-12, 1.0))
+        signal = float(weight @ inside / max(total, 1e-300))
         if abs(rate - previous[0]) <= 1e-7 * rate and abs(signal - previous[1]) <= 1e-7:
             break
     return noise, rate, signal

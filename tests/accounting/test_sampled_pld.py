@@ -30,8 +30,10 @@ def _assert_same_pmf(ours, theirs):
 # (sigma, q, discretization): dp_accounting's default grid and the calibration's coarse one,
 # q from 1e-6 to 0.999, sigma from the calibration's floor (0.3) to 20; dense PMFs of up to
 # 10^5 points and sparse ones (sigma 5, q 1e-4).
+# The last case puts grid points on the edge log(1 - q) (dp_accounting's `isclose` branch).
 CASES = [(1.1, 0.05, 1e-4), (0.53, 1e-3, 1e-4), (0.3, 0.9, 1e-3), (5.0, 1e-4, 1e-4),
-         (0.8, 0.999, 1e-4), (20.0, 0.5, 3e-4), (1.0, 1e-6, 1e-4), (0.7, 0.2, 1e-3)]
+         (0.8, 0.999, 1e-4), (20.0, 0.5, 3e-4), (1.0, 1e-6, 1e-4), (0.7, 0.2, 1e-3),
+         (0.3, 1 - math.exp(-0.02), 1e-2)]
 
 
 @pytest.mark.parametrize("sigma,q,discretization", CASES)
@@ -49,7 +51,7 @@ def test_the_distribution_is_dp_accountings_bit_for_bit(sigma, q, discretization
 
 
 @pytest.mark.parametrize("adjacency", [plm.AdjacencyType.ADD, plm.AdjacencyType.REMOVE])
-@pytest.mark.parametrize("q", [1e-5, 0.03, 0.5, 0.97])
+@pytest.mark.parametrize("q", [1e-12, 1e-5, 0.03, 0.5, 0.97])
 def test_the_grid_inversion_is_dp_accountings_point_by_point(adjacency, q):
     """Every inverse privacy loss equals dp_accounting's scalar one, at random losses, at
     the edge log(1 - q) where the scalar code takes its `isclose` branch, and one float
@@ -120,9 +122,53 @@ def test_a_non_private_sampled_event_stays_infinite():
     assert acc.get_epsilon(1e-5) == math.inf
 
 
-def test_every_reported_epsilon_uses_it():
+def _count_scalar_grids(monkeypatch) -> list:
+    """Counts dp_accounting's own (scalar) grid inversions from now on."""
+    calls = []
+    scalar = plm.AdditiveNoisePrivacyLoss.get_delta_for_epsilon
+
+    def counted(self, epsilon):
+        calls.append(np.size(epsilon))
+        return scalar(self, epsilon)
+
+    monkeypatch.setattr(plm.AdditiveNoisePrivacyLoss, "get_delta_for_epsilon", counted)
+    return calls
+
+
+def test_every_reported_epsilon_takes_the_vectorized_path(monkeypatch):
+    calls = _count_scalar_grids(monkeypatch)
     assert isinstance(accounting.make_accountant("pld"), sampled_pld.SampledGaussianPLDAccountant)
     plan = accounting.DpPlan(0.9, 20, 0.05)
+    ours = accounting.compute_epsilon(plan.dp_event(), 1e-5)
+    assert calls == []  # no grid went through dp_accounting's scalar inversion
     acc = pld.PLDAccountant(RELATIONS.REPLACE_SPECIAL)
     acc.compose(plan.dp_event())
-    assert accounting.compute_epsilon(plan.dp_event(), 1e-5) == acc.get_epsilon(1e-5)
+    assert ours == acc.get_epsilon(1e-5)
+    assert max(calls) > 1000  # the reference did: the counter sees grids
+
+
+def test_where_arrays_and_scalars_could_differ_dp_accountings_path_runs(monkeypatch):
+    """A NumPy whose array exp/log1p differ from its scalar ones, or a grid whose spot
+    check differs from dp_accounting's scalar inversion: dp_accounting's path, the same PLD."""
+    reference = pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=0.9, sampling_prob=0.05, value_discretization_interval=1e-3,
+        neighboring_relation=RELATIONS.REPLACE_SPECIAL)
+    calls = _count_scalar_grids(monkeypatch)
+    monkeypatch.setattr(sampled_pld, "_array_ufuncs_match_scalar_ones", lambda: False)
+    _assert_same_pmf(sampled_pld.sampled_gaussian_pld(0.9, 0.05, 1e-3)._pmf_add,
+                     reference._pmf_add)
+    assert calls and max(calls) > 100
+    monkeypatch.undo()
+    calls = _count_scalar_grids(monkeypatch)
+    vectorized = sampled_pld._GaussianPrivacyLoss._inverse_privacy_losses
+    monkeypatch.setattr(sampled_pld._GaussianPrivacyLoss, "_inverse_privacy_losses",
+                        lambda self, losses: np.nextafter(vectorized(self, losses), np.inf))
+    _assert_same_pmf(sampled_pld.sampled_gaussian_pld(0.9, 0.05, 1e-3)._pmf_remove,
+                     reference._pmf_remove)
+    assert calls and max(calls) > 100
+
+
+def test_on_this_machine_numpys_arrays_and_scalars_agree():
+    """Where this project runs (its CI, its machines) the vectorized path is the one taken:
+    else the speed measured in `docs/performance.md` would be dp_accounting's."""
+    assert sampled_pld._array_ufuncs_match_scalar_ones()

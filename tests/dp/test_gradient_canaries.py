@@ -283,3 +283,42 @@ def test_scores_stay_finite_at_full_batch_and_are_continuous_in_q():
     assert np.isfinite(full).all() and np.isfinite(near).all()
     np.testing.assert_allclose(full[1:], near[1:], rtol=1e-9, atol=1e-6)
     assert full[0] < near[0] - 10
+
+
+def _reference_em(inside, noise, rate, signal, iterations=200):
+    """EM on (1 - q) N(0, s^2) + q N(a, s^2) written from the two densities' logs."""
+    for _ in range(iterations):
+        log_in = np.log(rate) - np.square(inside - signal) / (2 * noise**2)
+        log_out = np.log1p(-rate) - np.square(inside) / (2 * noise**2)
+        weight = 1.0 / (1.0 + np.exp(log_out - log_in))
+        previous = (rate, signal)
+        rate, signal = weight.mean(), (weight * inside).sum() / weight.sum()
+        if abs(rate - previous[0]) <= 1e-7 * rate and abs(signal - previous[1]) <= 1e-7:
+            break
+    return rate, signal
+
+
+@pytest.mark.parametrize("rate,signal,noise", [(0.02, 1.0, 0.7), (0.05, 1.0, 2.0),
+                                               (0.3, 0.5, 0.4)])
+def test_the_em_fit_is_the_mixtures_em_and_recovers_it(rate, signal, noise):
+    """`fit_subsampled_gaussian`'s one-pass E-step (the posterior as a logistic function) gives
+    what EM written from the two Gaussian densities gives, to 1e-9, from the same start, and
+    recovers the simulated (s, q, a) within their sampling error."""
+    from dpprobe.dp.canaries import _MAD, fit_subsampled_gaussian
+
+    rng = np.random.default_rng(3)
+    steps, count = 400, 2000
+    included = rng.random(count) < 0.5
+    z = ((rng.random((steps, count)) < rate) * included * signal
+         + noise * rng.standard_normal((steps, count)))
+    fitted_noise, fitted_rate, fitted_signal = fit_subsampled_gaussian(z, included)
+    inside = z[:, included].ravel()
+    out = z[:, ~included]
+    assert fitted_noise == _MAD * np.median(np.abs(out - np.median(out)))
+    second = np.mean(np.square(inside)) - fitted_noise**2
+    start = (inside.mean() ** 2 / second, second / inside.mean())
+    reference = _reference_em(inside, fitted_noise, *start)
+    np.testing.assert_allclose((fitted_rate, fitted_signal), reference, rtol=1e-9)
+    assert fitted_noise == pytest.approx(noise, rel=0.02)
+    assert fitted_rate == pytest.approx(rate, rel=0.2)
+    assert fitted_signal == pytest.approx(signal, rel=0.2)
