@@ -24,8 +24,8 @@ Bit for bit, where it runs: the basic operations are correctly rounded on arrays
 scalars, and `exp` / `log1p`, which dp_accounting calls on NumPy scalars, are the same
 NumPy ufuncs here on arrays. NumPy builds whose array loop is their own SIMD code and whose
 scalar path is C's libm could differ in the last bit, so the vectorized path runs only where
-(1) `exp` and `log1p` give 2,048 test arrays the bits they give each element alone (checked
-once per process) and (2) each grid's vectorized inversion equals dp_accounting's scalar one
+(1) `exp` and `log1p` give an array of 2,048 test arguments the bits they give each argument
+alone (checked once per process) and (2) each grid's vectorized inversion equals dp_accounting's scalar one
 at 65 points spread over it; elsewhere dp_accounting's own path builds the distribution.
 `tests/accounting/test_sampled_pld.py` compares every probability, lower loss and infinity
 mass with dp_accounting's over sigma, q and discretizations (the edge branch included), and
@@ -73,8 +73,8 @@ def _log_a_times_exp_b_plus_c(a: float, b: np.ndarray, c: float, skip: np.ndarra
 @functools.cache
 def _array_ufuncs_match_scalar_ones() -> bool:
     """Whether NumPy's float64 `exp` and `log1p` give an array the bits they give each of its
-    elements alone (dp_accounting calls them on scalars), on 4,096 arguments spanning the
-    ranges the inversion uses (10 ms, once per process). They do where both take the same
+    elements alone (dp_accounting calls them on scalars), on 2,048 arguments each spanning
+    the ranges the inversion uses (10 ms, once per process). They do where both take the same
     loop (C's libm on this project's machines); a NumPy build whose array loop is its own SIMD
     code and whose scalar path is libm could differ in the last bit, and there
     dp_accounting's path runs."""
