@@ -25,8 +25,9 @@ scalars, and `exp` / `log1p`, which dp_accounting calls on NumPy scalars, are th
 NumPy ufuncs here on arrays. NumPy builds whose array loop is their own SIMD code and whose
 scalar path is C's libm could differ in the last bit, so the vectorized path runs only where
 (1) `exp` and `log1p` give an array of 2,048 test arguments the bits they give each argument
-alone (checked once per process) and (2) each grid's vectorized inversion equals dp_accounting's scalar one
-at 65 points spread over it; elsewhere dp_accounting's own path builds the distribution.
+alone (checked once per process) and (2) each grid's vectorized inversion equals
+dp_accounting's scalar one at 65 points spread over it; elsewhere dp_accounting's own path
+builds the distribution.
 `tests/accounting/test_sampled_pld.py` compares every probability, lower loss and infinity
 mass with dp_accounting's over sigma, q and discretizations (the edge branch included), and
 the epsilons of composed events under each relation. So the accountant's guarantee is
