@@ -20,22 +20,17 @@ import time
 import _path  # noqa: F401 - first: keeps this folder off the import path
 import numpy as np
 
-from dpprobe.dp.canaries import _MAD, fit_subsampled_gaussian
+from dpprobe.dp.canaries import _em_start, fit_subsampled_gaussian
 
 CASES = [(169, 0.01, 1.0), (300, 0.02, 1.0), (300, 0.02, 0.5), (1000, 0.05, 2.0)]
 
 
 def _before(projections, included, *, iterations=200):
     """`fit_subsampled_gaussian` before: the posterior from the two densities' logs."""
-    z = np.asarray(projections, np.float64)
-    out = z[:, ~included]
-    noise = float(_MAD * np.median(np.abs(out - np.median(out))))
-    inside = z[:, included].ravel()
-    first = float(inside.mean())
-    second = float(np.mean(np.square(inside))) - noise**2
-    if first <= 0 or second <= 0:
+    noise, inside, start = _em_start(projections, included)
+    if start is None:
         return noise, 0.0, 0.0
-    signal, rate = second / first, min(1.0, first * first / second)
+    rate, signal = start
     for _ in range(iterations):
         log_in = math.log(max(rate, 1e-300)) - np.square(inside - signal) / (2 * noise**2)
         log_out = math.log1p(-min(rate, 1 - 1e-12)) - np.square(inside) / (2 * noise**2)

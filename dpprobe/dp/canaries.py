@@ -253,12 +253,11 @@ def _default_guess_count(plan: DpPlan, count: int, delta: float, significance: f
                        np.asarray(arrays))
 
 
-def fit_subsampled_gaussian(projections: np.ndarray, included: np.ndarray, *,
-                            iterations: int = 200) -> tuple[float, float, float]:
-    """(noise std s, sampling rate q, signal a), all in units of C, of the Poisson-subsampled
-    Gaussian that fits the projections: s from the out canaries (1.4826 times their median
-    absolute deviation: the few large real gradients on a coordinate do not inflate it),
-    (q, a) by EM on the in canaries' mixture (1 - q) N(0, s^2) + q N(a, s^2)."""
+def _em_start(projections: np.ndarray, included: np.ndarray
+             ) -> tuple[float, np.ndarray, tuple[float, float] | None]:
+    """(s, the in canaries' projections flattened, the moments' start (q, a) of the EM of
+    `fit_subsampled_gaussian`, None where the in canaries' first or excess second moment is
+    not positive: no signal to fit)."""
     z = np.asarray(projections, np.float64)
     included = np.asarray(included, bool)
     out = z[:, ~included]
@@ -267,8 +266,20 @@ def fit_subsampled_gaussian(projections: np.ndarray, included: np.ndarray, *,
     first = float(inside.mean())
     second = float(np.mean(np.square(inside))) - noise**2
     if first <= 0 or second <= 0:
+        return noise, inside, None
+    return noise, inside, (min(1.0, first * first / second), second / first)
+
+
+def fit_subsampled_gaussian(projections: np.ndarray, included: np.ndarray, *,
+                            iterations: int = 200) -> tuple[float, float, float]:
+    """(noise std s, sampling rate q, signal a), all in units of C, of the Poisson-subsampled
+    Gaussian that fits the projections: s from the out canaries (1.4826 times their median
+    absolute deviation: the few large real gradients on a coordinate do not inflate it),
+    (q, a) by EM on the in canaries' mixture (1 - q) N(0, s^2) + q N(a, s^2)."""
+    noise, inside, start = _em_start(projections, included)
+    if start is None:
         return noise, 0.0, 0.0
-    signal, rate = second / first, min(1.0, first * first / second)
+    rate, signal = start
     weight = np.empty_like(inside)
     for _ in range(iterations):
         # The posterior of "sampled", q N(x; a, s^2) / (its sum with (1 - q) N(x; 0, s^2)),
