@@ -123,8 +123,9 @@ def make_accountant(accountant: Accountant = "pld", *,
     """A fresh `dp_accounting` accountant for zero-out neighbours (`REPLACE_SPECIAL`); a PLD
     one at dp_accounting's default value discretization unless `pld_discretization` is given
     (only the calibration's coarse search does: reported epsilons use the default). The PLD
-    one is dp_accounting's `PLDAccountant`, its Poisson-subsampled Gaussians built bit for
-    bit as it builds them, in one vectorized pass (`accounting.sampled_pld`)."""
+    one is dp_accounting's `PLDAccountant`, its Poisson-subsampled Gaussians built as it
+    builds them, in one vectorized pass, bit for bit where that module's checks hold (else
+    by dp_accounting's own path: `accounting.sampled_pld`)."""
     import dp_accounting as dpa
 
     from dpprobe.accounting.sampled_pld import SampledGaussianPLDAccountant

@@ -163,7 +163,8 @@ def sampled_gaussian_pld(noise_multiplier: float, sampling_probability: float,
                          ) -> privacy_loss_distribution.PrivacyLossDistribution:
     """The PLD `PLD.from_gaussian_mechanism(noise_multiplier, sampling_prob=q,
     value_discretization_interval=...)` builds for add/remove and zero-out neighbours
-    (sensitivity 1, pessimistic, connect the dots), bit for bit, faster (module docstring).
+    (sensitivity 1, pessimistic, connect the dots), bit for bit, faster where the module's
+    checks hold, else by dp_accounting's own path (module docstring).
 
     Args:
       noise_multiplier: the Gaussian's std over the sensitivity (> 0).
