@@ -5,6 +5,8 @@ On 50k x 768 features, 10 classes, stored in Zarr (float16):
   1. 8 epsilons x 5 seeds, single-step DP-Adam: wall time from `dpprobe probe` start to
      results.json (cold and warm caches), and the same sweep in process: `pipelines.run_probe`
      (store to results, as the CLI) and `probe.train_probe` (features in memory, training only);
+     and a new process that only imports JAX and optax: with `train_probe`'s time, the least
+     any sweep run as a new process can take here, so the ratio to Opacus it cannot pass;
   2. the same 40 runs with Opacus, a private nn.Linear, full batch (Poisson sampling, q = 1),
      in both of its modes: per-sample gradients (grad_sample_mode="hooks") and ghost clipping
      ("ghost": a linear layer's per-example norms in closed form, two backward passes);
@@ -110,6 +112,19 @@ def time_cli(store: Path, out: Path, cache: Path, *, epsilons=EPSILONS, seeds=SE
 
 
 CLI_CPU: list[float] = []  # CPU seconds of each `time_cli` child, in call order
+
+
+def import_floor(cache: Path, repeats: int) -> float:
+    """Median seconds of a fresh process that only imports JAX and optax (the CLI's
+    environment): with the training alone (`train_probe` in memory) added, the least any sweep
+    run as a new process can take here, whatever the rest of the CLI does."""
+    env = cli_env(cache)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import jax, optax"], check=True, env=env)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def run_probe_in_process(store: Path, optimizer: str, steps: int, lr: float, epsilons, seeds,
@@ -347,6 +362,8 @@ def main():
     sweep_train, acc["dpprobe train_probe"] = train_probe_in_memory(data, sigmas, "adam", 1,
                                                                     1e-3, args.repeats)
     rows.append(("", "dpprobe probe.train_probe (in memory)", sweep_train))
+    floor = import_floor(cache, args.repeats)
+    rows.append(("", "a process importing JAX and optax only", floor))
 
     # 2. The same 40 runs with Opacus.
     opacus_sweep = {}
@@ -382,7 +399,9 @@ def main():
     print("\nratios (same run)")
     for mode, seconds in opacus_sweep.items():
         parts = [f"CLI warm {seconds / warm:.1f}x", f"CLI cold {seconds / cold:.1f}x",
-                 f"train_probe {seconds / sweep_train:.1f}x"]
+                 f"train_probe {seconds / sweep_train:.1f}x",
+                 f"at most {seconds / (floor + sweep_train):.1f}x for any new process "
+                 "(its JAX and optax imports and the training alone)"]
         if sweep_api is not None:
             parts.insert(1, f"run_probe {seconds / sweep_api:.1f}x")
         print(f"  (2)/(1) Opacus {mode:5s} / dpprobe: " + ", ".join(parts))
